@@ -1,0 +1,235 @@
+"""Sources of rows: a written :class:`Collection`, described by its manifest.
+
+A *source* is anything the reader can pull row ranges from: an ordered list of
+"shards" (each a group of AnnData elements with ``n_obs`` rows) plus a schema
+(``fields``). :class:`Collection` is the on-disk kind written by
+:func:`~annbatch_torch.create_anndata_collection`; :mod:`annbatch_torch.inplace` builds
+the same interface over AnnData files read in place.
+
+Handles are opened lazily and per process: a source pickles without any open handle
+and reopens in whichever process reads it (safe under ``fork`` and ``spawn``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .elements import Element, open_element
+from .errors import CollectionError, SchemaError
+from .manifest import FieldInfo, Manifest, ShardInfo, read_manifest
+
+__all__ = ["Source", "Collection", "open_collection", "field_node"]
+
+
+def field_node(group: Any, field: str, where: str) -> Any:
+    """Return the h5py/zarr node of field string ``field`` inside an AnnData ``group``."""
+    if field == "X":
+        parts = ["X"]
+    else:
+        kind, _, key = field.partition("/")
+        parts = [kind, key]
+    node = group
+    for p in parts:
+        try:
+            node = node[p]
+        except KeyError:
+            raise CollectionError(
+                f"{where}: field {field!r} is missing (no {'/'.join(parts)!r} in the store); "
+                "the store is damaged or incomplete, rewrite it."
+            ) from None
+    return node
+
+
+class Source:
+    """Common interface of row sources (collections and in-place AnnData lists)."""
+
+    #: field string -> schema
+    fields: dict[str, FieldInfo]
+    #: per-shard row counts
+    shard_sizes: list[int]
+    var_names: pd.Index
+
+    def __init__(self) -> None:
+        self._pid: int | None = None
+        self._handles: dict[int, Any] = {}
+        self._elements: dict[tuple[int, str], Element] = {}
+
+    # -- pickling: drop handles, reopen lazily ------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pid"] = None
+        state["_handles"] = {}
+        state["_elements"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _check_pid(self) -> None:
+        pid = os.getpid()
+        if self._pid != pid:  # first use in this process (or forked child): fresh handles
+            self._handles = {}
+            self._elements = {}
+            self._pid = pid
+
+    def close(self) -> None:
+        """Close every handle this process opened (they reopen on the next read)."""
+        for h in self._handles.values():
+            close = getattr(h, "close", None)
+            if close is not None and self._pid == os.getpid():
+                try:
+                    close()
+                except Exception:  # pragma: no cover - best effort
+                    pass
+        self._handles = {}
+        self._elements = {}
+
+    @property
+    def has_open_handles(self) -> bool:
+        """Whether this object currently holds open file handles."""
+        return bool(self._handles)
+
+    # -- geometry ------------------------------------------------------------------
+    @property
+    def n_obs(self) -> int:
+        return int(sum(self.shard_sizes))
+
+    @property
+    def n_vars(self) -> int:
+        return len(self.var_names)
+
+    @property
+    def shard_offsets(self) -> np.ndarray:
+        """Global row where each shard starts, plus the total at the end."""
+        return np.concatenate([[0], np.cumsum(self.shard_sizes, dtype=np.int64)])
+
+    def categories(self, column: str) -> list[Any]:
+        """Global categories of categorical obs ``column`` (codes index into them)."""
+        key = column if column.startswith("obs/") else f"obs/{column}"
+        info = self.fields.get(key)
+        if info is None or info.kind != "categorical":
+            cats = [k[4:] for k, v in self.fields.items() if v.kind == "categorical"]
+            raise SchemaError(
+                f"{self.describe()}: {column!r} is not a categorical obs column; categorical "
+                f"columns are {cats}."
+            )
+        return list(info.categories or ())
+
+    # -- reading -------------------------------------------------------------------
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def shard_name(self, shard: int) -> str:
+        raise NotImplementedError
+
+    def _open_shard(self, shard: int) -> Any:
+        raise NotImplementedError
+
+    def code_map(self, shard: int, field: str) -> np.ndarray | None:
+        """Local->global category code table of a categorical field, or None if identity."""
+        return None
+
+    def element(self, shard: int, field: str) -> Element:
+        """The :class:`Element` of ``field`` in ``shard`` (opened lazily, cached)."""
+        self._check_pid()
+        key = (shard, field)
+        el = self._elements.get(key)
+        if el is None:
+            group = self._handles.get(shard)
+            if group is None:
+                group = self._open_shard(shard)
+                self._handles[shard] = group
+            el = open_element(field_node(group, field, self.shard_name(shard)), field,
+                              self.shard_name(shard))
+            if el.n_rows != self.shard_sizes[shard]:
+                raise CollectionError(
+                    f"{self.shard_name(shard)}: field {field!r} has {el.n_rows} rows but the "
+                    f"manifest says {self.shard_sizes[shard]}; the store is damaged, rewrite it."
+                )
+            self._elements[key] = el
+        return el
+
+
+class Collection(Source):
+    """A finished collection on disk (see :mod:`annbatch_torch.manifest`).
+
+    Use :func:`open_collection` to get one.
+
+    Attributes
+    ----------
+    path
+        The collection folder.
+    manifest
+        The parsed ``manifest.json``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.manifest = manifest if manifest is not None else read_manifest(self.path)
+        self.fields = dict(self.manifest.fields)
+        self.shard_sizes = [s.n_obs for s in self.manifest.shards]
+        self.var_names = pd.Index(self.manifest.var_names, name="var_names")
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        """Shard folders (relative to :attr:`path`) and their row counts."""
+        return list(self.manifest.shards)
+
+    def shard_path(self, shard: int) -> Path:
+        return self.path / self.manifest.shards[shard].path
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def shard_name(self, shard: int) -> str:
+        return str(self.shard_path(shard))
+
+    def _open_shard(self, shard: int) -> Any:
+        import zarr
+
+        p = self.shard_path(shard)
+        try:
+            return zarr.open_group(str(p), mode="r")
+        except Exception as e:
+            raise CollectionError(
+                f"{p}: cannot open shard {shard} ({type(e).__name__}: {e}); the collection is "
+                "damaged, rewrite it with create_anndata_collection(..., overwrite=True)."
+            ) from e
+
+    def __repr__(self) -> str:
+        fields = ", ".join(self.fields)
+        return (
+            f"Collection({str(self.path)!r}, n_obs={self.n_obs}, n_vars={self.n_vars}, "
+            f"shards={len(self.shard_sizes)}, fields=[{fields}])"
+        )
+
+
+def open_collection(path: str | os.PathLike[str]) -> Collection:
+    """Open a finished collection written by :func:`create_anndata_collection`.
+
+    Parameters
+    ----------
+    path
+        The collection folder (the one holding ``manifest.json``).
+
+    Raises
+    ------
+    CollectionError
+        If ``path`` is not a finished collection, its manifest is damaged or newer than
+        this version, or a shard folder is missing.
+    """
+    coll = Collection(path)
+    for i, s in enumerate(coll.manifest.shards):
+        if not coll.shard_path(i).is_dir():
+            raise CollectionError(
+                f"{coll.path}: shard {s.path!r} listed in the manifest is missing; the "
+                "collection is incomplete, rewrite it with create_anndata_collection(..., "
+                "overwrite=True)."
+            )
+    return coll

@@ -1,0 +1,287 @@
+"""Row-range access to AnnData elements, whatever holds them.
+
+One small interface over the three places AnnData elements live: an h5py group (h5ad),
+a zarr group (AnnData zarr store, also our shards) and in-memory objects (numpy arrays,
+scipy sparse matrices, pandas columns). Everything reads *row ranges* ``[start, stop)``;
+nothing here ever loads a whole on-disk matrix except a CSC matrix, which cannot be
+sliced by rows (see :class:`CSCElement`).
+
+The writer uses it to stream inputs block by block; the dataset uses it to read pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from .errors import InputError
+
+__all__ = [
+    "CSRElement",
+    "CSCElement",
+    "DenseElement",
+    "CategoricalElement",
+    "StringElement",
+    "Element",
+    "open_element",
+    "element_from_memory",
+    "encoding_type",
+    "read_index",
+    "DEFAULT_CSC_LIMIT",
+]
+
+DEFAULT_CSC_LIMIT = 2 << 30  # bytes; a CSC matrix bigger than this on disk is refused
+
+
+def encoding_type(node: Any) -> str | None:
+    """The AnnData ``encoding-type`` attribute of an h5py/zarr node, or ``None``."""
+    attrs = getattr(node, "attrs", None)
+    if attrs is None:
+        return None
+    enc = attrs.get("encoding-type")
+    if isinstance(enc, bytes):
+        enc = enc.decode()
+    return enc
+
+
+def _is_group(node: Any) -> bool:
+    return hasattr(node, "keys") and not hasattr(node, "dtype")
+
+
+def _decode_strings(values: np.ndarray) -> np.ndarray:
+    if values.dtype.kind in ("S", "O"):
+        out = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in values], object)
+        return out
+    if values.dtype.kind == "U" or values.dtype.kind == "T":
+        return values.astype(object)
+    return values
+
+
+class Element:
+    """Base class: something with ``n_rows`` whose row ranges can be read."""
+
+    n_rows: int
+    kind: str
+    dtype: np.dtype
+    name: str
+
+    def read(self, start: int, stop: int) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class CSRElement(Element):
+    """A CSR matrix: ``data``, ``indices`` and ``indptr`` arrays supporting slicing.
+
+    ``indptr`` is read once into memory (``n_rows + 1`` integers); row ranges then map
+    to one contiguous slice of ``data`` and of ``indices``.
+    """
+
+    data: Any
+    indices: Any
+    indptr: np.ndarray
+    shape: tuple[int, int]
+    name: str = "X"
+    kind: str = "csr"
+
+    def __post_init__(self) -> None:
+        self.indptr = np.asarray(self.indptr[...], dtype=np.int64)
+        self.n_rows = int(self.shape[0])
+        self.dtype = np.dtype(self.data.dtype)
+        if self.indptr.shape[0] != self.n_rows + 1:
+            raise InputError(
+                f"{self.name}: indptr has {self.indptr.shape[0]} entries but shape says "
+                f"{self.n_rows} rows; the sparse matrix is damaged, rewrite it."
+            )
+
+    @property
+    def n_cols(self) -> int:
+        return int(self.shape[1])
+
+    def nnz_range(self, start: int, stop: int) -> tuple[int, int]:
+        return int(self.indptr[start]), int(self.indptr[stop])
+
+    def read_raw(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``[start, stop)`` as ``(data, indices, row_lengths)``."""
+        lo, hi = self.nnz_range(start, stop)
+        data = np.asarray(self.data[lo:hi])
+        indices = np.asarray(self.indices[lo:hi])
+        lengths = np.diff(self.indptr[start : stop + 1])
+        return data, indices, lengths
+
+    def read(self, start: int, stop: int) -> sp.csr_matrix:
+        data, indices, lengths = self.read_raw(start, stop)
+        indptr = np.zeros(stop - start + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        return sp.csr_matrix((data, indices, indptr), shape=(stop - start, self.n_cols))
+
+
+class CSCElement(Element):
+    """A CSC matrix on disk. Rows of CSC cannot be read without reading everything, so
+    the whole matrix is loaded once (and converted to CSR) if it is below ``limit``
+    bytes, and refused otherwise with the fix spelled out."""
+
+    kind = "csr"
+
+    def __init__(self, group: Any, name: str, source: str, limit: int = DEFAULT_CSC_LIMIT):
+        shape = tuple(int(s) for s in group.attrs["shape"])
+        nbytes = int(np.prod(group["data"].shape)) * (
+            group["data"].dtype.itemsize + group["indices"].dtype.itemsize
+        )
+        if nbytes > limit:
+            raise InputError(
+                f"{source}: field {name!r} is stored as CSC ({nbytes / 2**30:.1f} GiB), which "
+                "cannot be read by rows out of core. Convert it to CSR first, e.g. "
+                "`adata.X = adata.X.tocsr(); adata.write_h5ad(...)`."
+            )
+        csc = sp.csc_matrix(
+            (group["data"][...], group["indices"][...], group["indptr"][...]), shape=shape
+        )
+        self._csr = csc.tocsr()
+        self.n_rows = shape[0]
+        self.shape = shape
+        self.dtype = self._csr.dtype
+        self.name = name
+
+    @property
+    def n_cols(self) -> int:
+        return int(self.shape[1])
+
+    def read(self, start: int, stop: int) -> sp.csr_matrix:
+        return self._csr[start:stop]
+
+    def as_csr_element(self) -> CSRElement:
+        c = self._csr
+        return CSRElement(c.data, c.indices, c.indptr, self.shape, name=self.name)
+
+
+@dataclass
+class DenseElement(Element):
+    """A dense 1-D or 2-D array (numeric or bool) read by row slices."""
+
+    array: Any
+    name: str = "X"
+    kind: str = "dense"
+
+    def __post_init__(self) -> None:
+        self.n_rows = int(self.array.shape[0])
+        self.dtype = np.dtype(self.array.dtype)
+        self.shape = tuple(int(s) for s in self.array.shape)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.array[start:stop])
+
+
+@dataclass
+class CategoricalElement(Element):
+    """A categorical obs column: integer ``codes`` plus its ``categories``."""
+
+    codes: Any
+    categories: list[Any]
+    ordered: bool = False
+    name: str = "obs"
+    kind: str = "categorical"
+
+    def __post_init__(self) -> None:
+        self.n_rows = int(self.codes.shape[0])
+        self.dtype = np.dtype(self.codes.dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.codes[start:stop])
+
+
+@dataclass
+class StringElement(Element):
+    """A column of strings (e.g. obs_names or a non-categorical string column)."""
+
+    array: Any
+    name: str = "obs"
+    kind: str = "strings"
+
+    def __post_init__(self) -> None:
+        self.n_rows = int(self.array.shape[0])
+        self.dtype = np.dtype(object)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return _decode_strings(np.asarray(self.array[start:stop]))
+
+
+def _nullable(node: Any, name: str) -> DenseElement:
+    values = np.asarray(node["values"][...])
+    mask = np.asarray(node["mask"][...], dtype=bool)
+    if mask.any():
+        values = values.astype(np.float64)
+        values[mask] = np.nan
+    return DenseElement(values, name=name)
+
+
+def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
+    """Wrap an h5py/zarr node (array or encoded group) as an :class:`Element`.
+
+    Parameters
+    ----------
+    node
+        The h5py/zarr array or group holding the element.
+    name
+        The field string (``"X"``, ``"obs/cell_type"``...) used in messages.
+    source
+        The file the node lives in, used in messages.
+    """
+    enc = encoding_type(node)
+    if _is_group(node):
+        if enc == "csr_matrix":
+            shape = tuple(int(s) for s in node.attrs["shape"])
+            return CSRElement(node["data"], node["indices"], node["indptr"], shape, name=name)
+        if enc == "csc_matrix":
+            return CSCElement(node, name, source)
+        if enc == "categorical":
+            cats = _decode_strings(np.asarray(node["categories"][...])).tolist()
+            return CategoricalElement(
+                node["codes"], cats, bool(node.attrs.get("ordered", False)), name=name
+            )
+        if enc in ("nullable-integer", "nullable-boolean"):
+            return _nullable(node, name)
+        raise InputError(
+            f"{source}: field {name!r} has encoding {enc!r}, which annbatch_torch cannot read "
+            "by rows; store it as a CSR matrix, a dense array or a categorical."
+        )
+    dtype = np.dtype(node.dtype)
+    if enc == "string-array" or dtype.kind in ("S", "U", "O", "T"):
+        return StringElement(node, name=name)
+    return DenseElement(node, name=name)
+
+
+def element_from_memory(value: Any, name: str) -> Element:
+    """Wrap an in-memory value (numpy, scipy sparse, pandas Series) as an Element."""
+    if sp.issparse(value):
+        if value.format != "csr":
+            value = value.tocsr()
+        return CSRElement(value.data, value.indices, value.indptr, value.shape, name=name)
+    if isinstance(value, pd.Series | pd.Index):
+        if isinstance(value.dtype, pd.CategoricalDtype):
+            cat = value.array if isinstance(value, pd.Series) else value.values
+            return CategoricalElement(
+                np.asarray(cat.codes), list(cat.categories), bool(cat.ordered), name=name
+            )
+        if pd.api.types.is_bool_dtype(value.dtype) or pd.api.types.is_numeric_dtype(value.dtype):
+            arr = value.to_numpy(dtype=np.float64 if value.hasnans else None)
+            return DenseElement(np.asarray(arr), name=name)
+        return StringElement(np.asarray(value.astype(str), dtype=object), name=name)
+    if isinstance(value, pd.DataFrame):
+        return DenseElement(value.to_numpy(), name=name)
+    arr = np.asarray(value)
+    if arr.dtype.kind in ("S", "U", "O", "T"):
+        return StringElement(arr, name=name)
+    return DenseElement(arr, name=name)
+
+
+def read_index(group: Any) -> np.ndarray:
+    """Read the index (obs_names / var_names) of an AnnData dataframe group as strings."""
+    index_key = group.attrs.get("_index", "_index")
+    if isinstance(index_key, bytes):
+        index_key = index_key.decode()
+    return _decode_strings(np.asarray(group[index_key][...]))

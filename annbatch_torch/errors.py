@@ -1,0 +1,32 @@
+"""Exceptions raised by annbatch_torch.
+
+Every message names the file, the field or the argument at fault and says what to do.
+All of them subclass :class:`ValueError` so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = ["AnnBatchError", "CollectionError", "InputError", "SchemaError", "ReadError"]
+
+
+class AnnBatchError(ValueError):
+    """Base class of every error raised by annbatch_torch."""
+
+
+class CollectionError(AnnBatchError):
+    """A path is not a finished, valid collection (missing/damaged manifest or shards)."""
+
+
+class InputError(AnnBatchError):
+    """An input AnnData (file or object) cannot be used as given."""
+
+
+class SchemaError(AnnBatchError, KeyError):
+    """A selector names a field the source does not have."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ReadError(AnnBatchError):
+    """Reading a row range from a shard failed (damaged chunk, vanished file)."""

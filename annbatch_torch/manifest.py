@@ -1,0 +1,291 @@
+"""The collection's ``manifest.json``: schema, validation and (de)serialisation.
+
+The manifest is plain JSON (never pickle). It is written last, after every shard is
+complete, so a folder without a valid manifest is never mistaken for a collection.
+
+Layout (format version 1)::
+
+    {
+      "format": "annbatch_torch.collection",
+      "format_version": 1,
+      "created_by": "annbatch_torch 0.1.0",
+      "n_obs": 100000, "n_vars": 20000,
+      "var_names_file": "var_names.json",      # JSON list of strings beside the manifest
+      "var_names_sha256": "…",
+      "shards": [{"path": "shard_00000.zarr", "n_obs": 65536}, …],
+      "fields": {
+        "X":             {"kind": "csr",         "dtype": "float32", "shape": [null, 20000]},
+        "layers/counts": {"kind": "csr",         "dtype": "float32", "shape": [null, 20000]},
+        "obsm/X_pca":    {"kind": "dense",       "dtype": "float32", "shape": [null, 50]},
+        "obs/cell_type": {"kind": "categorical", "dtype": "int16",   "shape": [null],
+                          "categories": ["B", "T", …], "ordered": false},
+        "obs/n_counts":  {"kind": "numeric",     "dtype": "float32", "shape": [null]},
+        "obs/is_doublet":{"kind": "bool",        "dtype": "bool",    "shape": [null]}
+      },
+      "shuffle": true, "seed": 0, "var_join": "inner",
+      "inputs": [{"path": "/abs/a.h5ad", "size": 123, "mtime": 1.7e9, "n_obs": 50000}, …]
+    }
+
+Each shard is an AnnData zarr store; field ``"obs/c"`` of kind categorical lives at
+``obs/c/codes`` and its codes index the manifest's global ``categories``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CollectionError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "VAR_NAMES_NAME",
+    "FieldInfo",
+    "ShardInfo",
+    "Manifest",
+    "read_manifest",
+    "write_manifest",
+    "var_names_digest",
+]
+
+FORMAT = "annbatch_torch.collection"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+VAR_NAMES_NAME = "var_names.json"
+FIELD_KINDS = ("csr", "dense", "categorical", "numeric", "bool")
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """Schema of one stored field.
+
+    Attributes
+    ----------
+    kind
+        ``"csr"`` (sparse matrix), ``"dense"`` (2-D array), ``"categorical"``,
+        ``"numeric"`` or ``"bool"`` (1-D obs columns).
+    dtype
+        numpy dtype name of the stored values (codes for categoricals).
+    shape
+        ``[None, n_cols]`` for matrices, ``[None]`` for obs columns.
+    categories
+        Global categories of a categorical column (codes index into them).
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int | None, ...]
+    categories: tuple[Any, ...] | None = None
+    ordered: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.kind == "categorical":
+            out["categories"] = list(self.categories or ())
+            out["ordered"] = self.ordered
+        return out
+
+    @classmethod
+    def from_json(cls, name: str, obj: Any, where: str) -> FieldInfo:
+        if not isinstance(obj, dict) or obj.get("kind") not in FIELD_KINDS:
+            raise CollectionError(
+                f"{where}: field {name!r} has no valid 'kind' (one of {list(FIELD_KINDS)}); "
+                "the manifest is damaged, rewrite the collection."
+            )
+        cats = obj.get("categories")
+        return cls(
+            kind=obj["kind"],
+            dtype=str(obj.get("dtype", "float32")),
+            shape=tuple(obj.get("shape", [None])),
+            categories=tuple(cats) if cats is not None else None,
+            ordered=bool(obj.get("ordered", False)),
+        )
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard: its folder name relative to the collection root and its row count."""
+
+    path: str
+    n_obs: int
+
+
+@dataclass
+class Manifest:
+    """In-memory form of ``manifest.json``."""
+
+    n_obs: int
+    n_vars: int
+    shards: list[ShardInfo]
+    fields: dict[str, FieldInfo]
+    var_names: list[str]
+    seed: int | None = 0
+    shuffle: bool = True
+    var_join: str = "inner"
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    format_version: int = FORMAT_VERSION
+    created_by: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "created_by": self.created_by,
+            "n_obs": self.n_obs,
+            "n_vars": self.n_vars,
+            "var_names_file": VAR_NAMES_NAME,
+            "var_names_sha256": var_names_digest(self.var_names),
+            "shards": [{"path": s.path, "n_obs": s.n_obs} for s in self.shards],
+            "fields": {k: v.to_json() for k, v in self.fields.items()},
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "var_join": self.var_join,
+            "inputs": self.inputs,
+            **({"extra": self.extra} if self.extra else {}),
+        }
+
+
+def var_names_digest(var_names: list[str]) -> str:
+    """SHA-256 of the var names joined by NUL: identifies a gene order."""
+    h = hashlib.sha256()
+    for v in var_names:
+        h.update(v.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _safe_child(root: Path, rel: Any, what: str, where: str) -> Path:
+    """Resolve ``rel`` under ``root`` and refuse anything that escapes it."""
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\\" in rel:
+        raise CollectionError(
+            f"{where}: {what} path {rel!r} must be a relative name inside the collection; "
+            "the manifest is damaged or hostile, rewrite the collection."
+        )
+    resolved = (root / rel).resolve()
+    if resolved.parent != root.resolve() and root.resolve() not in resolved.parents:
+        raise CollectionError(
+            f"{where}: {what} path {rel!r} points outside the collection root {root}; refusing "
+            "to read it. Rewrite the collection with annbatch_torch.create_anndata_collection."
+        )
+    if ".." in Path(rel).parts:
+        raise CollectionError(
+            f"{where}: {what} path {rel!r} contains '..'; refusing to read outside the store."
+        )
+    return resolved
+
+
+def write_manifest(root: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Write ``var_names.json`` then ``manifest.json`` (last) into ``root``, atomically."""
+    root = Path(root)
+    for name, obj in ((VAR_NAMES_NAME, manifest.var_names), (MANIFEST_NAME, manifest.to_json())):
+        tmp = root / (name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1 if name == MANIFEST_NAME else None)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / name)
+
+
+def read_manifest(root: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``root/manifest.json``.
+
+    Raises
+    ------
+    CollectionError
+        If ``root`` is not a finished collection, the manifest is damaged, comes from a
+        newer format version, or names shards outside the root.
+    """
+    root = Path(root)
+    mpath = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise CollectionError(
+            f"{root}: no such collection folder. Create one with "
+            "annbatch_torch.create_anndata_collection(inputs, output_path)."
+        )
+    if not mpath.is_file():
+        raise CollectionError(
+            f"{root}: not a finished annbatch_torch collection ({MANIFEST_NAME} is missing; a "
+            "write may have been interrupted). Rewrite it with "
+            "create_anndata_collection(..., overwrite=True)."
+        )
+    try:
+        with open(mpath) as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CollectionError(
+            f"{mpath}: cannot parse the manifest ({e}); rewrite the collection."
+        ) from e
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CollectionError(
+            f"{mpath}: 'format' is not {FORMAT!r}; this folder is not an annbatch_torch "
+            "collection."
+        )
+    version = obj.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise CollectionError(f"{mpath}: 'format_version' {version!r} is invalid.")
+    if version > FORMAT_VERSION:
+        raise CollectionError(
+            f"{mpath}: 'format_version' is {version}, newer than this annbatch_torch supports "
+            f"({FORMAT_VERSION}); upgrade annbatch_torch (pip install -U annbatch-torch)."
+        )
+    try:
+        shards = [ShardInfo(str(s["path"]), int(s["n_obs"])) for s in obj["shards"]]
+        n_obs, n_vars = int(obj["n_obs"]), int(obj["n_vars"])
+        raw_fields = obj["fields"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CollectionError(
+            f"{mpath}: missing or malformed entry {e}; the manifest is damaged, rewrite the "
+            "collection."
+        ) from e
+    for s in shards:
+        _safe_child(root, s.path, "shard", str(mpath))
+        if s.n_obs < 0:
+            raise CollectionError(f"{mpath}: shard {s.path!r} has a negative 'n_obs'.")
+    if sum(s.n_obs for s in shards) != n_obs:
+        raise CollectionError(
+            f"{mpath}: shard row counts add up to {sum(s.n_obs for s in shards)} but 'n_obs' "
+            f"is {n_obs}; the manifest is damaged, rewrite the collection."
+        )
+    fields = {k: FieldInfo.from_json(k, v, str(mpath)) for k, v in raw_fields.items()}
+    vfile = _safe_child(root, obj.get("var_names_file", VAR_NAMES_NAME), "var names", str(mpath))
+    try:
+        with open(vfile) as f:
+            var_names = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CollectionError(f"{vfile}: cannot read the var names ({e}).") from e
+    if not isinstance(var_names, list) or len(var_names) != n_vars:
+        raise CollectionError(
+            f"{vfile}: expected a JSON list of {n_vars} var names; rewrite the collection."
+        )
+    digest = obj.get("var_names_sha256")
+    if digest is not None and digest != var_names_digest(var_names):
+        raise CollectionError(
+            f"{vfile}: var names do not match the manifest's digest; rewrite the collection."
+        )
+    known = {
+        "format", "format_version", "created_by", "n_obs", "n_vars", "var_names_file",
+        "var_names_sha256", "shards", "fields", "shuffle", "seed", "var_join", "inputs", "extra",
+    }
+    extra = dict(obj.get("extra", {}))
+    extra.update({k: v for k, v in obj.items() if k not in known})
+    return Manifest(
+        n_obs=n_obs,
+        n_vars=n_vars,
+        shards=shards,
+        fields=fields,
+        var_names=[str(v) for v in var_names],
+        seed=obj.get("seed"),
+        shuffle=bool(obj.get("shuffle", True)),
+        var_join=str(obj.get("var_join", "inner")),
+        inputs=list(obj.get("inputs", [])),
+        format_version=version,
+        created_by=str(obj.get("created_by", "")),
+        extra=extra,
+    )
