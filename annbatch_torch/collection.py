@@ -12,6 +12,7 @@ and reopens in whichever process reads it (safe under ``fork`` and ``spawn``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,8 @@ class Source:
         for h in self._handles.values():
             close = getattr(h, "close", None)
             if close is not None and self._pid == os.getpid():
-                try:
+                with contextlib.suppress(Exception):  # best effort
                     close()
-                except Exception:  # pragma: no cover - best effort
-                    pass
         self._handles = {}
         self._elements = {}
 

@@ -1,0 +1,64 @@
+"""annbatch_torch: a PyTorch-native, chunk-shuffled data loader for AnnData.
+
+Quick tour::
+
+    import annbatch_torch as abt
+    from annbatch_torch import A
+
+    coll = abt.create_anndata_collection(["a.h5ad", "b.h5ad"], "store/")
+    ds = abt.AnnBatchDataset(coll, selector={"x": A.X, "y": A.obs["cell_type"]},
+                             batch_size=4096, densify=True)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .collection import Collection, Source, open_collection
+from .convert import batch_dict_converter, to_device
+from .dataset import AnnBatchDataset
+from .errors import AnnBatchError, CollectionError, InputError, ReadError, SchemaError
+from .fields import A, Field
+
+if TYPE_CHECKING:
+    from .lightning import AnnBatchDataModule
+    from .writer import create_anndata_collection
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "A",
+    "AnnBatchDataModule",
+    "AnnBatchDataset",
+    "AnnBatchError",
+    "Collection",
+    "CollectionError",
+    "Field",
+    "InputError",
+    "ReadError",
+    "SchemaError",
+    "Source",
+    "batch_dict_converter",
+    "create_anndata_collection",
+    "datasets",
+    "open_collection",
+    "to_device",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: the writer pulls in anndata's writer stack, the DataModule needs `lightning`
+    if name == "create_anndata_collection":
+        from .writer import create_anndata_collection
+
+        return create_anndata_collection
+    if name == "AnnBatchDataModule":
+        from .lightning import AnnBatchDataModule
+
+        return AnnBatchDataModule
+    if name == "datasets":
+        from . import datasets
+
+        return datasets
+    raise AttributeError(f"module 'annbatch_torch' has no attribute {name!r}")

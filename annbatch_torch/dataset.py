@@ -1,0 +1,317 @@
+"""`AnnBatchDataset`: a chunk-shuffled, rank- and worker-sharded ``IterableDataset``.
+
+Per epoch, each DataLoader worker computes its share of the epoch plan
+(:mod:`annbatch_torch.sampling`, pure functions), reads one pool at a time with
+:class:`~annbatch_torch.reader.PoolReader` (the next pool is read in the background
+while the current one is consumed), shuffles rows inside the pool, gathers one batch at a
+time, applies per-field transforms and the ``batch_converter`` and yields the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import sampling
+from .collection import Source
+from .convert import batch_dict_converter
+from .errors import SchemaError
+from .fields import Field, normalize_selector
+from .reader import PoolReader
+from .sources import as_source
+
+__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
+
+logger = logging.getLogger(__name__)
+
+#: Rows per contiguous read. 512 rows of ~2k non-zeros are ~8 MB of CSR: big enough for
+#: sequential-speed reads, small enough that a pool mixes many distant chunks.
+DEFAULT_CHUNK_SIZE = 512
+#: Chunks per pool: 32 x 512 = 16,384 rows shuffled together (~250 MB of CSR at 20k genes
+#: and ~1.8k non-zeros per cell; two pools are alive with background prefetch).
+DEFAULT_PRELOAD_NCHUNKS = 32
+
+
+def _dist_rank_world() -> tuple[int, int] | None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+    return int(value)
+
+
+class AnnBatchDataset(IterableDataset):
+    """Minibatches of AnnData rows, read chunk-wise and shuffled within pools.
+
+    Use it with ``torch.utils.data.DataLoader(ds, batch_size=None, num_workers=N)``: the
+    dataset yields whole batches.
+
+    Parameters
+    ----------
+    source
+        A :class:`~annbatch_torch.Collection`, a collection folder, or AnnData inputs read
+        in place: a ``.h5ad`` / AnnData-zarr path, an ``AnnData`` or a list of those.
+    selector
+        ``{output key: field}`` with fields such as ``A.X``, ``A.layers["counts"]``,
+        ``A.obsm["X_pca"]``, ``A.obs["cell_type"]`` or field strings (``"obsm/X_pca"``).
+        Default ``{"X": A.X}``.
+    batch_size
+        Rows per batch (any value >= 1).
+    chunk_size
+        Consecutive rows per read (default 512).
+    preload_nchunks
+        Chunks per pool; rows are shuffled within a pool (default 32, i.e. 16,384 rows).
+        The pool is rounded down to a multiple of ``batch_size`` (at least one batch).
+    shuffle
+        Shuffle chunk order and rows within pools. ``False`` reads rows in order.
+    seed
+        Base seed; the order of an epoch is a function of ``(seed, epoch)`` only.
+    drop_last
+        Drop the one partial batch of the epoch.
+    even_batches
+        How ranks get equal batch counts (DDP hangs otherwise): ``"drop"`` truncates the
+        longer ranks (drops less than one pool per rank), ``"pad"`` appends padding
+        batches whose rows are flagged ``False`` under ``mask_key``.
+    densify
+        Yield sparse fields as dense float32 (densified by scipy in the worker) instead of
+        ``torch.sparse_csr_tensor``.
+    return_index
+        Add an ``"index"`` key with the global row ids (positions in the source).
+    batch_converter
+        Callable run in the worker on ``{key: numpy/scipy value}``; its result is yielded.
+        Default :func:`~annbatch_torch.batch_dict_converter`. Must be picklable for
+        ``spawn`` workers (no lambdas).
+    rank, world_size
+        Override the distributed rank / world size (default: from ``torch.distributed``
+        when a process group is initialised, else 0 / 1).
+    chunk_ids
+        Restrict the plan to these chunk indices (used for train/validation splits).
+    mask_key
+        Key of the boolean "real row" mask, present when ``even_batches="pad"``.
+    read_threads
+        Concurrent reads per process.
+    prefetch
+        Read the next pool in a background thread while the current one is consumed.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        selector: Mapping[str, Field | str] | None = None,
+        batch_size: int = 4096,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        preload_nchunks: int = DEFAULT_PRELOAD_NCHUNKS,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        even_batches: str = "drop",
+        densify: bool = False,
+        return_index: bool = False,
+        batch_converter: Callable[[dict[str, Any]], Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        chunk_ids: Sequence[int] | np.ndarray | None = None,
+        mask_key: str = "mask",
+        read_threads: int = 4,
+        prefetch: bool = True,
+    ) -> None:
+        super().__init__()
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.chunk_size = _check_int("chunk_size", chunk_size, 1)
+        self.preload_nchunks = _check_int("preload_nchunks", preload_nchunks, 1)
+        self.seed = _check_int("seed", seed, 0)
+        self.read_threads = _check_int("read_threads", read_threads, 1)
+        if even_batches not in ("drop", "pad"):
+            raise ValueError(f"even_batches must be 'drop' or 'pad', got {even_batches!r}.")
+        if batch_converter is not None and not callable(batch_converter):
+            raise TypeError("batch_converter must be callable (or None for the default).")
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.even_batches = even_batches
+        self.densify = bool(densify)
+        self.return_index = bool(return_index)
+        self.mask_key = mask_key
+        self.prefetch = bool(prefetch)
+        self.batch_converter = batch_converter
+        self.source: Source = as_source(source)
+        self.selector = normalize_selector(selector)
+        self._validate_selector()
+        reserved = {"index"} if self.return_index else set()
+        if even_batches == "pad":
+            reserved.add(mask_key)
+        clash = reserved & set(self.selector)
+        if clash:
+            raise ValueError(f"selector keys {sorted(clash)} clash with reserved output keys.")
+        self.chunk_ids = None if chunk_ids is None else np.asarray(chunk_ids, dtype=np.int64)
+        self._explicit_dist = rank is not None or world_size is not None
+        self._rank, self._world_size = 0, 1
+        if self._explicit_dist:
+            self._rank = _check_int("rank", 0 if rank is None else rank, 0)
+            self._world_size = _check_int("world_size", 1 if world_size is None else world_size, 1)
+            if self._rank >= self._world_size:
+                raise ValueError(
+                    f"rank must be in [0, world_size={self._world_size}), got {self._rank}."
+                )
+        self._resolve_dist()
+        sampling.validate_params(
+            n_obs=self.source.n_obs, chunk_size=self.chunk_size,
+            preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
+            rank=self._rank, world_size=self._world_size, even_batches=self.even_batches,
+        )
+        # shared memory: set_epoch in the main process reaches (persistent) workers
+        self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._shared[1] = -1  # last epoch that started iterating
+        self._reader: PoolReader | None = None
+        self._resume: dict[int, int] | None = None
+
+    # -- configuration ---------------------------------------------------------------
+    def _validate_selector(self) -> None:
+        available = sorted(self.source.fields)
+        for key, f in self.selector.items():
+            if f.path not in self.source.fields:
+                raise SchemaError(
+                    f"{self.source.describe()}: selector key {key!r} asks for field "
+                    f"{f.path!r}, which does not exist. Available fields: {available}."
+                )
+
+    def _resolve_dist(self) -> tuple[int, int]:
+        if not self._explicit_dist:
+            found = _dist_rank_world()
+            if found is not None:
+                self._rank, self._world_size = found
+        return self._rank, self._world_size
+
+    @property
+    def rank(self) -> int:
+        return self._resolve_dist()[0]
+
+    @property
+    def world_size(self) -> int:
+        return self._resolve_dist()[1]
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch used by the next iteration (reaches persistent workers too)."""
+        self._shared[0] = _check_int("epoch", epoch, 0)
+
+    def _plan_kwargs(self) -> dict[str, Any]:
+        return dict(
+            n_obs=self.source.n_obs, chunk_size=self.chunk_size,
+            preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
+            shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
+            even_batches=self.even_batches, chunk_ids=self.chunk_ids,
+        )
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (the same on every rank)."""
+        world = self._resolve_dist()[1]
+        return sampling.batches_per_rank(**self._plan_kwargs(), world_size=world)
+
+    def plan(self, epoch: int | None = None, worker: int = 0, num_workers: int = 1) -> list[Any]:
+        """The work items (pools and batch ranges) of one worker of this rank."""
+        rank, world = self._resolve_dist()
+        epoch = self.epoch if epoch is None else epoch
+        items = sampling.rank_items(
+            **self._plan_kwargs(), epoch=epoch, rank=rank, world_size=world
+        )
+        return sampling.worker_items(items, worker, max(1, num_workers))
+
+    # -- pickling -----------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        self._resolve_dist()  # the process group lives here, not in a worker
+        state = self.__dict__.copy()
+        state["_reader"] = None
+        return state
+
+    # -- iteration ----------------------------------------------------------------------
+    def _get_reader(self) -> PoolReader:
+        if self._reader is None:
+            paths = [f.path for f in self.selector.values()]
+            self._reader = PoolReader(self.source, paths, threads=self.read_threads)
+        return self._reader
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch = self.epoch
+        if worker == 0:
+            if self.shuffle and int(self._shared[1]) == epoch:
+                logger.warning(
+                    "AnnBatchDataset: epoch %d is iterated again with the same order; call "
+                    "dataset.set_epoch(epoch) before each epoch.", epoch
+                )
+            self._shared[1] = epoch
+        items = self.plan(epoch, worker, num_workers)
+        skip = 0 if self._resume is None else int(self._resume.get(worker, 0))
+        if skip:
+            items = sampling.remaining_items(items, skip)
+        return self._iter_items(items, epoch)
+
+    def _iter_items(self, items: list[Any], epoch: int) -> Iterator[Any]:
+        if not items:
+            return
+        reader = self._get_reader()
+        bg = None
+        if self.prefetch:
+            bg = ThreadPoolExecutor(1, thread_name_prefix="annbatch-prefetch")
+        try:
+            nxt: Future[Any] | None = bg.submit(reader.read, items[0].ranges) if bg else None
+            for i, item in enumerate(items):
+                pool = nxt.result() if nxt is not None else reader.read(item.ranges)
+                nxt = None
+                if bg is not None and i + 1 < len(items):
+                    nxt = bg.submit(reader.read, items[i + 1].ranges)
+                yield from self._batches(item, pool, epoch)
+        finally:
+            if bg is not None:
+                bg.shutdown(wait=True, cancel_futures=True)
+
+    def _batches(self, item: Any, pool: dict[str, Any], epoch: int) -> Iterator[Any]:
+        perm = sampling.pool_permutation(
+            item.n_rows, seed=self.seed, epoch=epoch, pool_index=item.pool_index,
+            shuffle=self.shuffle and not item.padding,
+        )
+        rows = sampling.global_rows(item.ranges) if self.return_index else None
+        converter = self.batch_converter or batch_dict_converter
+        bs = self.batch_size
+        for b in range(item.batch_start, item.batch_stop):
+            pos = np.sort(perm[b * bs : (b + 1) * bs])
+            batch: dict[str, Any] = {}
+            for key, f in self.selector.items():
+                value = pool[f.path][pos]
+                if self.densify and sp.issparse(value):
+                    value = value.toarray()
+                    if value.dtype != np.float32:
+                        value = value.astype(np.float32)
+                if f.transform is not None:
+                    value = f.transform(value)
+                batch[key] = value
+            if rows is not None:
+                batch["index"] = rows[pos]
+            if self.even_batches == "pad":
+                batch[self.mask_key] = np.full(len(pos), not item.padding, dtype=bool)
+            yield converter(batch)
+
+    def __repr__(self) -> str:
+        sel = {k: str(v) for k, v in self.selector.items()}
+        return (
+            f"AnnBatchDataset({self.source!r}, selector={sel}, batch_size={self.batch_size}, "
+            f"chunk_size={self.chunk_size}, preload_nchunks={self.preload_nchunks}, "
+            f"shuffle={self.shuffle}, rank={self._rank}/{self._world_size}, pid={os.getpid()})"
+        )

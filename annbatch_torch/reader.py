@@ -1,0 +1,198 @@
+"""Reading a pool: global row ranges -> one in-memory block per selected field.
+
+A pool is a list of global ``[start, stop)`` row ranges (see :mod:`.sampling`). The
+reader splits them at shard boundaries, coalesces pieces that touch inside a shard,
+reads every (field, piece) concurrently in a small thread pool (zarr / h5py / numcodecs
+release the GIL while decoding), and assembles the values in the pool's canonical row
+order:
+
+* CSR fields -> one ``scipy.sparse.csr_matrix`` (``indptr`` comes from the shard's cached
+  ``indptr``; ``data``/``indices`` are single contiguous slices per piece);
+* dense fields and obs columns -> one numpy array (categorical obs as global codes).
+
+Any failure is re-raised as :class:`~annbatch_torch.errors.ReadError` naming the shard,
+the field and the row range.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from .collection import Source
+from .elements import CSCElement, CSRElement
+from .errors import AnnBatchError, ReadError
+
+__all__ = ["Piece", "split_ranges", "PoolReader"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous run of rows inside one shard, landing at ``out_start`` in the pool."""
+
+    shard: int
+    start: int  # local row in shard
+    stop: int
+    out_start: int
+
+
+def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> list[Piece]:
+    """Split global row ranges at shard boundaries and merge pieces that touch.
+
+    Parameters
+    ----------
+    ranges
+        ``(k, 2)`` global ``[start, stop)`` ranges in canonical (output) order.
+    offsets
+        Shard start rows plus the total at the end (``Source.shard_offsets``).
+    """
+    pieces: list[Piece] = []
+    out = 0
+    for start, stop in np.asarray(ranges, dtype=np.int64).reshape(-1, 2):
+        start, stop = int(start), int(stop)
+        while start < stop:
+            s = int(np.searchsorted(offsets, start, side="right")) - 1
+            end = min(stop, int(offsets[s + 1]))
+            lo, hi = start - int(offsets[s]), end - int(offsets[s])
+            prev = pieces[-1] if pieces else None
+            if prev is not None and prev.shard == s and prev.stop == lo:
+                pieces[-1] = Piece(s, prev.start, hi, prev.out_start)
+            else:
+                pieces.append(Piece(s, lo, hi, out))
+            out += hi - lo
+            start = end
+    return pieces
+
+
+class PoolReader:
+    """Read pools of rows of selected fields from a :class:`~.collection.Source`.
+
+    Parameters
+    ----------
+    source
+        Where rows come from.
+    fields
+        Field strings to read (``"X"``, ``"layers/counts"``, ``"obs/cell_type"``...).
+    threads
+        Concurrent reads per process.
+    """
+
+    def __init__(self, source: Source, fields: list[str], threads: int = 4) -> None:
+        self.source = source
+        self.fields = list(dict.fromkeys(fields))
+        self.threads = max(1, int(threads))
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = None
+        state["_pool_pid"] = None
+        return state
+
+    def _executor(self) -> ThreadPoolExecutor:
+        import os
+
+        if self._pool is None or self._pool_pid != os.getpid():
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="annbatch-read")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
+
+    # -- reading -----------------------------------------------------------------
+    def _wrap(self, exc: BaseException, piece: Piece, field: str) -> ReadError:
+        where = self.source.shard_name(piece.shard)
+        msg = str(exc) if isinstance(exc, AnnBatchError) else f"{type(exc).__name__}: {exc}"
+        return ReadError(
+            f"{where}: failed reading field {field!r}, shard rows [{piece.start}, {piece.stop}) "
+            f"(shard {piece.shard}): {msg}. The store may be damaged; rewrite it with "
+            "create_anndata_collection(..., overwrite=True)."
+        )
+
+    def _element(self, piece: Piece, field: str) -> Any:
+        el = self.source.element(piece.shard, field)
+        if isinstance(el, CSCElement):
+            el = el.as_csr_element()
+        return el
+
+    def read(self, ranges: np.ndarray) -> dict[str, Any]:
+        """Read ``ranges`` for every field; values in the canonical order of ``ranges``."""
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        pieces = split_ranges(ranges, self.source.shard_offsets)
+        n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
+        ex = self._executor()
+        jobs: dict[str, list[tuple[Piece, Future[Any]]]] = {}
+        for field in self.fields:
+            # open elements in this thread first: errors surface with context, and
+            # element caches are not populated concurrently
+            els = []
+            for p in pieces:
+                try:
+                    els.append(self._element(p, field))
+                except Exception as e:
+                    raise self._wrap(e, p, field) from e
+            jobs[field] = [(p, ex.submit(self._read_piece, el, p)) for p, el in zip(pieces, els)]
+        out: dict[str, Any] = {}
+        for field, futs in jobs.items():
+            parts = []
+            for p, f in futs:
+                try:
+                    parts.append(f.result())
+                except Exception as e:
+                    for _, other in futs:
+                        other.cancel()
+                    raise self._wrap(e, p, field) from e
+            out[field] = self._assemble(field, pieces, parts, n_rows)
+        return out
+
+    def _read_piece(self, el: Any, p: Piece) -> Any:
+        if isinstance(el, CSRElement):
+            return el.read_raw(p.start, p.stop)
+        value = el.read(p.start, p.stop)
+        if len(value) != p.stop - p.start:
+            raise ReadError(f"expected {p.stop - p.start} rows, got {len(value)}")
+        return value
+
+    def _assemble(self, field: str, pieces: list[Piece], parts: list[Any], n_rows: int) -> Any:
+        if not pieces:
+            info = self.source.fields[field]
+            if info.kind == "csr":
+                return sp.csr_matrix((0, int(info.shape[1] or 0)), dtype=np.dtype(info.dtype))
+            return np.zeros((0, *[int(s) for s in info.shape[1:]]), dtype=np.dtype(info.dtype))
+        first = self._element(pieces[0], field)
+        if isinstance(first, CSRElement):
+            data = np.concatenate([d for d, _, _ in parts]) if len(parts) > 1 else parts[0][0]
+            indices = np.concatenate([i for _, i, _ in parts]) if len(parts) > 1 else parts[0][1]
+            lengths = np.concatenate([n for _, _, n in parts])
+            indptr = np.zeros(n_rows + 1, dtype=np.int64)
+            np.cumsum(lengths, out=indptr[1:])
+            if indptr[-1] != data.shape[0] or indices.shape[0] != data.shape[0]:
+                raise ReadError(
+                    f"{self.source.describe()}: field {field!r}: read {data.shape[0]} values "
+                    f"and {indices.shape[0]} indices for {indptr[-1]} expected; the store is "
+                    "damaged, rewrite it."
+                )
+            n_cols = first.n_cols
+            if indices.size and (int(indices.max()) >= n_cols or int(indices.min()) < 0):
+                raise ReadError(
+                    f"{self.source.describe()}: field {field!r} holds column indices outside "
+                    f"[0, {n_cols}); the store is damaged, rewrite it."
+                )
+            return sp.csr_matrix((data, indices, indptr), shape=(n_rows, n_cols))
+        values = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        tables = [(p, self.source.code_map(p.shard, field)) for p in pieces]
+        if any(t is not None for _, t in tables):
+            values = values.astype(np.int64)  # a copy: never write into a source's buffer
+            for p, table in tables:
+                if table is not None:
+                    sl = slice(p.out_start, p.out_start + (p.stop - p.start))
+                    values[sl] = table[values[sl]]
+        return values

@@ -1,0 +1,227 @@
+"""Turning what users pass as ``source`` into a :class:`~.collection.Source`.
+
+Besides written collections, AnnData inputs can be read *in place*
+(:class:`InPlaceSource`): ``.h5ad`` files through h5py, AnnData zarr stores through
+zarr, and in-memory ``AnnData`` objects. No offline shuffle is needed, but chunk reads hit
+the inputs' own layout: h5ad datasets are usually stored contiguously or in large
+compressed chunks, so each random chunk read decompresses more than it uses, and an
+input sorted by cell type needs small chunks and large pools to mix well. Expect several
+times lower throughput than a collection (see ``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .collection import Source, open_collection
+from .elements import (
+    CategoricalElement,
+    CSCElement,
+    CSRElement,
+    Element,
+    element_from_memory,
+    read_index,
+)
+from .errors import InputError
+from .manifest import MANIFEST_NAME, FieldInfo
+
+__all__ = ["InPlaceSource", "as_source"]
+
+
+def _open_anndata_group(path: Path) -> Any:
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder; pass an existing .h5ad or .zarr.")
+    if path.is_dir():
+        import zarr
+
+        try:
+            return zarr.open_group(str(path), mode="r")
+        except Exception as e:
+            raise InputError(f"{path}: not an AnnData zarr store ({e}).") from e
+    import h5py
+
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise InputError(f"{path}: not an HDF5/.h5ad file ({e}).") from e
+
+
+def _memory_value(adata: Any, field: str) -> Any:
+    if field == "X":
+        return adata.X
+    kind, _, key = field.partition("/")
+    container = getattr(adata, kind)
+    return container[key]
+
+
+class InPlaceSource(Source):
+    """AnnData inputs read where they are; each input is one "shard".
+
+    All inputs must share the same var_names (in the same order); categorical obs columns
+    get global categories (the union across inputs) and codes are remapped on read.
+
+    Parameters
+    ----------
+    inputs
+        ``.h5ad`` paths, AnnData zarr store paths, or ``AnnData`` objects (backed ones are
+        reopened from their file).
+    """
+
+    def __init__(self, inputs: Sequence[Any]) -> None:
+        super().__init__()
+        if not inputs:
+            raise InputError("No inputs given; pass at least one .h5ad/.zarr path or AnnData.")
+        self._paths: list[Path | None] = []
+        self._memory: list[Any] = []
+        for x in inputs:
+            if isinstance(x, str | os.PathLike):
+                self._paths.append(Path(x))
+                self._memory.append(None)
+            elif hasattr(x, "obs") and hasattr(x, "var_names"):
+                if getattr(x, "isbacked", False) and x.filename is not None:
+                    self._paths.append(Path(x.filename))
+                    self._memory.append(None)
+                else:
+                    self._paths.append(None)
+                    self._memory.append(x)
+            else:
+                raise InputError(f"Input {x!r} is neither a path nor an AnnData object.")
+        self._inspect()
+
+    def describe(self) -> str:
+        names = [str(p) if p is not None else f"<AnnData {i}>" for i, p in enumerate(self._paths)]
+        return "in-place[" + ", ".join(names) + "]"
+
+    def shard_name(self, shard: int) -> str:
+        p = self._paths[shard]
+        return str(p) if p is not None else f"<AnnData input {shard}>"
+
+    def _open_shard(self, shard: int) -> Any:
+        p = self._paths[shard]
+        assert p is not None
+        return _open_anndata_group(p)
+
+    def element(self, shard: int, field: str) -> Element:
+        adata = self._memory[shard]
+        if adata is None:
+            return super().element(shard, field)
+        self._check_pid()
+        key = (shard, field)
+        el = self._elements.get(key)
+        if el is None:
+            el = element_from_memory(_memory_value(adata, field), field)
+            self._elements[key] = el
+        return el
+
+    def code_map(self, shard: int, field: str) -> np.ndarray | None:
+        return self._code_maps.get((shard, field))
+
+    def _input_fields(self, shard: int) -> tuple[dict[str, FieldInfo], pd.Index]:
+        where = self.shard_name(shard)
+        adata = self._memory[shard]
+        if adata is not None:
+            names = ["X"] + [f"layers/{k}" for k in adata.layers]
+            names += [f"obsm/{k}" for k in adata.obsm] + [f"obs/{k}" for k in adata.obs.columns]
+            var_names = pd.Index(adata.var_names.astype(str))
+        else:
+            group = self._open_shard(shard)
+            self._handles[shard] = group
+            names = ["X"]
+            for kind in ("layers", "obsm"):
+                if kind in group:
+                    names += [f"{kind}/{k}" for k in group[kind]]
+            names += [f"obs/{k}" for k in group["obs"] if k != group["obs"].attrs.get("_index")]
+            var_names = pd.Index(read_index(group["var"]))
+        out: dict[str, FieldInfo] = {}
+        n_rows = self.element(shard, "X").n_rows
+        for name in names:
+            try:
+                el = self.element(shard, name)
+            except InputError:
+                continue
+            if isinstance(el, CSRElement | CSCElement):
+                out[name] = FieldInfo("csr", str(el.dtype), (None, el.n_cols))
+            elif isinstance(el, CategoricalElement):
+                out[name] = FieldInfo("categorical", "int64", (None,), tuple(el.categories))
+            elif el.kind == "dense":
+                shape = getattr(el, "shape", (el.n_rows,))
+                if name.startswith("obs/"):
+                    kind = "bool" if el.dtype == bool else "numeric"
+                    out[name] = FieldInfo(kind, str(el.dtype), (None,))
+                else:
+                    out[name] = FieldInfo("dense", str(el.dtype), (None, *shape[1:]))
+            if el.n_rows != n_rows:
+                raise InputError(
+                    f"{where}: field {name!r} has {el.n_rows} rows but X has {n_rows}; the "
+                    "AnnData is inconsistent, fix or rewrite it."
+                )
+        return out, var_names
+
+    def _inspect(self) -> None:
+        self._pid = os.getpid()
+        self._code_maps: dict[tuple[int, str], np.ndarray] = {}
+        per_input = [self._input_fields(i) for i in range(len(self._paths))]
+        var_names = per_input[0][1]
+        for i, (_, vn) in enumerate(per_input):
+            if not vn.equals(var_names):
+                raise InputError(
+                    f"{self.shard_name(i)}: var_names differ from {self.shard_name(0)}'s; in-place "
+                    "reading needs one gene order. Write a collection instead: "
+                    "create_anndata_collection(inputs, out, var_join='inner' or 'outer')."
+                )
+        common = set(per_input[0][0])
+        for f, _ in per_input[1:]:
+            common &= set(f)
+        fields: dict[str, FieldInfo] = {}
+        for name in sorted(common, key=lambda n: (n != "X", n)):
+            infos = [f[name] for f, _ in per_input]
+            kinds = {i.kind for i in infos}
+            if len(kinds) > 1:
+                continue  # conflicting kinds across inputs: not offered in place
+            info = infos[0]
+            if info.kind == "categorical":
+                union: list[Any] = []
+                for i in infos:
+                    union += [c for c in (i.categories or ()) if c not in set(union)]
+                lookup = pd.Index(union)
+                for shard, i in enumerate(infos):
+                    # local code -> global code; the extra last entry maps code -1 (NaN) to -1
+                    table = lookup.get_indexer(list(i.categories or ())).astype(np.int64)
+                    self._code_maps[(shard, name)] = np.append(table, -1)
+                info = FieldInfo("categorical", "int64", (None,), tuple(union), info.ordered)
+            fields[name] = info
+        self.fields = fields
+        self.var_names = pd.Index(var_names, name="var_names")
+        self.shard_sizes = [self.element(i, "X").n_rows for i in range(len(self._paths))]
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"InPlaceSource({self.describe()}, n_obs={self.n_obs}, fields={list(self.fields)})"
+
+
+def as_source(obj: Any) -> Source:
+    """Resolve a user ``source`` argument: a Source, a collection folder, or AnnData inputs."""
+    if isinstance(obj, Source):
+        return obj
+    if isinstance(obj, str | os.PathLike):
+        p = Path(obj)
+        if p.is_dir() and (p / MANIFEST_NAME).exists():
+            return open_collection(p)
+        if p.is_dir() and any(p.glob(MANIFEST_NAME + ".tmp")):
+            return open_collection(p)  # raises: unfinished collection
+        return InPlaceSource([p])
+    if isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
+        return InPlaceSource(list(obj))
+    if hasattr(obj, "obs") and hasattr(obj, "var_names"):
+        return InPlaceSource([obj])
+    raise TypeError(
+        f"source must be a Collection, a collection folder, an AnnData, or a list of .h5ad / "
+        f".zarr paths or AnnData objects; got {type(obj).__name__}."
+    )
+

@@ -1,0 +1,40 @@
+"""batch_dict_converter / to_device produce the right tensors with the right values."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from annbatch_torch import batch_dict_converter, to_device
+from annbatch_torch.convert import densify_csr
+
+
+def test_converter_types_and_values() -> None:
+    rng = np.random.default_rng(0)
+    m = sp.random(7, 11, density=0.3, format="csr", dtype=np.float32, random_state=rng)
+    batch = {
+        "x": m,
+        "codes": np.array([0, 2, 1], dtype=np.int8),
+        "f64": np.array([1.5, 2.5]),
+        "flag": np.array([True, False]),
+        "t": torch.ones(2),
+    }
+    out = batch_dict_converter(batch)
+    assert out["x"].layout == torch.sparse_csr
+    np.testing.assert_array_equal(out["x"].to_dense().numpy(), m.toarray())
+    assert out["codes"].dtype == torch.int64
+    np.testing.assert_array_equal(out["codes"].numpy(), [0, 2, 1])
+    assert out["f64"].dtype == torch.float32
+    assert out["flag"].dtype == torch.bool
+    assert out["t"] is batch["t"]
+
+
+def test_densify_and_to_device_match_scipy() -> None:
+    m = sp.random(5, 9, density=0.4, format="csr", dtype=np.float32, random_state=1)
+    np.testing.assert_array_equal(densify_csr(m), m.toarray())
+    moved = to_device(batch_dict_converter({"x": m, "y": np.arange(5)}), "cpu")
+    assert moved["x"].layout == torch.strided
+    np.testing.assert_array_equal(moved["x"].numpy(), m.toarray())
+    kept = to_device(batch_dict_converter({"x": m}), "cpu", densify=False)
+    assert kept["x"].layout == torch.sparse_csr

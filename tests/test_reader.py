@@ -1,0 +1,76 @@
+"""Range splitting at shard boundaries (pure) and pool reads against in-memory truth."""
+
+from __future__ import annotations
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from annbatch_torch.reader import PoolReader, split_ranges
+from annbatch_torch.sources import InPlaceSource
+
+
+@st.composite
+def shards_and_ranges(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    sizes = draw(st.lists(st.integers(0, 30), min_size=1, max_size=6))
+    n = sum(sizes)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    ranges = []
+    for _ in range(draw(st.integers(0, 6))):
+        if n == 0:
+            break
+        a = draw(st.integers(0, n - 1))
+        b = draw(st.integers(a, n))
+        ranges.append((a, b))
+    return offsets, np.array(ranges, dtype=np.int64).reshape(-1, 2)
+
+
+@given(shards_and_ranges())
+def test_split_ranges_preserves_rows_and_order(case: tuple[np.ndarray, np.ndarray]) -> None:
+    offsets, ranges = case
+    pieces = split_ranges(ranges, offsets)
+    want = np.concatenate([np.arange(a, b) for a, b in ranges] or [np.zeros(0, np.int64)])
+    got = np.zeros(len(want), dtype=np.int64) - 1
+    for p in pieces:
+        assert 0 <= p.start < p.stop <= offsets[p.shard + 1] - offsets[p.shard]
+        got[p.out_start : p.out_start + p.stop - p.start] = offsets[p.shard] + np.arange(
+            p.start, p.stop
+        )
+    np.testing.assert_array_equal(got, want)
+
+
+def _adata(n: int, seed: int, cats: list[str]) -> ad.AnnData:
+    rng = np.random.default_rng(seed)
+    x = sp.random(n, 13, density=0.3, format="csr", dtype=np.float32, random_state=rng)
+    obs = pd.DataFrame(
+        {"ct": pd.Categorical(rng.choice(cats, n), categories=cats), "v": rng.normal(size=n)},
+        index=[f"c{seed}_{i}" for i in range(n)],
+    )
+    a = ad.AnnData(x, obs=obs, var=pd.DataFrame(index=[f"g{i}" for i in range(13)]))
+    a.obsm["pca"] = rng.normal(size=(n, 4)).astype(np.float32)
+    return a
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_pool_read_matches_concatenated_inputs(data: st.DataObject) -> None:
+    a, b = _adata(17, 0, ["B", "T"]), _adata(23, 1, ["NK", "T"])
+    src = InPlaceSource([a, b])
+    assert src.categories("ct") == ["B", "T", "NK"]
+    full = ad.concat([a, b])
+    ct_global = pd.Categorical(full.obs["ct"].astype(str), categories=["B", "T", "NK"]).codes
+    n = src.n_obs
+    ranges = []
+    for _ in range(data.draw(st.integers(1, 5))):
+        lo = data.draw(st.integers(0, n - 1))
+        ranges.append((lo, data.draw(st.integers(lo + 1, n))))
+    ranges_a = np.array(ranges)
+    rows = np.concatenate([np.arange(x, y) for x, y in ranges])
+    out = PoolReader(src, ["X", "obsm/pca", "obs/ct", "obs/v"], threads=3).read(ranges_a)
+    np.testing.assert_array_equal(out["X"].toarray(), full.X[rows].toarray())
+    np.testing.assert_array_equal(out["obsm/pca"], full.obsm["pca"][rows])
+    np.testing.assert_array_equal(out["obs/ct"], ct_global[rows])
+    np.testing.assert_array_equal(out["obs/v"], full.obs["v"].to_numpy()[rows])
