@@ -145,7 +145,8 @@ class Source:
                 self._handles[shard] = group
             el = open_element(field_node(group, field, self.shard_name(shard)), field,
                               self.shard_name(shard))
-            if el.n_rows != self.shard_sizes[shard]:
+            sizes = self.__dict__.get("shard_sizes")  # unknown while a source inspects itself
+            if sizes is not None and el.n_rows != sizes[shard]:
                 raise CollectionError(
                     f"{self.shard_name(shard)}: field {field!r} has {el.n_rows} rows but the "
                     f"manifest says {self.shard_sizes[shard]}; the store is damaged, rewrite it."

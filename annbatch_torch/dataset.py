@@ -214,8 +214,7 @@ class AnnBatchDataset(IterableDataset):
         return dict(
             n_obs=self.source.n_obs, chunk_size=self.chunk_size,
             preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
-            shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
-            even_batches=self.even_batches, chunk_ids=self.chunk_ids,
+            drop_last=self.drop_last, even_batches=self.even_batches, chunk_ids=self.chunk_ids,
         )
 
     def __len__(self) -> int:
@@ -223,12 +222,15 @@ class AnnBatchDataset(IterableDataset):
         world = self._resolve_dist()[1]
         return sampling.batches_per_rank(**self._plan_kwargs(), world_size=world)
 
-    def plan(self, epoch: int | None = None, worker: int = 0, num_workers: int = 1) -> list[Any]:
+    def plan(
+        self, epoch: int | None = None, worker: int = 0, num_workers: int = 1
+    ) -> Sequence[sampling.WorkItem]:
         """The work items (pools and batch ranges) of one worker of this rank."""
         rank, world = self._resolve_dist()
         epoch = self.epoch if epoch is None else epoch
         items = sampling.rank_items(
-            **self._plan_kwargs(), epoch=epoch, rank=rank, world_size=world
+            **self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+            rank=rank, world_size=world,
         )
         return sampling.worker_items(items, worker, max(1, num_workers))
 
@@ -263,7 +265,7 @@ class AnnBatchDataset(IterableDataset):
             items = sampling.remaining_items(items, skip)
         return self._iter_items(items, epoch)
 
-    def _iter_items(self, items: list[Any], epoch: int) -> Iterator[Any]:
+    def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int) -> Iterator[Any]:
         if not items:
             return
         reader = self._get_reader()
@@ -282,11 +284,8 @@ class AnnBatchDataset(IterableDataset):
             if bg is not None:
                 bg.shutdown(wait=True, cancel_futures=True)
 
-    def _batches(self, item: Any, pool: dict[str, Any], epoch: int) -> Iterator[Any]:
-        perm = sampling.pool_permutation(
-            item.n_rows, seed=self.seed, epoch=epoch, pool_index=item.pool_index,
-            shuffle=self.shuffle and not item.padding,
-        )
+    def _batches(self, item: sampling.WorkItem, pool: dict[str, Any], epoch: int) -> Iterator[Any]:
+        perm = sampling.item_permutation(item, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
         rows = sampling.global_rows(item.ranges) if self.return_index else None
         converter = self.batch_converter or batch_dict_converter
         bs = self.batch_size

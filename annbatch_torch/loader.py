@@ -1,0 +1,53 @@
+"""A ``DataLoader`` that advances the dataset's epoch the way samplers do.
+
+Lightning (and most training loops built for map-style datasets) call
+``dataloader.sampler.set_epoch(epoch)`` before each epoch, but never touch an
+``IterableDataset``. :class:`AnnBatchDataLoader` installs a sampler that forwards
+``set_epoch`` to the :class:`~annbatch_torch.AnnBatchDataset`, whose epoch lives in
+shared memory and so reaches persistent workers too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Sampler
+
+from .dataset import AnnBatchDataset
+
+__all__ = ["AnnBatchDataLoader", "EpochForwardingSampler"]
+
+
+class EpochForwardingSampler(Sampler[None]):
+    """The sampler of an iterable-style loader (yields ``None`` forever) whose
+    ``set_epoch`` sets the dataset's epoch."""
+
+    def __init__(self, dataset: AnnBatchDataset) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[None]:
+        while True:
+            yield None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+
+class AnnBatchDataLoader(DataLoader):
+    """``DataLoader(dataset, batch_size=None, ...)`` whose ``sampler.set_epoch`` reaches the
+    dataset. All keyword arguments go to :class:`torch.utils.data.DataLoader`."""
+
+    def __init__(self, dataset: AnnBatchDataset, **kwargs: Any) -> None:
+        if not isinstance(dataset, AnnBatchDataset):
+            raise TypeError(f"AnnBatchDataLoader needs an AnnBatchDataset, got {type(dataset)}.")
+        kwargs.setdefault("batch_size", None)
+        if kwargs["batch_size"] is not None:
+            raise ValueError(
+                "AnnBatchDataset yields whole batches: leave DataLoader batch_size=None and set "
+                "batch_size on the dataset."
+            )
+        super().__init__(dataset, **kwargs)
+        # DataLoader forbids assigning `sampler` after __init__; iterable-style loaders only
+        # use it as an infinite source of None, which this sampler still is.
+        object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))

@@ -1,0 +1,231 @@
+"""AnnBatchDataset end to end: values, coverage across workers and start methods, epochs,
+pickling, and in-place sources. Real DataLoader worker processes throughout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import torch
+from torch.utils.data import DataLoader
+
+import annbatch_torch as abt
+from annbatch_torch import A, AnnBatchDataset
+
+SEL = {
+    "x": A.X,
+    "counts": A.layers["counts"],
+    "pca": A.obsm["X_pca"],
+    "ct": A.obs["cell_type"],
+}
+
+
+def _truth(adatas: list[ad.AnnData]) -> ad.AnnData:
+    return ad.concat(adatas, merge="same")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], ad.AnnData]:
+    """Three small h5ad files (grouped by cell type) and their concatenation."""
+    d = tmp_path_factory.mktemp("inplace")
+    rng = np.random.default_rng(42)
+    cats = ["B", "NK", "T", "mono"]
+    paths, adatas = [], []
+    for i, n in enumerate([700, 450, 333]):
+        x = sp.random(n, 40, density=0.2, format="csr", dtype=np.float32, random_state=rng)
+        x.data = np.round(x.data * 10) + 1
+        ct = np.sort(rng.choice(cats[i % 2 : i % 2 + 3], n))  # grouped, per-file categories
+        obs = pd.DataFrame(
+            {"cell_type": pd.Categorical(ct), "score": rng.normal(size=n).astype(np.float32)},
+            index=[f"f{i}_c{j}" for j in range(n)],
+        )
+        a = ad.AnnData(x, obs=obs, var=pd.DataFrame(index=[f"g{k}" for k in range(40)]))
+        a.layers["counts"] = x.copy() * 2
+        a.obsm["X_pca"] = rng.normal(size=(n, 5)).astype(np.float32)
+        p = d / f"in{i}.h5ad"
+        a.write_h5ad(p)
+        paths.append(p)
+        adatas.append(a)
+    return paths, _truth(adatas)
+
+
+def _collect(loader: Any, key: str = "index") -> list[np.ndarray]:
+    return [b[key].numpy().copy() for b in loader]
+
+
+def _check_values(ds: AnnBatchDataset, truth: ad.AnnData, batches: list[dict[str, Any]]) -> None:
+    cats = ds.source.categories("cell_type")
+    truth_codes = pd.Categorical(truth.obs["cell_type"].astype(str), categories=cats).codes
+    for b in batches:
+        idx = b["index"].numpy()
+        x = b["x"].to_dense().numpy() if b["x"].layout == torch.sparse_csr else b["x"].numpy()
+        np.testing.assert_array_equal(x, truth.X[idx].toarray())
+        c = b["counts"]
+        c = c.to_dense().numpy() if c.layout == torch.sparse_csr else c.numpy()
+        np.testing.assert_array_equal(c, truth.layers["counts"][idx].toarray())
+        np.testing.assert_array_equal(b["pca"].numpy(), truth.obsm["X_pca"][idx])
+        assert b["ct"].dtype == torch.int64
+        np.testing.assert_array_equal(b["ct"].numpy(), truth_codes[idx])
+
+
+def test_inplace_values_and_exact_coverage(inputs: tuple[list[Path], ad.AnnData]) -> None:
+    paths, truth = inputs
+    ds = AnnBatchDataset(paths, selector=SEL, batch_size=64, chunk_size=16, preload_nchunks=4,
+                         return_index=True)
+    batches = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert len(batches) == len(ds)
+    _check_values(ds, truth, batches)
+    rows = np.concatenate([b["index"].numpy() for b in batches])
+    assert sorted(rows.tolist()) == list(range(truth.n_obs))
+    assert all(len(b["index"]) == 64 for b in batches[:-1])
+
+
+def test_densify_outputs_dense_float32(inputs: tuple[list[Path], ad.AnnData]) -> None:
+    paths, truth = inputs
+    ds = AnnBatchDataset(paths, selector=SEL, batch_size=100, densify=True, return_index=True)
+    batches = list(ds)
+    assert batches[0]["x"].layout == torch.strided
+    assert batches[0]["x"].dtype == torch.float32
+    _check_values(ds, truth, batches)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_coverage_and_batch_sets_independent_of_workers(
+    inputs: tuple[list[Path], ad.AnnData], method: str
+) -> None:
+    paths, truth = inputs
+    ds = AnnBatchDataset(paths, selector={"x": A.X}, batch_size=50, chunk_size=16,
+                         preload_nchunks=5, return_index=True, seed=3)
+    ds.set_epoch(1)
+    list(ds)  # the main process touched every handle before workers start
+    sets = {}
+    worker_counts = [0, 1, 2, 3] if method == "fork" else [0, 2]
+    for nw in worker_counts:
+        ctx = mp.get_context(method) if nw else None
+        loader = DataLoader(ds, batch_size=None, num_workers=nw, multiprocessing_context=ctx)
+        batches = _collect(loader)
+        rows = np.concatenate(batches)
+        assert sorted(rows.tolist()) == list(range(truth.n_obs)), nw
+        sets[nw] = Counter(frozenset(b.tolist()) for b in batches)
+        assert len(batches) == len(ds)
+    first = sets[0]
+    assert all(s == first for s in sets.values())
+
+
+def test_epochs_differ_and_match_fresh_loader_with_persistent_workers(
+    inputs: tuple[list[Path], ad.AnnData],
+) -> None:
+    paths, _ = inputs
+    kw = dict(selector={"x": A.X}, batch_size=40, chunk_size=8, preload_nchunks=4,
+              return_index=True, seed=11)
+    ds = AnnBatchDataset(paths, **kw)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    epochs = []
+    for e in range(3):
+        ds.set_epoch(e)
+        epochs.append(_collect(loader))
+    orders = [np.concatenate(b) for b in epochs]
+    assert not np.array_equal(orders[0], orders[1])
+    assert not np.array_equal(orders[1], orders[2])
+    for e in range(3):
+        fresh = AnnBatchDataset(paths, **kw)
+        fresh.set_epoch(e)
+        got = _collect(DataLoader(fresh, batch_size=None, num_workers=2))
+        assert len(got) == len(epochs[e])
+        for a, b in zip(got, epochs[e]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_pickles_after_iteration_without_open_handles(
+    inputs: tuple[list[Path], ad.AnnData],
+) -> None:
+    paths, _ = inputs
+    ds = AnnBatchDataset(paths, selector=SEL, batch_size=64, return_index=True)
+    first = [b["index"].numpy() for b in ds]
+    assert ds.source.has_open_handles
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not clone.source.has_open_handles
+    assert clone._reader is None
+    again = [b["index"].numpy() for b in clone]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+def test_transform_and_converter_run_in_workers(inputs: tuple[list[Path], ad.AnnData]) -> None:
+    paths, truth = inputs
+    ds = AnnBatchDataset(
+        paths,
+        selector={"x": A.X.with_transform(np.log1p), "pca": "obsm/X_pca"},
+        batch_size=128, densify=True, return_index=True, batch_converter=_pid_converter,
+    )
+    main_pid = os.getpid()
+    for b in DataLoader(ds, batch_size=None, num_workers=2):
+        assert b["pid"] != main_pid
+        idx = b["index"].numpy()
+        np.testing.assert_allclose(b["x"].numpy(), np.log1p(truth.X[idx].toarray()), rtol=1e-6)
+
+
+def _pid_converter(batch: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = abt.batch_dict_converter(batch)
+    out["pid"] = os.getpid()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ({"chunk_size": -1}, "chunk_size must be an integer >= 1"),
+        ({"preload_nchunks": 0}, "preload_nchunks must be an integer >= 1"),
+        ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size=2\)"),
+        ({"world_size": 0}, "world_size must be an integer >= 1"),
+        ({"even_batches": "odd"}, "even_batches must be 'drop' or 'pad'"),
+        ({"selector": {"x": A.obsm["nope"]}}, "'obsm/nope'.*Available fields"),
+        ({"selector": {"x": "layers/missing"}}, "selector key 'x'.*'layers/missing'"),
+    ],
+)
+def test_bad_arguments(inputs: tuple[list[Path], ad.AnnData], kwargs: dict, match: str) -> None:
+    paths, _ = inputs
+    with pytest.raises((ValueError, KeyError), match=match):
+        AnnBatchDataset(paths, **kwargs)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 1000, 5000])
+def test_any_batch_size_works_with_defaults(
+    inputs: tuple[list[Path], ad.AnnData], batch_size: int
+) -> None:
+    paths, truth = inputs
+    ds = AnnBatchDataset(paths, batch_size=batch_size, return_index=True)
+    sizes = [len(b["index"]) for b in ds]
+    assert sum(sizes) == truth.n_obs
+    assert all(s == batch_size for s in sizes[:-1])
+    assert len(sizes) == len(ds)
+
+
+def test_pad_policy_adds_mask(inputs: tuple[list[Path], ad.AnnData]) -> None:
+    paths, truth = inputs
+    per_rank = []
+    for rank in range(3):
+        ds = AnnBatchDataset(paths, batch_size=64, chunk_size=16, preload_nchunks=8,
+                             even_batches="pad", rank=rank, world_size=3, return_index=True)
+        per_rank.append(list(ds))
+    counts = {len(b) for b in per_rank}
+    assert len(counts) == 1
+    real = np.concatenate([b["index"].numpy()[b["mask"].numpy()] for r in per_rank for b in r])
+    assert sorted(real.tolist()) == list(range(truth.n_obs))
+
+
+def test_source_may_be_in_memory_anndata(inputs: tuple[list[Path], ad.AnnData]) -> None:
+    _, truth = inputs
+    mem = truth.copy()
+    mem.obs["cell_type"] = mem.obs["cell_type"].astype("category")
+    ds = AnnBatchDataset(mem, selector=SEL, batch_size=99, return_index=True)
+    _check_values(ds, truth, list(DataLoader(ds, batch_size=None, num_workers=2)))
