@@ -175,7 +175,9 @@ class AnnBatchDataset(IterableDataset):
         self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._shared[1] = -1  # last epoch that started iterating
         self._reader: PoolReader | None = None
-        self._resume: dict[int, int] | None = None
+        # exact resume (torchdata Stateful): batches this copy yielded in the current epoch
+        self._progress = {"worker": 0, "num_workers": 1, "epoch": 0, "batches": 0}
+        self._resume: dict[str, int] | None = None
 
     # -- configuration ---------------------------------------------------------------
     def _validate_selector(self) -> None:
@@ -259,11 +261,49 @@ class AnnBatchDataset(IterableDataset):
                     "dataset.set_epoch(epoch) before each epoch.", epoch
                 )
             self._shared[1] = epoch
+        skip = 0
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            if resume["num_workers"] != num_workers or resume["worker"] != worker:
+                raise ValueError(
+                    f"Cannot resume: the saved state comes from worker {resume['worker']} of "
+                    f"{resume['num_workers']} DataLoader workers, this is worker {worker} of "
+                    f"{num_workers}. Resume with the same num_workers."
+                )
+            skip = resume["batches"]
         items = self.plan(epoch, worker, num_workers)
-        skip = 0 if self._resume is None else int(self._resume.get(worker, 0))
         if skip:
             items = sampling.remaining_items(items, skip)
+        self._progress = {"worker": worker, "num_workers": num_workers, "epoch": epoch,
+                          "batches": skip}
         return self._iter_items(items, epoch)
+
+    # -- torchdata Stateful protocol -----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Small JSON-serialisable progress of this copy: seed, epoch, worker, batches done.
+
+        Called by ``torchdata.stateful_dataloader.StatefulDataLoader`` in each worker.
+        """
+        return {"version": 1, "seed": self.seed, **self._progress}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration skips the batches done."""
+        try:
+            seed, epoch = int(state_dict["seed"]), int(state_dict["epoch"])
+            resume = {k: int(state_dict[k]) for k in ("worker", "num_workers", "batches")}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"load_state_dict: state {dict(state_dict)!r} lacks {e}; pass a state saved "
+                "by AnnBatchDataset.state_dict()."
+            ) from e
+        if seed != self.seed:
+            raise ValueError(
+                f"load_state_dict: the state was saved with seed={seed} but this dataset has "
+                f"seed={self.seed}; construct the dataset with seed={seed} to resume."
+            )
+        self.set_epoch(epoch)
+        self._shared[1] = -1  # resuming the same epoch is intended, not a forgotten set_epoch
+        self._resume = resume
 
     def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int) -> Iterator[Any]:
         if not items:
@@ -305,6 +345,7 @@ class AnnBatchDataset(IterableDataset):
                 batch["index"] = rows[pos]
             if self.even_batches == "pad":
                 batch[self.mask_key] = np.full(len(pos), not item.padding, dtype=bool)
+            self._progress["batches"] += 1  # before yield: state_dict() follows the fetch
             yield converter(batch)
 
     def __repr__(self) -> str:
