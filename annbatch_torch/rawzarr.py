@@ -1,0 +1,228 @@
+"""Direct reads of uncompressed zarr v3 arrays: the collection's fast path.
+
+A zarr v3 array whose codecs are ``bytes`` (little endian) optionally followed by
+``crc32c`` stores every chunk as the raw array bytes (plus a 4-byte CRC-32C). Reading such
+a chunk needs no decoding at all, so :class:`RawZarrArray` reads chunk files with plain
+``readinto`` calls (which release the GIL) straight into the caller's buffer, skipping
+zarr-python's per-call async machinery (measured ~5-10x faster for the 100k-1M element
+slices a pool needs). With ``crc32c`` every chunk is verified before use: a truncated or
+overwritten chunk raises instead of yielding wrong numbers.
+
+Anything else (compressed, sharded, big-endian, v2) is left to zarr: :func:`open_raw`
+returns ``None`` and callers fall back to ``zarr.open_array``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError"]
+
+
+class ChunkError(OSError):
+    """A chunk file is missing bytes or fails its checksum."""
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> bytearray:
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = bytearray(nbytes)
+        _local.buf = buf
+    return buf
+
+
+class RawZarrArray:
+    """A 1-D or 2-D zarr v3 array with raw little-endian chunks, read by row slices.
+
+    Only the first axis may be chunked in more than one piece (``chunks[1:] == shape[1:]``).
+    """
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.shape = tuple(int(s) for s in meta["shape"])
+        self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
+        self.chunks = tuple(int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        self.crc = any(c["name"] == "crc32c" for c in meta["codecs"])
+        self.fill_value = meta.get("fill_value", 0)
+        enc = meta.get("chunk_key_encoding", {"name": "default"})
+        conf = enc.get("configuration", {})
+        self._v2_keys = enc.get("name") == "v2"
+        self._sep = conf.get("separator", "." if self._v2_keys else "/")
+        self.row_items = int(np.prod(self.shape[1:], dtype=np.int64))
+        self.chunk_rows = self.chunks[0]
+        self.chunk_nbytes = self.chunk_rows * self.row_items * self.dtype.itemsize
+        self.attrs: dict[str, Any] = meta.get("attributes", {})
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nchunks(self) -> int:
+        """Number of chunks of the array's grid (as ``zarr.Array.nchunks``)."""
+        return -(-self.shape[0] // self.chunk_rows) if self.shape[0] else 0
+
+    @property
+    def nchunks_initialized(self) -> int:
+        """Number of chunk files present (as ``zarr.Array.nchunks_initialized``)."""
+        return sum(self._chunk_file(c).is_file() for c in range(self.nchunks))
+
+    def _chunk_file(self, c: int) -> Path:
+        key = self._sep.join([str(c)] + ["0"] * (self.ndim - 1))
+        return self.path / key if self._v2_keys else self.path / ("c" + self._sep + key)
+
+    def __getitem__(self, sl: Any) -> np.ndarray:
+        if sl is Ellipsis:
+            sl = slice(None)
+        if not isinstance(sl, slice) or sl.step not in (None, 1):
+            raise TypeError("RawZarrArray supports contiguous row slices only.")
+        lo, hi, _ = sl.indices(self.shape[0])
+        hi = max(lo, hi)
+        out = np.empty((hi - lo, *self.shape[1:]), dtype=self.dtype)
+        self.read_into(lo, hi, out)
+        return out
+
+    def read_into(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """Copy rows ``[lo, hi)`` into ``out`` (shape ``(hi - lo, *shape[1:])``)."""
+        if hi <= lo:
+            return
+        flat = out.reshape(-1).view(np.uint8)
+        row_bytes = self.row_items * self.dtype.itemsize
+        for c in range(lo // self.chunk_rows, (hi - 1) // self.chunk_rows + 1):
+            c0 = c * self.chunk_rows
+            a, b = max(lo, c0), min(hi, c0 + self.chunk_rows)
+            dst = flat[(a - lo) * row_bytes : (b - lo) * row_bytes]
+            self._read_chunk_part(c, (a - c0) * row_bytes, dst)
+
+    def _read_chunk_part(self, c: int, offset: int, dst: np.ndarray) -> None:
+        path = self._chunk_file(c)
+        try:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+        except FileNotFoundError:
+            dst.view(self.dtype)[...] = self.fill_value  # absent chunk: fill value (zarr spec)
+            return
+        with f:
+            if not self.crc:
+                f.seek(offset)
+                n = f.readinto(memoryview(dst))
+                if n != dst.nbytes:
+                    raise ChunkError(f"{path}: chunk file is truncated ({n} of {dst.nbytes} bytes)")
+                return
+            import google_crc32c
+
+            want = self.chunk_nbytes + 4
+            buf = _scratch(want + 1)
+            n = f.readinto(memoryview(buf)[: want + 1])
+            if n != want:
+                raise ChunkError(f"{path}: chunk file has {n} bytes, expected {want}")
+            view = np.frombuffer(buf, dtype=np.uint8, count=self.chunk_nbytes)
+            stored = int.from_bytes(buf[self.chunk_nbytes : want], "little")
+            if google_crc32c.value(view) != stored:
+                raise ChunkError(f"{path}: chunk checksum mismatch (the file is corrupted)")
+            dst[...] = np.frombuffer(buf, dtype=np.uint8, count=dst.nbytes, offset=offset)
+
+
+def open_raw(path: str | os.PathLike[str]) -> RawZarrArray | None:
+    """A :class:`RawZarrArray` for the zarr v3 array at ``path``, or ``None`` when the
+    array is not raw (compressed, sharded, v2, big-endian, chunked along columns)."""
+    p = Path(path)
+    try:
+        with open(p / "zarr.json") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        return None
+    codecs = meta.get("codecs", [])
+    if not codecs or codecs[0].get("name") != "bytes":
+        return None
+    if codecs[0].get("configuration", {}).get("endian", "little") != "little":
+        return None
+    if any(c.get("name") != "crc32c" for c in codecs[1:]) or len(codecs) > 2:
+        return None
+    if meta.get("chunk_grid", {}).get("name") != "regular" or meta.get("storage_transformers"):
+        return None
+    try:
+        dtype = np.dtype(meta["data_type"])
+    except TypeError:
+        return None
+    if dtype.kind not in "biuf":
+        return None
+    shape = meta["shape"]
+    chunks = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    if len(shape) not in (1, 2) or list(chunks[1:]) != list(shape[1:]):
+        return None
+    return RawZarrArray(p, meta)
+
+
+class FastGroup:
+    """Read-only navigation of a zarr v3 hierarchy on the local filesystem that hands out
+    :class:`RawZarrArray` for raw arrays and falls back to ``zarr.open_array`` for others.
+
+    Supports what :mod:`annbatch_torch.elements` needs: ``group[key]``, ``key in group``,
+    ``keys()``, ``attrs``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path / "zarr.json") as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise KeyError(str(self.path)) from None
+        if meta.get("node_type") != "group":
+            raise ValueError(f"{self.path} is not a zarr v3 group")
+        self.attrs: dict[str, Any] = meta.get("attributes", {})
+
+    def keys(self) -> list[str]:
+        return sorted(p.name for p in self.path.iterdir() if (p / "zarr.json").is_file())
+
+    def array_keys(self) -> list[str]:
+        return [k for k in self.keys() if not isinstance(self[k], FastGroup)]
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+    def __contains__(self, key: str) -> bool:
+        return (self.path / key / "zarr.json").is_file()
+
+    def __getitem__(self, key: str) -> Any:
+        if "/" in key:
+            node: Any = self
+            for part in key.split("/"):
+                node = node[part]
+            return node
+        child = self.path / key
+        try:
+            with open(child / "zarr.json") as f:
+                meta = json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            raise KeyError(key) from None
+        if meta.get("node_type") == "group":
+            return FastGroup(child)
+        raw = open_raw(child)
+        if raw is not None:
+            raw.attrs = meta.get("attributes", {})
+            return raw
+        import zarr
+
+        return zarr.open_array(str(child), mode="r")
+
+
+def open_fast_group(path: str | os.PathLike[str]) -> Any:
+    """A :class:`FastGroup` for a zarr v3 group, else ``zarr.open_group`` (v2 stores)."""
+    p = Path(path)
+    if (p / "zarr.json").is_file():
+        return FastGroup(p)
+    import zarr
+
+    return zarr.open_group(str(p), mode="r")
