@@ -58,7 +58,8 @@ def __getattr__(name: str) -> Any:
 
         return AnnBatchDataModule
     if name == "datasets":
-        from . import datasets
+        # not `from . import datasets`: its hasattr() check re-enters this __getattr__
+        import importlib
 
-        return datasets
+        return importlib.import_module(f"{__name__}.datasets")
     raise AttributeError(f"module 'annbatch_torch' has no attribute {name!r}")

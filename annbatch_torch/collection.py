@@ -24,7 +24,25 @@ from .elements import Element, open_element
 from .errors import CollectionError, SchemaError
 from .manifest import FieldInfo, Manifest, ShardInfo, read_manifest
 
-__all__ = ["Source", "Collection", "open_collection", "field_node"]
+__all__ = [
+    "Source", "Collection", "open_collection", "field_node", "MAX_LABEL_CATEGORIES",
+]
+
+#: A categorical obs column with more categories than this is not offered as a field: it
+#: is an identifier (barcodes, per-cell ids), not a label. No real label set comes close
+#: (cell types, donors, datasets: hundreds to tens of thousands). Integer ids in a numeric
+#: obs column remain selectable.
+MAX_LABEL_CATEGORIES = 100_000
+
+
+def too_many_categories(where: str, field: str, n: int) -> str:
+    col = field.partition("/")[2]
+    return (
+        f"{where}: {field!r} has {n} categories, more than the {MAX_LABEL_CATEGORIES} a label "
+        "may have (annbatch_torch.collection.MAX_LABEL_CATEGORIES); it looks like a per-cell "
+        "identifier. Select a label column, or store integer ids in a numeric column, e.g. "
+        f"adata.obs['{col}_id'] = adata.obs['{col}'].cat.codes, and select that."
+    )
 
 
 def field_node(group: Any, field: str, where: str) -> Any:
@@ -143,16 +161,77 @@ class Source:
             if group is None:
                 group = self._open_shard(shard)
                 self._handles[shard] = group
-            el = open_element(field_node(group, field, self.shard_name(shard)), field,
-                              self.shard_name(shard))
+            node = field_node(group, field, self.shard_name(shard))
+            self._check_node(shard, field, node)
+            el = open_element(node, field, self.shard_name(shard))
             sizes = self.__dict__.get("shard_sizes")  # unknown while a source inspects itself
             if sizes is not None and el.n_rows != sizes[shard]:
                 raise CollectionError(
                     f"{self.shard_name(shard)}: field {field!r} has {el.n_rows} rows but the "
                     f"manifest says {self.shard_sizes[shard]}; the store is damaged, rewrite it."
                 )
+            self._check_element(shard, field, el)
             self._elements[key] = el
         return el
+
+    def _check_node(self, shard: int, field: str, node: Any) -> None:
+        """Hook: validate the raw h5py/zarr node of a field before it is wrapped."""
+
+    def _check_element(self, shard: int, field: str, el: Element) -> None:
+        """Refuse an element whose kind or width disagrees with the schema in ``fields``."""
+        info = self.__dict__.get("fields", {}).get(field)
+        if info is None:
+            return
+        kind = "csr" if el.kind == "csr" else "categorical" if el.kind == "categorical" else (
+            "strings" if el.kind == "strings" else "dense"
+        )
+        want = "dense" if info.kind in ("dense", "numeric", "bool") else info.kind
+        if kind != want:
+            stored = {"csr": "a sparse (CSR/CSC) matrix", "dense": "a dense array",
+                      "categorical": "a categorical", "strings": "strings"}[kind]
+            raise CollectionError(
+                f"{self.shard_name(shard)}: field {field!r} is stored as {stored} but "
+                f"{self.describe()} declares it {info.kind!r}; all shards must store a field "
+                "the same way. Rewrite the collection with create_anndata_collection(..., "
+                "overwrite=True), which converts inputs to one kind per field."
+            )
+        shape = getattr(el, "shape", None)
+        declared = tuple(info.shape[1:])
+        if shape is not None and declared and None not in declared and (
+            tuple(shape[1:]) != declared
+        ):
+            raise CollectionError(
+                f"{self.shard_name(shard)}: field {field!r} has shape {tuple(shape)} but "
+                f"{self.describe()} declares {list(info.shape)} (rows free); the store is "
+                "damaged, rewrite it."
+            )
+
+    def check_field(self, field: str) -> FieldInfo:
+        """The schema of ``field``, or a :class:`SchemaError` saying why it is unavailable.
+
+        The message names the source and the field, lists what is available and, where
+        known, why the field was left out (strings, too many categories, inputs that store
+        it differently).
+        """
+        info = self.fields.get(field)
+        if info is not None:
+            return info
+        available = sorted(self.fields)
+        reason = self.unavailable.get(field)
+        if reason is not None:
+            raise SchemaError(f"{self.describe()}: field {field!r} cannot be selected: {reason}")
+        key = field.partition("/")[2]
+        similar = [f for f in available if f.partition("/")[2] == key and key]
+        hint = f" Did you mean {similar}?" if similar else ""
+        raise SchemaError(
+            f"{self.describe()}: field {field!r} does not exist.{hint} Available fields: "
+            f"{available}."
+        )
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """Fields present in the inputs but not offered, with the reason (see check_field)."""
+        return dict(self.__dict__.get("_unavailable", {}))
 
 
 class Collection(Source):
@@ -173,6 +252,16 @@ class Collection(Source):
         self.path = Path(path)
         self.manifest = manifest if manifest is not None else read_manifest(self.path)
         self.fields = dict(self.manifest.fields)
+        recorded = self.manifest.extra.get("unavailable", {})
+        self._unavailable = (
+            {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
+        )
+        for name, info in list(self.fields.items()):
+            if info.kind == "categorical" and len(info.categories or ()) > MAX_LABEL_CATEGORIES:
+                del self.fields[name]
+                self._unavailable[name] = too_many_categories(
+                    str(self.path), name, len(info.categories or ())
+                )
         self.shard_sizes = [s.n_obs for s in self.manifest.shards]
         self.var_names = pd.Index(self.manifest.var_names, name="var_names")
 
@@ -190,12 +279,29 @@ class Collection(Source):
     def shard_name(self, shard: int) -> str:
         return str(self.shard_path(shard))
 
+    def _check_node(self, shard: int, field: str, node: Any) -> None:
+        if not self.manifest.all_chunks_written:
+            return
+        # zarr reads a missing chunk file as its fill value (zeros): without this check a
+        # deleted chunk would yield wrong numbers silently. The writer wrote every chunk.
+        arrays = [(field, node)] if hasattr(node, "nchunks") else [
+            (f"{field}/{k}", node[k]) for k in node.array_keys()
+        ]
+        for name, arr in arrays:
+            have, want = int(arr.nchunks_initialized), int(arr.nchunks)
+            if have < want:
+                raise CollectionError(
+                    f"{self.shard_name(shard)}: array {name!r} has {have} of its {want} chunk "
+                    "files; chunk files were deleted or not copied. Copy the collection again "
+                    "or rewrite it with create_anndata_collection(..., overwrite=True)."
+                )
+
     def _open_shard(self, shard: int) -> Any:
-        import zarr
+        from .rawzarr import open_fast_group
 
         p = self.shard_path(shard)
         try:
-            return zarr.open_group(str(p), mode="r")
+            return open_fast_group(p)  # raw chunks are read directly, others through zarr
         except Exception as e:
             raise CollectionError(
                 f"{p}: cannot open shard {shard} ({type(e).__name__}: {e}); the collection is "
@@ -225,6 +331,7 @@ def open_collection(path: str | os.PathLike[str]) -> Collection:
         this version, or a shard folder is missing.
     """
     coll = Collection(path)
+    probe = "X" if "X" in coll.fields else next(iter(coll.fields), None)
     for i, s in enumerate(coll.manifest.shards):
         if not coll.shard_path(i).is_dir():
             raise CollectionError(
@@ -232,4 +339,38 @@ def open_collection(path: str | os.PathLike[str]) -> Collection:
                 "collection is incomplete, rewrite it with create_anndata_collection(..., "
                 "overwrite=True)."
             )
+        rows = _stored_rows(coll.shard_path(i), probe) if probe is not None else None
+        if rows is not None and rows != s.n_obs:
+            raise CollectionError(
+                f"{coll.shard_path(i)}: field {probe!r} has {rows} rows but the manifest says "
+                f"{s.n_obs}; the collection is damaged, rewrite it with "
+                "create_anndata_collection(..., overwrite=True)."
+            )
     return coll
+
+
+def _stored_rows(shard_dir: Path, field: str) -> int | None:
+    """Rows of ``field`` in a shard from its zarr metadata alone (one small JSON read),
+    or ``None`` when that metadata is not where zarr v2/v3 keep it (checked on read)."""
+    import json
+
+    node = shard_dir / field
+    if field.startswith("obs/") and (node / "codes").is_dir():
+        node = node / "codes"
+    for meta in ("zarr.json", ".zarray", ".zattrs"):
+        f = node / meta
+        if not f.is_file():
+            continue
+        try:
+            obj = json.loads(f.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(obj, dict):
+            return None
+        shape = obj.get("shape")
+        if meta == "zarr.json" and obj.get("node_type") != "array":
+            shape = (obj.get("attributes") or {}).get("shape")
+        if isinstance(shape, list) and shape and isinstance(shape[0], int):
+            return shape[0]
+    return None
+    return None

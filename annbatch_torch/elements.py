@@ -31,6 +31,7 @@ __all__ = [
     "element_from_memory",
     "encoding_type",
     "read_index",
+    "check_finite",
     "DEFAULT_CSC_LIMIT",
 ]
 
@@ -87,16 +88,32 @@ class CSRElement(Element):
     shape: tuple[int, int]
     name: str = "X"
     kind: str = "csr"
+    source: str = "<memory>"
 
     def __post_init__(self) -> None:
+        where = f"{self.source}: field {self.name!r}"
         self.indptr = np.asarray(self.indptr[...], dtype=np.int64)
-        self.n_rows = int(self.shape[0])
+        self.shape = (int(self.shape[0]), int(self.shape[1]))
+        self.n_rows = self.shape[0]
         self.dtype = np.dtype(self.data.dtype)
-        if self.indptr.shape[0] != self.n_rows + 1:
+        fix = "the sparse matrix is damaged; rewrite it (or the collection) from its inputs."
+        if self.indptr.ndim != 1 or self.indptr.shape[0] != self.n_rows + 1:
             raise InputError(
-                f"{self.name}: indptr has {self.indptr.shape[0]} entries but shape says "
-                f"{self.n_rows} rows; the sparse matrix is damaged, rewrite it."
+                f"{where}: indptr has {self.indptr.shape[0] if self.indptr.ndim else 0} entries "
+                f"but the shape attribute says {self.n_rows} rows (expected "
+                f"{self.n_rows + 1}); {fix}"
             )
+        # indptr is in memory anyway: checking it is cheap, and a damaged one would
+        # otherwise slice the wrong values silently
+        n_data, n_indices = int(self.data.shape[0]), int(self.indices.shape[0])
+        if self.indptr[0] != 0 or self.indptr[-1] > min(n_data, n_indices):
+            raise InputError(
+                f"{where}: indptr runs from {int(self.indptr[0])} to {int(self.indptr[-1])} but "
+                f"data holds {n_data} values and indices {n_indices}; {fix}"
+            )
+        if self.n_rows and (np.diff(self.indptr) < 0).any():
+            row = int(np.flatnonzero(np.diff(self.indptr) < 0)[0])
+            raise InputError(f"{where}: indptr decreases at row {row}; {fix}")
 
     @property
     def n_cols(self) -> int:
@@ -127,25 +144,31 @@ class CSCElement(Element):
 
     kind = "csr"
 
-    def __init__(self, group: Any, name: str, source: str, limit: int = DEFAULT_CSC_LIMIT):
+    def __init__(self, group: Any, name: str, source: str, limit: int | None = None):
+        limit = DEFAULT_CSC_LIMIT if limit is None else limit
         shape = tuple(int(s) for s in group.attrs["shape"])
         nbytes = int(np.prod(group["data"].shape)) * (
             group["data"].dtype.itemsize + group["indices"].dtype.itemsize
         )
         if nbytes > limit:
             raise InputError(
-                f"{source}: field {name!r} is stored as CSC ({nbytes / 2**30:.1f} GiB), which "
-                "cannot be read by rows out of core. Convert it to CSR first, e.g. "
-                "`adata.X = adata.X.tocsr(); adata.write_h5ad(...)`."
+                f"{source}: field {name!r} is stored as CSC ({nbytes / 2**30:.2f} GiB of "
+                f"values and indices, above the {limit / 2**30:.2f} GiB that may be loaded "
+                "whole), which cannot be read by rows out of core. Convert it to CSR, e.g. "
+                "`adata.X = adata.X.tocsr(); adata.write_h5ad(...)`, or write a collection "
+                "with create_anndata_collection (it accepts CSC inputs)."
             )
         csc = sp.csc_matrix(
             (group["data"][...], group["indices"][...], group["indptr"][...]), shape=shape
         )
         self._csr = csc.tocsr()
+        self._csr.sort_indices()
         self.n_rows = shape[0]
         self.shape = shape
         self.dtype = self._csr.dtype
         self.name = name
+        self.source = source
+        self._as_csr: CSRElement | None = None
 
     @property
     def n_cols(self) -> int:
@@ -155,8 +178,12 @@ class CSCElement(Element):
         return self._csr[start:stop]
 
     def as_csr_element(self) -> CSRElement:
-        c = self._csr
-        return CSRElement(c.data, c.indices, c.indptr, self.shape, name=self.name)
+        if self._as_csr is None:
+            c = self._csr
+            self._as_csr = CSRElement(
+                c.data, c.indices, c.indptr, self.shape, name=self.name, source=self.source
+            )
+        return self._as_csr
 
 
 @dataclass
@@ -233,9 +260,26 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
     """
     enc = encoding_type(node)
     if _is_group(node):
+        members = {
+            "csr_matrix": ("data", "indices", "indptr"),
+            "csc_matrix": ("data", "indices", "indptr"),
+            "categorical": ("codes", "categories"),
+            "nullable-integer": ("values", "mask"),
+            "nullable-boolean": ("values", "mask"),
+        }.get(enc or "", ())
+        missing = [m for m in members if m not in node]
+        if enc in ("csr_matrix", "csc_matrix") and "shape" not in node.attrs:
+            missing.append("the 'shape' attribute")
+        if missing:
+            raise InputError(
+                f"{source}: field {name!r} (encoding {enc!r}) lacks {', '.join(missing)}; the "
+                "file is damaged or was written incompletely. Rewrite it."
+            )
         if enc == "csr_matrix":
             shape = tuple(int(s) for s in node.attrs["shape"])
-            return CSRElement(node["data"], node["indices"], node["indptr"], shape, name=name)
+            return CSRElement(
+                node["data"], node["indices"], node["indptr"], shape, name=name, source=source
+            )
         if enc == "csc_matrix":
             return CSCElement(node, name, source)
         if enc == "categorical":
@@ -260,7 +304,9 @@ def element_from_memory(value: Any, name: str) -> Element:
     if sp.issparse(value):
         if value.format != "csr":
             value = value.tocsr()
-        return CSRElement(value.data, value.indices, value.indptr, value.shape, name=name)
+        return CSRElement(
+            value.data, value.indices, value.indptr, value.shape, name=name, source="<memory>"
+        )
     if isinstance(value, pd.Series | pd.Index):
         if isinstance(value.dtype, pd.CategoricalDtype):
             cat = value.array if isinstance(value, pd.Series) else value.values
@@ -285,3 +331,37 @@ def read_index(group: Any) -> np.ndarray:
     if isinstance(index_key, bytes):
         index_key = index_key.decode()
     return _decode_strings(np.asarray(group[index_key][...]))
+
+
+def check_finite(source: str, field: str, block: Any, first_row: int = 0) -> None:
+    """Raise :class:`InputError` if a block of rows holds NaN or +-inf values.
+
+    The writer's policy for matrix fields (X, layers, obsm): non-finite values are refused,
+    negative values are allowed (log-normalised or scaled data, embeddings). ``block`` is
+    rows ``[first_row, first_row + len(block))`` of ``field`` in input ``source``: a scipy
+    sparse matrix or a dense array. Integer and bool blocks pass without a scan.
+    """
+    values = block.data if sp.issparse(block) else np.asarray(block)
+    if values.dtype.kind not in "fc":
+        return
+    finite = np.isfinite(values)
+    if finite.all():
+        return
+    pos = int(np.flatnonzero(~finite.ravel())[0])
+    if sp.issparse(block):
+        csr = block.tocsr() if block.format != "csr" else block
+        if csr is not block:  # positions in block.data do not match csr.data then
+            pos = int(np.flatnonzero(~np.isfinite(csr.data))[0])
+        row = int(np.searchsorted(csr.indptr, pos, side="right")) - 1
+        col = int(csr.indices[pos])
+        bad = csr.data[pos]
+    else:
+        row, col = divmod(pos, int(np.prod(values.shape[1:])) or 1)
+        bad = values.ravel()[pos]
+    n_bad = int((~finite).sum())
+    raise InputError(
+        f"{source}: field {field!r} holds {n_bad} non-finite value(s) (NaN or inf), the "
+        f"first ({bad}) at row {first_row + row}, column {col}. Matrices must be finite: fix "
+        "the input (e.g. `m.data = np.nan_to_num(m.data)` for a sparse matrix, or drop the "
+        "affected cells) and write it again."
+    )

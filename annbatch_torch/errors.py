@@ -6,7 +6,9 @@ All of them subclass :class:`ValueError` so generic handlers keep working.
 
 from __future__ import annotations
 
-__all__ = ["AnnBatchError", "CollectionError", "InputError", "SchemaError", "ReadError"]
+__all__ = [
+    "AnnBatchError", "CollectionError", "InputError", "SchemaError", "ReadError", "BatchError",
+]
 
 
 class AnnBatchError(ValueError):
@@ -30,3 +32,12 @@ class SchemaError(AnnBatchError, KeyError):
 
 class ReadError(AnnBatchError):
     """Reading a row range from a shard failed (damaged chunk, vanished file)."""
+
+
+class BatchError(AnnBatchError):
+    """Building a batch failed: a field's transform or the ``batch_converter`` raised.
+
+    The message names the selector key, the field and the shards and rows of the pool the
+    batch came from, plus the original exception's type and message (a DataLoader worker
+    passes only the message on to the training loop).
+    """

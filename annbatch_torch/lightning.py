@@ -1,21 +1,39 @@
 """`AnnBatchDataModule`: the collection and datasets behind ``Trainer.fit``.
 
-* ``prepare_data`` (one process per node, guarded by a file lock beside the store) writes
-  the collection if it is missing or its inputs changed (paths, sizes, mtimes recorded in
-  the manifest); a current store is left untouched.
-* ``setup`` opens it and builds rank-aware datasets: training shuffles and uses
-  ``even_batches="drop"``; validation/test/predict read in order with
-  ``even_batches="pad"`` and a boolean ``"mask"`` key so metrics can skip padded rows.
-* Loaders are :class:`~annbatch_torch.loader.AnnBatchDataLoader`, so Lightning's
-  per-epoch ``sampler.set_epoch`` advances the dataset's epoch (persistent workers too).
+* ``prepare_data`` (Lightning runs it on one process per node) writes the collection if it
+  is missing or stale: an input was added, removed or changed since (its resolved path,
+  size or modification time differs from the manifest's record), an offline-shuffle
+  setting given in ``collection_kwargs`` (``seed``, ``shuffle``, ``var_join``) differs from
+  the recorded one, or a layer / obsm entry / obs column listed there is missing. Changing
+  only the DataModule's ``seed`` (split and epoch orders) reuses the store: it is shuffled
+  already. A current store is not touched. A file lock beside the store
+  (``<store>.lock``) serialises processes that race, e.g. the local rank 0 of every node
+  on a shared file system: the first writes, the others wait and then find it current.
+* ``setup`` opens the collection and builds this rank's datasets; rank and world size
+  come from the trainer. Training shuffles with ``even_batches="drop"``: every rank takes
+  the same number of steps, and less than one pool (``chunk_size * preload_nchunks`` rows,
+  rounded to batches) per rank is left out of an epoch. Pools go whole to ranks, so keep
+  several pools per rank: ``setup`` raises if a rank would get no batch and warns above a
+  10% drop. Validation, test and predict read in order with ``even_batches="pad"``: every
+  row once, padding rows flagged ``False`` in the boolean ``"mask"`` key.
+* The validation split holds out whole chunks (``val_fraction``), chosen by
+  :func:`~annbatch_torch.sampling.split_chunks` from ``seed``; test and predict read the
+  whole collection.
+* Loaders are :class:`~annbatch_torch.loader.AnnBatchDataLoader`: Lightning calls
+  ``dataloader.sampler.set_epoch(epoch)`` before every epoch but the first of a run (it
+  never calls ``set_epoch`` on an ``IterableDataset``); that sampler forwards it to the
+  dataset, whose epoch lives in shared memory, so the epoch advances with
+  ``persistent_workers`` on or off. ``train_dataloader()`` sets the fit loop's epoch
+  itself, which covers the first epoch after a resume.
 
-Needs the ``lightning`` extra (``pip install annbatch-torch[lightning]``).
+Needs the ``lightning`` extra (``pip install 'annbatch-torch[lightning]'``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,53 +47,108 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "AnnBatchDataModule needs Lightning: pip install 'annbatch-torch[lightning]'."
     ) from e
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from . import sampling
 from .collection import Collection, open_collection
 from .dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
 from .errors import CollectionError
 from .fields import Field
+from .inputs import _disk_usage
 from .loader import AnnBatchDataLoader
-from .manifest import read_manifest
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
 
-__all__ = ["AnnBatchDataModule", "store_is_current"]
+__all__ = ["AnnBatchDataModule", "store_is_current", "store_staleness"]
 
 logger = logging.getLogger(__name__)
 
+#: dataset arguments the DataModule sets itself (pass them to the DataModule instead)
+_MANAGED = ("selector", "batch_size", "chunk_size", "preload_nchunks", "seed", "densify",
+            "rank", "world_size", "chunk_ids")
+#: collection settings recorded in the manifest and compared by :func:`store_staleness`
+_RECORDED_SETTINGS = ("seed", "shuffle", "var_join")
+#: writer arguments naming fields; a store lacking a field named there is stale
+_FIELD_SETTINGS = {"layers": "layers/", "obsm": "obsm/", "obs_columns": "obs/"}
+_STATE_VERSION = 1
+
 
 def _input_signature(path: str | os.PathLike[str]) -> dict[str, Any]:
-    p = Path(path).resolve()
-    st = p.stat()
-    if p.is_dir():  # zarr store: newest mtime and total size of its files
-        files = [f for f in p.rglob("*") if f.is_file()]
-        return {
-            "path": str(p),
-            "size": sum(f.stat().st_size for f in files),
-            "mtime": max([f.stat().st_mtime for f in files] + [st.st_mtime]),
-        }
-    return {"path": str(p), "size": st.st_size, "mtime": st.st_mtime}
+    """What the manifest records of an input: resolved path, size and mtime (the same
+    function the writer uses, so the two always agree)."""
+    p = Path(path).expanduser().resolve()
+    size, mtime = _disk_usage(p)
+    return {"path": str(p), "size": size, "mtime": mtime}
 
 
-def store_is_current(store_path: str | os.PathLike[str], adata_paths: Sequence[Any]) -> bool:
-    """Whether ``store_path`` is a finished collection written from exactly these inputs,
-    unchanged since (same resolved paths, sizes and modification times)."""
+def store_staleness(
+    store_path: str | os.PathLike[str],
+    adata_paths: Sequence[str | os.PathLike[str]],
+    settings: Mapping[str, Any] | None = None,
+) -> str | None:
+    """Why ``store_path`` must be (re)written from ``adata_paths``, or ``None`` if current.
+
+    Parameters
+    ----------
+    store_path
+        The collection folder.
+    adata_paths
+        The inputs it should have been written from, in order.
+    settings
+        Writer settings to compare with the manifest's record (``seed``, ``shuffle``,
+        ``var_join``), and field lists (``layers``, ``obsm``, ``obs_columns``) whose
+        fields the store must hold; keys missing or ``None`` here are not compared.
+
+    Returns
+    -------
+    str or None
+        A human-readable reason (missing store, unfinished write, changed input or setting),
+        or ``None`` when the store is a finished collection of exactly these inputs,
+        unchanged since (same resolved paths, sizes and modification times).
+    """
     try:
         manifest = read_manifest(store_path)
-    except CollectionError:
-        return False
+    except CollectionError as e:
+        return str(e)
+    return _manifest_staleness(manifest, adata_paths, settings or {})
+
+
+def _manifest_staleness(
+    manifest: Manifest, adata_paths: Sequence[str | os.PathLike[str]], settings: Mapping[str, Any]
+) -> str | None:
     recorded = manifest.inputs
     if len(recorded) != len(adata_paths):
-        return False
+        return f"it was written from {len(recorded)} inputs, now there are {len(adata_paths)}"
     for rec, path in zip(recorded, adata_paths):
-        if not isinstance(path, str | os.PathLike) or not Path(path).exists():
-            return False
+        if not Path(path).exists():
+            return f"input {path} does not exist"
         now = _input_signature(path)
-        if rec.get("path") != now["path"] or rec.get("size") != now["size"]:
-            return False
-        if abs(float(rec.get("mtime") or 0) - now["mtime"]) > 1e-3:
-            return False
-    return True
+        if rec.get("path") != now["path"]:
+            return f"input {now['path']} replaces {rec.get('path')}"
+        if rec.get("size") != now["size"]:
+            return f"input {now['path']} changed size ({rec.get('size')} -> {now['size']} bytes)"
+        if abs(float(rec.get("mtime") or 0.0) - now["mtime"]) > 1e-3:
+            return f"input {now['path']} was modified after the store was written"
+    recorded_settings = {"seed": manifest.seed, "shuffle": manifest.shuffle,
+                         "var_join": manifest.var_join}
+    for key in _RECORDED_SETTINGS:
+        if settings.get(key) is not None and recorded_settings[key] != settings[key]:
+            return f"it was written with {key}={recorded_settings[key]!r}, now {settings[key]!r}"
+    for key, prefix in _FIELD_SETTINGS.items():
+        missing = [f"{prefix}{n}" for n in settings.get(key) or () if
+                   f"{prefix}{n}" not in manifest.fields]
+        if missing:
+            return f"it lacks {missing}, asked for by {key}={list(settings[key])!r}"
+    return None
+
+
+def store_is_current(
+    store_path: str | os.PathLike[str],
+    adata_paths: Sequence[str | os.PathLike[str]],
+    settings: Mapping[str, Any] | None = None,
+) -> bool:
+    """Whether ``store_path`` is a finished collection written from exactly these inputs,
+    unchanged since (see :func:`store_staleness`)."""
+    return store_staleness(store_path, adata_paths, settings) is None
 
 
 class AnnBatchDataModule(pl.LightningDataModule):
@@ -84,28 +157,59 @@ class AnnBatchDataModule(pl.LightningDataModule):
     Parameters
     ----------
     adata_paths
-        ``.h5ad`` / AnnData-zarr inputs of the collection.
+        ``.h5ad`` / AnnData-zarr inputs of the collection. ``None`` (or empty): use an
+        existing collection at ``store_path`` as it is and never write.
     store_path
-        Where the collection lives (written by ``prepare_data`` when missing or stale).
+        Where the collection lives (written by :meth:`prepare_data` when missing or stale).
     selector, batch_size, chunk_size, preload_nchunks, densify
-        Passed to :class:`~annbatch_torch.AnnBatchDataset`.
+        Passed to every :class:`~annbatch_torch.AnnBatchDataset`.
     num_workers
         DataLoader workers per rank.
     seed
-        Seed of the offline shuffle, the train/validation split and the epoch orders.
+        Seed of the train/validation split and of the epoch orders, and of the offline
+        shuffle when the store is written (unless ``collection_kwargs`` sets its own). A
+        store written with another seed is reused, not rewritten: set
+        ``collection_kwargs={"seed": ...}`` to demand a particular offline shuffle.
     val_fraction
-        Fraction of whole chunks held out for validation (0 disables validation).
+        Fraction of whole chunks held out for validation, in ``[0, 1)``; 0 disables
+        validation.
     collection_kwargs
-        Extra arguments of :func:`~annbatch_torch.create_anndata_collection`.
+        Extra arguments of :func:`~annbatch_torch.create_anndata_collection`
+        (``var_join``, ``layers``, ``obsm``, ``obs_columns``, ``n_obs_per_shard``...).
     dataloader_kwargs
-        Extra arguments of the DataLoaders (``pin_memory``, ``persistent_workers``...).
+        Extra arguments of every DataLoader; they override the defaults
+        ``num_workers=num_workers``, ``persistent_workers=num_workers > 0`` and
+        ``pin_memory`` (on when the trainer runs on CUDA).
     dataset_kwargs
-        Extra arguments of every :class:`~annbatch_torch.AnnBatchDataset`.
+        Extra arguments of every :class:`~annbatch_torch.AnnBatchDataset`
+        (``return_index``, ``batch_converter``, ``read_threads``...). ``shuffle``,
+        ``even_batches`` and ``drop_last`` apply to training only: validation, test and
+        predict always read in order with ``even_batches="pad"``.
+
+    Attributes
+    ----------
+    collection
+        The opened :class:`~annbatch_torch.Collection` (after :meth:`setup`).
+    train_dataset, val_dataset, test_dataset
+        This rank's datasets (after :meth:`setup`); ``val_dataset`` is ``None`` without a
+        validation split. ``test_dataset`` also serves predict.
+    train_chunks, val_chunks
+        Chunk ids of the split (after :meth:`setup`).
+    store_written
+        After :meth:`prepare_data`: ``True`` if it wrote the store, ``False`` if the store
+        was current (``None`` before).
+
+    Examples
+    --------
+    >>> dm = AnnBatchDataModule(["a.h5ad", "b.h5ad"], "store/",  # doctest: +SKIP
+    ...                         selector={"x": A.X, "y": A.obs["cell_type"]},
+    ...                         batch_size=2048, num_workers=4, val_fraction=0.05)
+    >>> pl.Trainer(devices=4, strategy="ddp").fit(model, datamodule=dm)  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        adata_paths: Sequence[str | os.PathLike[str]],
+        adata_paths: Sequence[str | os.PathLike[str]] | None,
         store_path: str | os.PathLike[str],
         *,
         selector: Mapping[str, Field | str] | None = None,
@@ -121,11 +225,28 @@ class AnnBatchDataModule(pl.LightningDataModule):
         dataset_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if not 0.0 <= float(val_fraction) < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}.")
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not (
+            0.0 <= float(val_fraction) < 1.0
+        ):
+            raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}.")
-        self.adata_paths = [Path(p) for p in adata_paths]
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}.")
+        if isinstance(adata_paths, str | os.PathLike):
+            adata_paths = [adata_paths]
+        managed = sorted(set(dataset_kwargs or {}) & set(_MANAGED))
+        if managed:
+            raise ValueError(
+                f"dataset_kwargs must not set {managed}: pass them to AnnBatchDataModule "
+                "itself (rank and world size come from the trainer, chunk ids from the split)."
+            )
+        if dataloader_kwargs and "batch_size" in dataloader_kwargs:
+            raise ValueError(
+                "dataloader_kwargs must not set batch_size: the datasets yield whole batches; "
+                "pass batch_size to AnnBatchDataModule."
+            )
+        self.adata_paths = [Path(p).expanduser() for p in (adata_paths or [])]
         self.store_path = Path(store_path)
         self.selector = selector
         self.batch_size = batch_size
@@ -142,27 +263,86 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.train_dataset: AnnBatchDataset | None = None
         self.val_dataset: AnnBatchDataset | None = None
         self.test_dataset: AnnBatchDataset | None = None
-        self._start_epoch = 0
+        self.train_chunks: np.ndarray | None = None
+        self.val_chunks: np.ndarray | None = None
+        self.store_written: bool | None = None
+        self._epoch = 0
 
     # -- data preparation --------------------------------------------------------------
     @property
     def lock_path(self) -> Path:
+        """The lock file beside the store that serialises :meth:`prepare_data` calls."""
         return self.store_path.with_name(self.store_path.name + ".lock")
 
-    def prepare_data(self) -> None:
-        """Write the collection unless it is current (file-locked against races)."""
-        from .writer import create_anndata_collection
+    def _writer_kwargs(self) -> dict[str, Any]:
+        return {"seed": self.seed, **self.collection_kwargs}
 
-        self.store_path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.lock_path)):
-            if store_is_current(self.store_path, self.adata_paths):
-                logger.info("%s is current; not rewriting it.", self.store_path)
+    def _staleness(self) -> str | None:
+        # only settings the user gave explicitly: a new sampling `seed` alone reuses the store
+        kw = self.collection_kwargs
+        settings = {k: kw[k] for k in (*_RECORDED_SETTINGS, *_FIELD_SETTINGS) if k in kw}
+        return store_staleness(self.store_path, self.adata_paths, settings)
+
+    def _check_overwritable(self) -> None:
+        p = self.store_path
+        if p.exists() and not (p / MANIFEST_NAME).is_file():
+            if p.is_dir() and not any(p.iterdir()):
                 return
-            logger.info("Writing collection %s from %d inputs.", self.store_path,
-                        len(self.adata_paths))
-            kwargs = {"seed": self.seed, **self.collection_kwargs}
-            create_anndata_collection(self.adata_paths, self.store_path, overwrite=True, **kwargs)
+            raise CollectionError(
+                f"{p} exists but is not an annbatch_torch collection (no {MANIFEST_NAME}); "
+                "refusing to overwrite it. Remove it or choose another store_path."
+            )
 
+    def prepare_data(self) -> None:
+        """Write the collection unless it is current; safe against racing processes.
+
+        Lightning calls this on one process per node (``prepare_data_per_node``); calling it
+        yourself is fine too. Sets :attr:`store_written`.
+
+        Raises
+        ------
+        CollectionError
+            Without ``adata_paths``, if ``store_path`` is not a finished collection; or if
+            ``store_path`` exists but is not a collection (it is never overwritten).
+        """
+        if not self.adata_paths:
+            read_manifest(self.store_path)  # raises with the fix if it is not a collection
+            self.store_written = False
+            return
+        self.store_path.parent.mkdir(parents=True, exist_ok=True)
+        reason = self._staleness()
+        if reason is None:  # fast path: no lock needed to read a finished manifest
+            logger.info("Collection %s is current; not rewriting it.", self.store_path)
+            self.store_written = False
+            return
+        lock = FileLock(str(self.lock_path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.info("Another process holds %s; waiting for it to finish writing.",
+                        self.lock_path)
+            t0 = time.monotonic()
+            lock.acquire()
+            logger.info("Got %s after %.1f s.", self.lock_path, time.monotonic() - t0)
+        try:
+            reason = self._staleness()  # another process may have written it meanwhile
+            if reason is None:
+                logger.info("Collection %s is current; not rewriting it.", self.store_path)
+                self.store_written = False
+                return
+            self._check_overwritable()
+            from .writer import create_anndata_collection
+
+            logger.info("Writing collection %s from %d inputs (%s).", self.store_path,
+                        len(self.adata_paths), reason)
+            create_anndata_collection(
+                self.adata_paths, self.store_path, **{**self._writer_kwargs(), "overwrite": True}
+            )
+            self.store_written = True
+        finally:
+            lock.release()
+
+    # -- datasets ------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:
         trainer = getattr(self, "trainer", None)
         if trainer is not None:
@@ -176,66 +356,157 @@ class AnnBatchDataModule(pl.LightningDataModule):
     def _dataset(self, chunk_ids: np.ndarray | None, train: bool) -> AnnBatchDataset:
         assert self.collection is not None
         rank, world = self._rank_world()
-        kwargs: dict[str, Any] = dict(
-            selector=self.selector, batch_size=self.batch_size, chunk_size=self.chunk_size,
-            preload_nchunks=self.preload_nchunks, seed=self.seed, densify=self.densify,
-            rank=rank, world_size=world, chunk_ids=chunk_ids,
-        )
-        if train:
-            kwargs.update(shuffle=True, even_batches="drop")
-        else:
-            kwargs.update(shuffle=False, even_batches="pad", drop_last=False)
+        kwargs: dict[str, Any] = {"shuffle": True, "even_batches": "drop", "drop_last": False}
         kwargs.update(self.dataset_kwargs)
-        return AnnBatchDataset(self.collection, **kwargs)
+        if not train:
+            kwargs.update(shuffle=False, even_batches="pad", drop_last=False)
+        return AnnBatchDataset(
+            self.collection, selector=self.selector, batch_size=self.batch_size,
+            chunk_size=self.chunk_size, preload_nchunks=self.preload_nchunks, seed=self.seed,
+            densify=self.densify, rank=rank, world_size=world, chunk_ids=chunk_ids, **kwargs,
+        )
 
     def setup(self, stage: str | None = None) -> None:
-        """Open the collection and build this rank's datasets."""
+        """Open the collection and build this rank's datasets for ``stage``.
+
+        ``"fit"`` / ``"validate"`` build the train and validation datasets, ``"test"`` /
+        ``"predict"`` the whole-collection one; ``None`` builds all.
+        """
+        self._epoch = self.epoch  # a rebuilt training dataset keeps the current epoch
         self.collection = open_collection(self.store_path)
-        n_obs = self.collection.n_obs
-        train_ids, val_ids = sampling.split_chunks(
-            n_obs, self.chunk_size, self.val_fraction, self.seed
+        self.train_chunks, self.val_chunks = sampling.split_chunks(
+            self.collection.n_obs, self.chunk_size, self.val_fraction, self.seed
         )
+        rank, world = self._rank_world()
         if stage in (None, "fit", "validate"):
-            self.train_dataset = self._dataset(train_ids, train=True)
-            self.train_dataset.set_epoch(self._start_epoch)
-            self.val_dataset = self._dataset(val_ids, train=False) if len(val_ids) else None
+            self.train_dataset = self._dataset(self.train_chunks, train=True)
+            self.train_dataset.set_epoch(self._epoch)
+            self._check_train_drop(self.train_dataset, world)
+            has_val = len(self.val_chunks) > 0
+            self.val_dataset = self._dataset(self.val_chunks, train=False) if has_val else None
         if stage in (None, "test", "predict"):
             self.test_dataset = self._dataset(None, train=False)
+        logger.info(
+            "setup(%s) on rank %d/%d: %d train chunks, %d validation chunks of %d rows.",
+            stage, rank, world, len(self.train_chunks), len(self.val_chunks), self.chunk_size,
+        )
+
+    def _check_train_drop(self, ds: AnnBatchDataset, world: int) -> None:
+        """Refuse a plan that trains on nothing; warn when it leaves out >10% per epoch.
+
+        Pools are dealt whole to ranks and ``even_batches="drop"`` cuts every rank to the
+        shortest, so a split with fewer pools than ranks yields no batch at all.
+        """
+        assert self.collection is not None
+        assert self.train_chunks is not None
+        n_obs, cs = self.collection.n_obs, self.chunk_size
+        rows = int(np.minimum(cs, n_obs - self.train_chunks * cs).sum())
+        if rows == 0 or ds.even_batches != "drop":
+            return
+        kept = min(rows, len(ds) * ds.batch_size * world)
+        if kept >= 0.9 * rows:
+            return
+        pool = sampling.pool_rows(ds.batch_size, cs, self.preload_nchunks)
+        hint = max(1, rows // (cs * world * 4))
+        msg = (
+            f"{self.store_path}: the training split has {rows:,} rows, {rows / pool:.1f} pools of "
+            f"{pool:,} rows (chunk_size x preload_nchunks); pools go whole to the {world} "
+            f"rank(s) and even_batches='drop' cuts every rank to the shortest, so an epoch "
+            f"uses only {kept:,} rows ({len(ds)} batches per rank). Lower preload_nchunks "
+            f"(e.g. preload_nchunks={hint}) or chunk_size, or pass "
+            "dataset_kwargs={'even_batches': 'pad'}."
+        )
+        if len(ds) == 0:
+            raise ValueError(msg)
+        logger.warning(msg)
 
     # -- loaders -----------------------------------------------------------------------
     def _loader(self, ds: AnnBatchDataset | None, name: str) -> AnnBatchDataLoader:
         if ds is None:
-            raise RuntimeError(f"{name}: call setup() first (Trainer does this for you).")
+            raise RuntimeError(f"{name}: call setup() first (the Trainer does this for you).")
+        trainer = getattr(self, "trainer", None)
+        on_cuda = False
+        if trainer is not None:
+            on_cuda = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
         kwargs: dict[str, Any] = {
             "num_workers": self.num_workers,
-            "pin_memory": bool(getattr(getattr(self, "trainer", None), "on_gpu", False)),
+            "pin_memory": on_cuda,
             "persistent_workers": self.num_workers > 0,
         }
         kwargs.update(self.dataloader_kwargs)
+        if not kwargs.get("num_workers"):
+            kwargs["persistent_workers"] = False  # DataLoader refuses it without workers
         return AnnBatchDataLoader(ds, **kwargs)
 
     def train_dataloader(self) -> AnnBatchDataLoader:
+        """Shuffled training batches of this rank; Lightning advances the epoch.
+
+        Lightning creates the first epoch's iterator (which starts the workers, and they
+        read the epoch) *before* it calls ``sampler.set_epoch``; after a resume that first
+        epoch is not 0. So the epoch the fit loop is about to run is set here already.
+        """
+        loop = getattr(getattr(self, "trainer", None), "fit_loop", None)
+        epoch = getattr(getattr(getattr(loop, "epoch_progress", None), "current", None),
+                        "processed", None)
+        if self.train_dataset is not None and isinstance(epoch, int):
+            self.set_epoch(epoch)
         return self._loader(self.train_dataset, "train_dataloader")
 
     def val_dataloader(self) -> AnnBatchDataLoader | list[Any]:
+        """Validation batches in order with a ``"mask"`` key (``[]`` without a split)."""
         if self.val_dataset is None:
             return []
         return self._loader(self.val_dataset, "val_dataloader")
 
     def test_dataloader(self) -> AnnBatchDataLoader:
+        """Every row of the collection once, in order, with a ``"mask"`` key."""
         return self._loader(self.test_dataset, "test_dataloader")
 
     def predict_dataloader(self) -> AnnBatchDataLoader:
+        """Every row of the collection once, in order, with a ``"mask"`` key."""
         return self._loader(self.test_dataset, "predict_dataloader")
 
     # -- checkpointing -----------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the training dataset is set to."""
+        return self.train_dataset.epoch if self.train_dataset is not None else self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the training epoch (Lightning does this itself through the sampler)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}.")
+        self._epoch = epoch
+        if self.train_dataset is not None:
+            self.train_dataset.set_epoch(epoch)
+
     def state_dict(self) -> dict[str, Any]:
-        epoch = self.train_dataset.epoch if self.train_dataset is not None else self._start_epoch
-        return {"seed": self.seed, "epoch": epoch}
+        """``{"version", "seed", "epoch"}``; Lightning stores it in checkpoints."""
+        return {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.seed = int(state_dict.get("seed", self.seed))
-        self._start_epoch = int(state_dict.get("epoch", 0))
-        if self.train_dataset is not None:
-            self.train_dataset.seed = self.seed
-            self.train_dataset.set_epoch(self._start_epoch)
+        """Restore the seed (split and epoch orders) and the epoch of :meth:`state_dict`.
+
+        Lightning calls this after :meth:`setup` when resuming from a checkpoint, and then
+        sets the epoch from its own loop progress at every epoch start; datasets that exist
+        are rebuilt when the seed changes (the split depends on it).
+        """
+        try:
+            seed, epoch = int(state_dict["seed"]), int(state_dict["epoch"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"load_state_dict: {dict(state_dict)!r} lacks {e}; pass a state saved by "
+                "AnnBatchDataModule.state_dict()."
+            ) from e
+        if seed != self.seed:
+            logger.info("Restoring seed %d (was %d).", seed, self.seed)
+            self.seed = seed
+            if self.collection is not None:
+                stages = []
+                if self.train_dataset is not None:
+                    stages.append("fit")
+                if self.test_dataset is not None:
+                    stages.append("test")
+                for stage in stages:
+                    self.setup(stage)
+        self.set_epoch(epoch)

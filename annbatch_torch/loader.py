@@ -5,6 +5,16 @@ Lightning (and most training loops built for map-style datasets) call
 ``IterableDataset``. :class:`AnnBatchDataLoader` installs a sampler that forwards
 ``set_epoch`` to the :class:`~annbatch_torch.AnnBatchDataset`, whose epoch lives in
 shared memory and so reaches persistent workers too.
+
+When the epoch is read: a dataset copy reads it in ``__iter__``, i.e. when the loader's
+iterator is created (with workers: when they start, or for persistent workers when they
+are resumed). Lightning 2.x (measured with 2.6) creates the *first* epoch's iterator in
+``FitLoop.setup_data`` before it calls ``sampler.set_epoch``; later epochs call
+``set_epoch`` first. In a fresh run the first epoch is 0 either way, but after resuming
+from a checkpoint it is not: :class:`~annbatch_torch.AnnBatchDataModule` sets the epoch
+in ``train_dataloader()``; with your own ``LightningModule.train_dataloader`` call
+``dataset.set_epoch(self.trainer.fit_loop.epoch_progress.current.processed)`` there (the
+value Lightning passes to ``set_epoch``; ``trainer.current_epoch`` can lag it then).
 """
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ Layout (format version 1)::
         "obs/is_doublet":{"kind": "bool",        "dtype": "bool",    "shape": [null]}
       },
       "shuffle": true, "seed": 0, "var_join": "inner",
-      "inputs": [{"path": "/abs/a.h5ad", "size": 123, "mtime": 1.7e9, "n_obs": 50000}, …]
+      "inputs": [{"path": "/abs/a.h5ad", "size": 123, "mtime": 1.7e9, "n_obs": 50000}, …],
+      "all_chunks_written": true,              # optional; then a missing chunk is damage
+      "unavailable": {"obs/barcode": "why"}    # optional; input fields left out, and why
     }
 
 Each shard is an AnnData zarr store; field ``"obs/c"`` of kind categorical lives at
@@ -131,6 +133,9 @@ class Manifest:
     inputs: list[dict[str, Any]] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     created_by: str = ""
+    #: every chunk of every array was written (zarr ``write_empty_chunks=True``), so a
+    #: missing chunk file is damage, not an implicit fill value; readers then check
+    all_chunks_written: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -148,6 +153,7 @@ class Manifest:
             "seed": self.seed,
             "var_join": self.var_join,
             "inputs": self.inputs,
+            "all_chunks_written": self.all_chunks_written,
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -179,6 +185,28 @@ def _safe_child(root: Path, rel: Any, what: str, where: str) -> Path:
             f"{where}: {what} path {rel!r} contains '..'; refusing to read outside the store."
         )
     return resolved
+
+
+def _check_field_name(name: Any, where: str) -> None:
+    """A field is ``X`` or ``layers|obsm|obs/<key>``; the key names one store node (no
+    ``/``, ``\\``, ``..``): field names become paths inside shards."""
+    kind, sep, key = name.partition("/") if isinstance(name, str) else ("", "", "")
+    ok = name == "X" or (
+        sep and kind in ("layers", "obsm", "obs") and key not in ("", ".", "..")
+        and "/" not in key and "\\" not in key and "\0" not in key
+    )
+    if not ok:
+        raise CollectionError(
+            f"{where}: field name {name!r} is not 'X' or 'layers/NAME', 'obsm/NAME', "
+            "'obs/NAME' with a plain NAME; the manifest is damaged or hostile, rewrite the "
+            "collection."
+        )
+
+
+def _json_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name!r} must be an integer, got {value!r}")
+    return value
 
 
 def write_manifest(root: str | os.PathLike[str], manifest: Manifest) -> None:
@@ -236,23 +264,36 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
             f"({FORMAT_VERSION}); upgrade annbatch_torch (pip install -U annbatch-torch)."
         )
     try:
-        shards = [ShardInfo(str(s["path"]), int(s["n_obs"])) for s in obj["shards"]]
-        n_obs, n_vars = int(obj["n_obs"]), int(obj["n_vars"])
-        raw_fields = obj["fields"]
+        raw_shards, raw_fields = obj["shards"], obj["fields"]
+        n_obs, n_vars = _json_int(obj["n_obs"], "n_obs"), _json_int(obj["n_vars"], "n_vars")
+        if not isinstance(raw_shards, list) or not isinstance(raw_fields, dict):
+            raise TypeError("'shards' must be a list and 'fields' an object")
+        shards = []
+        for s in raw_shards:
+            _safe_child(root, s["path"], "shard", str(mpath))
+            shards.append(ShardInfo(s["path"], _json_int(s["n_obs"], "n_obs")))
     except (KeyError, TypeError, ValueError) as e:
         raise CollectionError(
             f"{mpath}: missing or malformed entry {e}; the manifest is damaged, rewrite the "
             "collection."
         ) from e
+    if len({s.path for s in shards}) != len(shards):
+        raise CollectionError(
+            f"{mpath}: a shard is listed twice; the manifest is damaged, rewrite the collection."
+        )
     for s in shards:
-        _safe_child(root, s.path, "shard", str(mpath))
         if s.n_obs < 0:
-            raise CollectionError(f"{mpath}: shard {s.path!r} has a negative 'n_obs'.")
+            raise CollectionError(
+                f"{mpath}: shard {s.path!r} has a negative 'n_obs'; the manifest is damaged, "
+                "rewrite the collection."
+            )
     if sum(s.n_obs for s in shards) != n_obs:
         raise CollectionError(
             f"{mpath}: shard row counts add up to {sum(s.n_obs for s in shards)} but 'n_obs' "
             f"is {n_obs}; the manifest is damaged, rewrite the collection."
         )
+    for k in raw_fields:
+        _check_field_name(k, str(mpath))
     fields = {k: FieldInfo.from_json(k, v, str(mpath)) for k, v in raw_fields.items()}
     vfile = _safe_child(root, obj.get("var_names_file", VAR_NAMES_NAME), "var names", str(mpath))
     try:
@@ -272,6 +313,7 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
     known = {
         "format", "format_version", "created_by", "n_obs", "n_vars", "var_names_file",
         "var_names_sha256", "shards", "fields", "shuffle", "seed", "var_join", "inputs", "extra",
+        "all_chunks_written",
     }
     extra = dict(obj.get("extra", {}))
     extra.update({k: v for k, v in obj.items() if k not in known})
@@ -287,5 +329,6 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
         inputs=list(obj.get("inputs", [])),
         format_version=version,
         created_by=str(obj.get("created_by", "")),
+        all_chunks_written=obj.get("all_chunks_written") is True,
         extra=extra,
     )

@@ -27,7 +27,7 @@ from .collection import Source
 from .elements import CSCElement, CSRElement
 from .errors import AnnBatchError, ReadError
 
-__all__ = ["Piece", "split_ranges", "PoolReader"]
+__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,16 @@ def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> list[Piece]:
             out += hi - lo
             start = end
     return pieces
+
+
+def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
+    """Global row ranges as ``"<shard path> rows [a, b)"`` pieces, for error messages."""
+    pieces = split_ranges(np.asarray(ranges, dtype=np.int64).reshape(-1, 2),
+                          source.shard_offsets)
+    text = "; ".join(
+        f"{source.shard_name(p.shard)} rows [{p.start}, {p.stop})" for p in pieces[:limit]
+    )
+    return text + (f"; and {len(pieces) - limit} more ranges" if len(pieces) > limit else "")
 
 
 class PoolReader:
@@ -150,7 +160,19 @@ class PoolReader:
                     for _, other in futs:
                         other.cancel()
                     raise self._wrap(e, p, field) from e
-            out[field] = self._assemble(field, pieces, parts, n_rows)
+            try:
+                out[field] = self._assemble(field, pieces, parts, n_rows)
+            except ReadError:
+                raise
+            except Exception as e:  # e.g. shards disagreeing on a dense field's width
+                ranges_txt = ", ".join(
+                    f"shard {p.shard} rows [{p.start}, {p.stop})" for p in pieces[:4]
+                ) + (", ..." if len(pieces) > 4 else "")
+                raise ReadError(
+                    f"{self.source.describe()}: failed assembling field {field!r} from "
+                    f"{ranges_txt} ({type(e).__name__}: {e}). The store may be damaged; "
+                    "rewrite it with create_anndata_collection(..., overwrite=True)."
+                ) from e
         return out
 
     def _read_piece(self, el: Any, p: Piece) -> Any:
@@ -169,26 +191,47 @@ class PoolReader:
             return np.zeros((0, *[int(s) for s in info.shape[1:]]), dtype=np.dtype(info.dtype))
         first = self._element(pieces[0], field)
         if isinstance(first, CSRElement):
+            n_cols = first.n_cols
+            for p, (d, i, n) in zip(pieces, parts):
+                where = (
+                    f"{self.source.shard_name(p.shard)}: field {field!r}, shard rows "
+                    f"[{p.start}, {p.stop}) (shard {p.shard})"
+                )
+                if d.shape[0] != int(n.sum()) or i.shape[0] != d.shape[0]:
+                    raise ReadError(
+                        f"{where}: read {d.shape[0]} values and {i.shape[0]} indices where "
+                        f"indptr promises {int(n.sum())}; the store is damaged, rewrite it."
+                    )
+                if i.size and (int(i.max()) >= n_cols or int(i.min()) < 0):
+                    raise ReadError(
+                        f"{where}: holds column indices outside [0, {n_cols}); the store is "
+                        "damaged, rewrite it."
+                    )
             data = np.concatenate([d for d, _, _ in parts]) if len(parts) > 1 else parts[0][0]
             indices = np.concatenate([i for _, i, _ in parts]) if len(parts) > 1 else parts[0][1]
             lengths = np.concatenate([n for _, _, n in parts])
             indptr = np.zeros(n_rows + 1, dtype=np.int64)
             np.cumsum(lengths, out=indptr[1:])
-            if indptr[-1] != data.shape[0] or indices.shape[0] != data.shape[0]:
-                raise ReadError(
-                    f"{self.source.describe()}: field {field!r}: read {data.shape[0]} values "
-                    f"and {indices.shape[0]} indices for {indptr[-1]} expected; the store is "
-                    "damaged, rewrite it."
-                )
-            n_cols = first.n_cols
-            if indices.size and (int(indices.max()) >= n_cols or int(indices.min()) < 0):
-                raise ReadError(
-                    f"{self.source.describe()}: field {field!r} holds column indices outside "
-                    f"[0, {n_cols}); the store is damaged, rewrite it."
-                )
             return sp.csr_matrix((data, indices, indptr), shape=(n_rows, n_cols))
         values = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        info = self.source.fields.get(field)
+        if info is None or info.kind != "categorical":
+            return values
         tables = [(p, self.source.code_map(p.shard, field)) for p in pieces]
+        n_global = len(info.categories or ())
+        for p, table in tables:
+            # codes index the categories (-1 is a missing value); anything else would turn
+            # into a wrong label, or a device-side assert far away in the loss function
+            sl = slice(p.out_start, p.out_start + (p.stop - p.start))
+            n_cats = n_global if table is None else len(table) - 1
+            bad = (values[sl] < -1) | (values[sl] >= n_cats)
+            if bad.any():
+                row = p.start + int(np.flatnonzero(bad)[0])
+                raise ReadError(
+                    f"{self.source.shard_name(p.shard)}: field {field!r} holds category code "
+                    f"{int(values[sl][bad][0])} at shard row {row} (shard {p.shard}), outside "
+                    f"[-1, {n_cats}); the categorical is damaged, rewrite the store."
+                )
         if any(t is not None for _, t in tables):
             values = values.astype(np.int64)  # a copy: never write into a source's buffer
             for p, table in tables:

@@ -19,17 +19,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .collection import Source, open_collection
+from .collection import MAX_LABEL_CATEGORIES, Source, open_collection, too_many_categories
 from .elements import (
     CategoricalElement,
     CSCElement,
     CSRElement,
     Element,
+    StringElement,
     element_from_memory,
     read_index,
 )
-from .errors import InputError
+from .errors import CollectionError, InputError
 from .manifest import MANIFEST_NAME, FieldInfo
+
+
+def _names(items: Sequence[str], limit: int = 3) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit
+                                       else "")
 
 __all__ = ["InPlaceSource", "as_source"]
 
@@ -143,7 +149,22 @@ class InPlaceSource(Source):
         for name in names:
             try:
                 el = self.element(shard, name)
-            except InputError:
+            except InputError as e:
+                self._unavailable.setdefault(name, str(e))
+                continue
+            if isinstance(el, StringElement):
+                self._unavailable.setdefault(
+                    name,
+                    f"{where}: {name!r} holds strings, not categories, so it is no label "
+                    "(anndata keeps a string column as strings when every value is distinct, "
+                    "e.g. barcodes). Select a categorical column, or store integer ids, e.g. "
+                    f"adata.obs['{name.partition('/')[2]}_id'] = "
+                    f"adata.obs['{name.partition('/')[2]}'].astype('category').cat.codes.",
+                )
+                continue
+            if isinstance(el, CategoricalElement) and len(el.categories) > MAX_LABEL_CATEGORIES:
+                self._unavailable.setdefault(name, too_many_categories(where, name,
+                                                                      len(el.categories)))
                 continue
             if isinstance(el, CSRElement | CSCElement):
                 out[name] = FieldInfo("csr", str(el.dtype), (None, el.n_cols))
@@ -166,6 +187,7 @@ class InPlaceSource(Source):
     def _inspect(self) -> None:
         self._pid = os.getpid()
         self._code_maps: dict[tuple[int, str], np.ndarray] = {}
+        self._unavailable: dict[str, str] = {}
         per_input = [self._input_fields(i) for i in range(len(self._paths))]
         var_names = per_input[0][1]
         for i, (_, vn) in enumerate(per_input):
@@ -178,17 +200,42 @@ class InPlaceSource(Source):
         common = set(per_input[0][0])
         for f, _ in per_input[1:]:
             common &= set(f)
+        for name in set().union(*(f for f, _ in per_input)) - common:
+            lacking = [self.shard_name(i) for i, (f, _) in enumerate(per_input) if name not in f]
+            self._unavailable.setdefault(
+                name,
+                f"it is missing from {_names(lacking)}; in-place reading offers only fields "
+                "every input has.",
+            )
         fields: dict[str, FieldInfo] = {}
         for name in sorted(common, key=lambda n: (n != "X", n)):
             infos = [f[name] for f, _ in per_input]
             kinds = {i.kind for i in infos}
-            if len(kinds) > 1:
-                continue  # conflicting kinds across inputs: not offered in place
+            if len(kinds) > 1 or len({i.shape for i in infos}) > 1:
+                # conflicting kinds (dense in one file, sparse in another) or widths: a pool
+                # mixing them cannot be assembled, so the field is not offered in place
+                desc = [f"{self.shard_name(k)}: {i.kind} {list(i.shape)}"
+                        for k, i in enumerate(infos)]
+                self._unavailable[name] = (
+                    f"the inputs store it differently ({'; '.join(desc)}). Store it the same "
+                    "way in every file (e.g. adata.X = scipy.sparse.csr_matrix(adata.X)), or "
+                    "write a collection: create_anndata_collection(inputs, out) converts "
+                    "every input to one kind."
+                )
+                continue
             info = infos[0]
             if info.kind == "categorical":
                 union: list[Any] = []
+                seen: set[Any] = set()
                 for i in infos:
-                    union += [c for c in (i.categories or ()) if c not in set(union)]
+                    for c in i.categories or ():
+                        if c not in seen:
+                            seen.add(c)
+                            union.append(c)
+                if len(union) > MAX_LABEL_CATEGORIES:
+                    self._unavailable[name] = too_many_categories(self.describe(), name,
+                                                                  len(union))
+                    continue
                 lookup = pd.Index(union)
                 for shard, i in enumerate(infos):
                     # local code -> global code; the extra last entry maps code -1 (NaN) to -1
@@ -205,6 +252,10 @@ class InPlaceSource(Source):
         return f"InPlaceSource({self.describe()}, n_obs={self.n_obs}, fields={list(self.fields)})"
 
 
+def _looks_like_zarr(p: Path) -> bool:
+    return any((p / n).is_file() for n in (".zgroup", "zarr.json", ".zmetadata"))
+
+
 def as_source(obj: Any) -> Source:
     """Resolve a user ``source`` argument: a Source, a collection folder, or AnnData inputs."""
     if isinstance(obj, Source):
@@ -215,6 +266,13 @@ def as_source(obj: Any) -> Source:
             return open_collection(p)
         if p.is_dir() and any(p.glob(MANIFEST_NAME + ".tmp")):
             return open_collection(p)  # raises: unfinished collection
+        if p.is_dir() and not _looks_like_zarr(p):
+            raise CollectionError(
+                f"{p}: neither an annbatch_torch collection ({MANIFEST_NAME} is missing) nor an "
+                "AnnData zarr store (no .zgroup / zarr.json). If it is a collection whose write "
+                "was interrupted, rewrite it with create_anndata_collection(..., "
+                "overwrite=True); otherwise pass the collection folder or .h5ad/.zarr inputs."
+            )
         return InPlaceSource([p])
     if isinstance(obj, Sequence) and not isinstance(obj, str | bytes):
         return InPlaceSource(list(obj))

@@ -1,0 +1,405 @@
+"""Low-level I/O of the offline shuffle: routing rows to bucket files, and shard stores.
+
+Pass 1 appends rows to the bucket of their destination shard. A bucket is one raw binary
+file made of frames; each frame holds a block of rows as a header (magic, row count, byte
+length of every segment) followed by the segments, in a fixed order given by
+:func:`bucket_segments`::
+
+    pos (int64, row's position inside the shard) | name_len (int32) | name_bytes (uint8)
+    then per field: CSR -> row nnz (int32), column indices (int32), values (dtype)
+                    obsm -> values (dtype, width per row); obs -> codes / values
+
+Pass 2 loads a bucket with :func:`load_bucket` straight into preallocated arrays (no extra
+copy), puts rows in position order and writes a standard AnnData zarr store
+(:func:`write_shard`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from .elements import check_finite
+from .errors import CollectionError
+
+if TYPE_CHECKING:
+    from ._schema import Schema
+    from .inputs import InputSource
+
+__all__ = ["Segment", "bucket_segments", "BucketWriter", "load_bucket", "write_shard",
+           "encode_names", "compressors_for", "iter_blocks", "route_block", "release_memory"]
+
+_MAGIC = 0x4142544F52434831  # frame marker
+
+
+def _load_trim() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``; no-op elsewhere).
+
+    Blocks and shards are large, short-lived arrays: without this, glibc keeps freed
+    memory mapped in its arenas and RSS creeps above the ``max_memory`` budget.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One array of a bucket frame: ``per_row`` elements per row (0: variable length)."""
+
+    name: str
+    dtype: np.dtype
+    per_row: int
+
+
+def bucket_segments(fields: list[Any]) -> list[Segment]:
+    """Segments of a bucket frame for the output ``fields`` (``writer.OutField``)."""
+    segs = [Segment("pos", np.dtype(np.int64), 1), Segment("name_len", np.dtype(np.int32), 1),
+            Segment("name_bytes", np.dtype(np.uint8), 0)]
+    for f in fields:
+        if f.kind == "csr":
+            segs += [Segment(f"{f.key}:len", np.dtype(np.int32), 1),
+                     Segment(f"{f.key}:idx", np.dtype(np.int32), 0),
+                     Segment(f"{f.key}:data", f.dtype, 0)]
+        elif f.kind == "dense":
+            segs.append(Segment(f.key, f.dtype, int(f.width)))
+        elif f.kind == "categorical":
+            segs.append(Segment(f.key, np.dtype(np.int32), 1))
+        else:
+            segs.append(Segment(f.key, f.dtype, 1))
+    return segs
+
+
+def encode_names(names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """UTF-8 encode obs names: ``(lengths int32, concatenated bytes uint8)``."""
+    if len(names) == 0:
+        return np.zeros(0, np.int32), np.zeros(0, np.uint8)
+    try:  # vectorised ASCII path
+        fixed = np.asarray(names, dtype=str).astype("S")
+        width = fixed.dtype.itemsize
+        lens = np.char.str_len(fixed).astype(np.int32)
+        grid = fixed.view(np.uint8).reshape(len(fixed), width)
+        return lens, grid[np.arange(width)[None, :] < lens[:, None]]
+    except UnicodeEncodeError:
+        enc = [str(s).encode() for s in names]
+        lens = np.fromiter((len(e) for e in enc), dtype=np.int32, count=len(enc))
+        return lens, np.frombuffer(b"".join(enc), dtype=np.uint8)
+
+
+def _decode_names(lens: np.ndarray, data: np.ndarray) -> np.ndarray:
+    n = len(lens)
+    if n == 0:
+        return np.zeros(0, dtype=object)
+    offs = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lens, out=offs[1:])
+    if not data.size or int(data.max()) < 128:  # ASCII: scatter into a fixed-width grid
+        width = max(int(lens.max()), 1)
+        grid = np.zeros((n, width), dtype=np.uint8)
+        rows = np.repeat(np.arange(n), lens)
+        cols = np.arange(len(data)) - np.repeat(offs[:-1], lens)
+        grid[rows, cols] = data
+        return grid.view(f"S{width}").ravel().astype(f"U{width}").astype(object)
+    buf = data.tobytes()
+    return np.array([buf[offs[i] : offs[i + 1]].decode() for i in range(n)], dtype=object)
+
+
+def _write_all(f: Any, buf: memoryview) -> None:
+    while len(buf):
+        buf = buf[f.write(buf):]
+
+
+class BucketWriter:
+    """Append frames to bucket files ``folder/bucket_<i>.bin`` (unbuffered, LRU of fds)."""
+
+    def __init__(self, folder: Path, segments: list[Segment], max_open: int = 256) -> None:
+        self.folder, self.segments, self.max_open = Path(folder), segments, max_open
+        self._files: OrderedDict[int, Any] = OrderedDict()
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, bucket: int) -> Path:
+        return self.folder / f"bucket_{bucket:05d}.bin"
+
+    def _file(self, bucket: int) -> Any:
+        f = self._files.pop(bucket, None)
+        if f is None:
+            if len(self._files) >= self.max_open:
+                self._files.popitem(last=False)[1].close()
+            f = open(self.path(bucket), "ab", buffering=0)  # noqa: SIM115 - cached handle
+        self._files[bucket] = f
+        return f
+
+    def append(self, bucket: int, n_rows: int, arrays: list[np.ndarray]) -> None:
+        """Append one frame of ``n_rows`` rows; ``arrays`` follow :attr:`segments`."""
+        arrays = [np.ascontiguousarray(a, dtype=s.dtype) for a, s in zip(arrays, self.segments)]
+        header = np.array([_MAGIC, n_rows, *[a.nbytes for a in arrays]], dtype=np.int64)
+        f = self._file(bucket)
+        _write_all(f, memoryview(header.tobytes()))
+        for a in arrays:
+            if a.nbytes:
+                _write_all(f, memoryview(a).cast("B"))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def load_bucket(path: Path, segments: list[Segment]) -> dict[str, np.ndarray]:
+    """Read every frame of a bucket into one preallocated array per segment."""
+    k = len(segments)
+    frames: list[tuple[int, np.ndarray]] = []
+    with open(path, "rb", buffering=0) as f:
+        size, off = os.fstat(f.fileno()).st_size, 0
+        while off < size:
+            f.seek(off)
+            head = np.frombuffer(f.read(8 * (k + 2)), dtype=np.int64)
+            if len(head) != k + 2 or head[0] != _MAGIC:
+                raise CollectionError(f"{path}: damaged temporary bucket at byte {off}.")
+            frames.append((off + 8 * (k + 2), head[2:].copy()))
+            off += 8 * (k + 2) + int(head[2:].sum())
+        totals = np.sum([lens for _, lens in frames], axis=0) if frames else np.zeros(k, int)
+        out = [np.empty(int(t) // s.dtype.itemsize, dtype=s.dtype)
+               for t, s in zip(totals, segments)]
+        cursor = [0] * k
+        for start, lens in frames:
+            f.seek(start)
+            for j, n in enumerate(lens):
+                n = int(n)
+                view = memoryview(out[j].view(np.uint8))[cursor[j] : cursor[j] + n]
+                while len(view):
+                    view = view[f.readinto(view):]
+                cursor[j] += n
+    arrays = {}
+    for s, a in zip(segments, out):
+        arrays[s.name] = a.reshape(-1, s.per_row) if s.per_row > 1 else a
+    return arrays
+
+
+def compressors_for(compressor: Any, zarr_format: int) -> Any:
+    """zarr ``compressors`` for a codec name (``"lz4"``, ``"zstd"``, ``"none"``) or object."""
+    if not isinstance(compressor, str):
+        return compressor
+    name = compressor.lower()
+    if name in ("none", ""):
+        return None
+    if name not in ("lz4", "zstd", "lz4hc", "blosclz", "zlib"):
+        raise ValueError(f"compressor {compressor!r} unknown; use 'lz4', 'zstd' or 'none'.")
+    clevel = 3 if name == "zstd" else 5
+    if zarr_format == 2:
+        from numcodecs import Blosc
+
+        return Blosc(cname=name, clevel=clevel, shuffle=Blosc.SHUFFLE)
+    from zarr.codecs import BloscCodec
+
+    return BloscCodec(cname=name, clevel=clevel, shuffle="shuffle")
+
+
+def _kwargs(opts: dict[str, Any], chunks: tuple[int, ...], shape: tuple[int, ...],
+            sharded: bool = False) -> dict[str, Any]:
+    chunks = tuple(max(1, min(c, s)) for c, s in zip(chunks, shape))
+    kw: dict[str, Any] = {"chunks": chunks, "compressors": opts["compressors"]}
+    if opts["zarr_format"] == 3:
+        kw["shards"] = None
+        if sharded and opts.get("shard_elems"):
+            per = max(1, opts["shard_elems"] // chunks[0])
+            kw["shards"] = (chunks[0] * per,)
+    return kw
+
+
+def write_shard(path: Path, arrays: dict[str, np.ndarray], fields: list[Any],
+                var_names: pd.Index, opts: dict[str, Any]) -> dict[str, str]:
+    """Write one shard (rows in position order) as an AnnData zarr store.
+
+    ``arrays`` is a loaded bucket (consumed: entries are dropped as they are written to
+    bound memory). Returns the stored dtype of every field.
+    """
+    import zarr
+    from anndata.io import write_elem
+
+    pos = arrays.pop("pos")
+    n = len(pos)
+    order = np.full(n, -1, dtype=np.int64)
+    if n and (pos.min() < 0 or pos.max() >= n):
+        raise CollectionError(f"{path}: row positions out of range; internal error.")
+    order[pos] = np.arange(n)
+    if n and order.min() < 0:
+        raise CollectionError(f"{path}: some rows are missing from the bucket; internal error.")
+    del pos
+    if n < 2 or bool(np.all(order[1:] > order[:-1])):  # already in order (shuffle=False)
+        order = slice(None)  # type: ignore[assignment]
+    names = _decode_names(arrays.pop("name_len"), arrays.pop("name_bytes"))[order]
+    chunk = int(opts["chunk_elems"])
+    g = zarr.open_group(str(path), mode="w", zarr_format=opts["zarr_format"])
+    g.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+    obs: dict[str, Any] = {}
+    for f in fields:
+        if f.kind in ("categorical", "numeric", "bool"):
+            col = arrays.pop(f.key)[order]
+            if f.kind == "categorical":
+                col = pd.Categorical.from_codes(col.astype(f.dtype), categories=f.categories,
+                                                ordered=f.ordered, validate=False)
+            obs[f.key[4:]] = col
+    obs_df = pd.DataFrame(obs, index=pd.Index(names, dtype=object))
+    write_elem(g, "obs", obs_df, dataset_kwargs=_kwargs(opts, (chunk,), (max(n, 1),)))
+    del obs_df, obs, names
+    write_elem(g, "var", pd.DataFrame(index=var_names),
+               dataset_kwargs=_kwargs(opts, (chunk,), (max(len(var_names), 1),)))
+    for group in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
+        write_elem(g, group, {})
+    dtypes: dict[str, str] = {}
+    for f in fields:
+        parent, _, name = f.key.rpartition("/")
+        dest = g[parent] if parent else g
+        name = name or f.key
+        if f.kind == "csr":
+            lens = arrays.pop(f"{f.key}:len")
+            indptr = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lens, out=indptr[1:])
+            del lens
+            m = sp.csr_matrix((arrays.pop(f"{f.key}:data"), arrays.pop(f"{f.key}:idx"), indptr),
+                              shape=(n, f.width))
+            if not isinstance(order, slice):
+                m = m[order]
+            kw = _kwargs(opts, (chunk,), (max(m.nnz, 1),), sharded=True)
+            write_elem(dest, name, m, dataset_kwargs={**kw, "indptr_dtype": np.int64})
+            dtypes[f.key] = str(m.dtype)
+        elif f.kind == "dense":
+            block = arrays.pop(f.key)[order]
+            rows = max(1, chunk // max(int(f.width), 1))
+            write_elem(dest, name, block,
+                       dataset_kwargs=_kwargs(opts, (rows, int(f.width)), (max(n, 1), f.width)))
+            dtypes[f.key] = str(block.dtype)
+        else:
+            dtypes[f.key] = str(g["obs"][f.key[4:]]["codes"].dtype if f.kind == "categorical"
+                                else g["obs"][f.key[4:]].dtype)
+    return dtypes
+
+
+# -- pass 1: route rows to buckets -----------------------------------------------------
+def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
+           dtype: np.dtype) -> sp.csr_matrix:
+    """Block rows in the collection's var order and dtype (sparse in, sparse out)."""
+    if not sp.issparse(m):
+        m = sp.csr_matrix(m)
+    # a copy when sorting in place below: the block may view an in-memory input's arrays
+    data = np.array(m.data, dtype=dtype, copy=not is_sorted)
+    indices, indptr = m.indices, m.indptr
+    if col_map is not None:
+        indices = col_map[indices]
+        keep = indices >= 0
+        if not keep.all():
+            cs = np.zeros(len(keep) + 1, dtype=np.int64)
+            np.cumsum(keep, out=cs[1:])
+            indptr, indices, data = cs[indptr], indices[keep], data[keep]
+    out = sp.csr_matrix((data, indices, indptr), shape=(m.shape[0], n_out))
+    if not is_sorted:
+        out.has_sorted_indices = False
+        out.sort_indices()
+    return out
+
+
+def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
+                 obs_readers: dict[str, Any], a: int, b: int, ips: dict[str, np.ndarray],
+                 dest: np.ndarray, shard_obs: int, buckets: BucketWriter,
+                 value_check: Callable[[str, str, Any], None] | None) -> None:
+    """Pass 1 for rows ``[a, b)`` of ``src``: read every field, align genes and category
+    codes to the schema, and append the rows to the buckets of their shards.
+
+    ``dest`` holds the rows' output positions; shard ``s`` gets ``[s*shard_obs, ...)``.
+    """
+    # rows in destination order: shard by shard, and sorted inside each frame, so pass 2
+    # merges sorted runs (a cache-friendly gather) instead of fully random rows
+    identity = bool(np.all(dest[1:] > dest[:-1]))
+    order = None if identity else np.argsort(dest)
+
+    def take(x: Any) -> Any:
+        return x if order is None else x[order]
+
+    dest = take(dest)
+    shard = dest // shard_obs
+    local = dest - shard * shard_obs
+    lens, raw = encode_names(take(src.names(a, b)))
+    noff = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=noff[1:])
+    parts: list[tuple[str, Any]] = []
+    i = src.index
+    for f in schema.fields:
+        if f.kind in ("csr", "dense"):
+            block = readers[f.key].read(a, b, ips.get(f.key))
+            check_finite(src.label, f.key, block, first_row=a)  # NaN/inf refused, negatives ok
+            if value_check is not None:
+                value_check(src.label, f.key, block)
+            if f.kind == "csr":
+                block = _remap(block, schema.col_maps[i], schema.col_sorted[i], int(f.width),
+                               f.dtype)
+            else:
+                block = np.asarray(block.toarray() if sp.issparse(block) else block, f.dtype)
+            parts.append((f.kind, take(block)))
+            continue
+        values = obs_readers[f.key].read(a, b)
+        if f.kind == "categorical":
+            lut = f.luts[i] if f.luts else None  # type: ignore[index]
+            if values.dtype.kind in "iu":
+                values = lut[values.astype(np.int64)]  # code -1 hits the trailing -1
+            else:
+                values = pd.Index(f.categories).get_indexer(pd.Index(values, dtype=object))
+        parts.append(("col", take(np.asarray(values).astype(
+            np.int32 if f.kind == "categorical" else f.dtype, copy=False))))
+    bounds = np.flatnonzero(np.diff(shard)) + 1
+    starts = np.concatenate([[0], bounds])
+    stops = np.concatenate([bounds, [len(shard)]])
+    for r0, r1 in zip(starts.tolist(), stops.tolist()):
+        arrays: list[Any] = [local[r0:r1], lens[r0:r1], raw[noff[r0] : noff[r1]]]
+        for kind, x in parts:
+            if kind == "csr":
+                ip = x.indptr
+                lo, hi = int(ip[r0]), int(ip[r1])
+                arrays += [np.diff(ip[r0 : r1 + 1]), x.indices[lo:hi], x.data[lo:hi]]
+            else:
+                arrays.append(x[r0:r1])
+        buckets.append(int(shard[r0]), r1 - r0, arrays)
+
+
+def iter_blocks(src: InputSource, readers: dict[str, Any], budget: int,
+            schema: Schema) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+    """Row blocks ``[a, b)`` of ``src`` whose in-memory working set fits ``budget``."""
+    fixed = 400.0
+    nnz_cost: dict[str, float] = {}
+    for f in schema.fields:
+        if f.kind in ("csr", "dense"):
+            r = readers[f.key]
+            if r.indptr(0, 0) is None:  # dense input: the block and its CSR copy
+                fixed += 3.0 * r.n_cols * max(f.dtype.itemsize, 4)
+            else:
+                nnz_cost[f.key] = 8.0 + 3.0 * (4 + f.dtype.itemsize) + 8.0
+        else:
+            fixed += 24.0
+    a, n = 0, src.n_obs
+    while a < n:
+        b = min(n, a + max(1, min(1 << 20, int(budget // fixed))))
+        ips = {k: readers[k].indptr(a, b) for k in nnz_cost}
+        cost = fixed * np.arange(1, b - a + 1, dtype=np.float64)
+        for k, ip in ips.items():
+            cost += (ip[1:] - ip[0]) * nnz_cost[k]
+        take = max(1, int(np.searchsorted(cost, budget, side="right")))
+        yield a, a + take, {k: ip[: take + 1] for k, ip in ips.items()}
+        a += take

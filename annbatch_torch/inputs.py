@@ -1,0 +1,390 @@
+"""Open and inspect the inputs of :func:`~annbatch_torch.create_anndata_collection`.
+
+An input is an ``.h5ad`` path (read with h5py, never loaded whole), an AnnData zarr store
+path (``zarr.open_group``) or an in-memory :class:`anndata.AnnData` (a backed AnnData is
+read from its file). :class:`InputSource` gives one uniform view: row count, var names, a
+probe of each matrix / obsm / obs column (kind, dtype, shape, categories), and readers of
+row blocks. :func:`resolve_schema` turns the probes of all inputs into the collection's
+schema: one var order, the fields to carry, global categories.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from .elements import (
+    CategoricalElement,
+    CSCElement,
+    DenseElement,
+    Element,
+    StringElement,
+    element_from_memory,
+    encoding_type,
+    open_element,
+    read_index,
+)
+from .errors import InputError
+
+__all__ = ["InputSource", "MatrixProbe", "ObsProbe", "open_input"]
+
+_FIX_TYPES = "pass .h5ad files, AnnData zarr stores or anndata.AnnData objects"
+
+
+@dataclass(frozen=True)
+class MatrixProbe:
+    """What an input holds under a matrix field (``X``, ``layers/k``, ``obsm/k``)."""
+
+    kind: str  # "csr", "csc", "dense" or "unsupported"
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nnz: int | None = None  # stored entries of a sparse matrix
+    why: str = ""  # reason when unsupported
+
+
+@dataclass(frozen=True)
+class ObsProbe:
+    """What an input holds in one obs column."""
+
+    kind: str  # "categorical", "numeric", "bool", "string" or "unsupported"
+    dtype: np.dtype
+    categories: tuple[Any, ...] | None = None
+    ordered: bool = False
+    why: str = ""
+
+
+def _is_group(node: Any) -> bool:
+    return hasattr(node, "keys") and not hasattr(node, "dtype")
+
+
+def _probe_disk_matrix(node: Any) -> MatrixProbe:
+    enc = encoding_type(node)
+    if _is_group(node):
+        if enc in ("csr_matrix", "csc_matrix"):
+            shape = tuple(int(s) for s in node.attrs["shape"])
+            return MatrixProbe(enc[:3], np.dtype(node["data"].dtype), shape,
+                               int(node["data"].shape[0]))
+        return MatrixProbe("unsupported", np.dtype("f4"), (), why=f"encoding {enc!r}")
+    dtype = np.dtype(node.dtype)
+    if len(node.shape) != 2 or dtype.kind not in "biuf":
+        return MatrixProbe("unsupported", dtype, tuple(node.shape),
+                           why=f"{len(node.shape)}-d array of dtype {dtype}")
+    return MatrixProbe("dense", dtype, tuple(int(s) for s in node.shape))
+
+
+def _probe_memory_matrix(value: Any) -> MatrixProbe:
+    if sp.issparse(value) and value.format in ("csr", "csc"):
+        return MatrixProbe(value.format, np.dtype(value.dtype), tuple(value.shape), value.nnz)
+    if isinstance(value, pd.DataFrame):
+        value = value.to_numpy()
+    if isinstance(value, np.ndarray) and value.ndim == 2 and value.dtype.kind in "biuf":
+        return MatrixProbe("dense", value.dtype, tuple(value.shape))
+    return MatrixProbe("unsupported", np.dtype("f4"), (), why=f"type {type(value).__name__}")
+
+
+def _probe_disk_obs(node: Any) -> ObsProbe:
+    enc = encoding_type(node)
+    if enc == "categorical":
+        cats = open_element(node, "obs").categories  # type: ignore[attr-defined]
+        return ObsProbe("categorical", np.dtype(node["codes"].dtype), tuple(cats),
+                        bool(node.attrs.get("ordered", False)))
+    if enc in ("nullable-integer", "nullable-boolean"):
+        has_na = bool(np.asarray(node["mask"][...]).any())
+        if has_na:
+            return ObsProbe("numeric", np.dtype("f8"))
+        dt = np.dtype(node["values"].dtype)
+        return ObsProbe("bool" if dt.kind == "b" else "numeric", dt)
+    if enc == "nullable-string-array":
+        return ObsProbe("string", np.dtype(object))
+    if _is_group(node):
+        return ObsProbe("unsupported", np.dtype(object), why=f"encoding {enc!r}")
+    dt = np.dtype(node.dtype)
+    if enc == "string-array" or dt.kind in "SUOT":
+        return ObsProbe("string", np.dtype(object))
+    if node.ndim != 1 or dt.kind not in "biuf":
+        return ObsProbe("unsupported", dt, why=f"dtype {dt} with {node.ndim} dims")
+    return ObsProbe("bool" if dt.kind == "b" else "numeric", dt)
+
+
+def _probe_memory_obs(s: pd.Series) -> ObsProbe:
+    dt = s.dtype
+    if isinstance(dt, pd.CategoricalDtype):
+        codes_dtype = s.cat.codes.dtype
+        return ObsProbe("categorical", np.dtype(codes_dtype), tuple(dt.categories.tolist()),
+                        bool(dt.ordered))
+    if pd.api.types.is_bool_dtype(dt) and not s.hasnans:
+        return ObsProbe("bool", np.dtype(bool))
+    if pd.api.types.is_numeric_dtype(dt) or pd.api.types.is_bool_dtype(dt):
+        if s.hasnans or not isinstance(dt, np.dtype):
+            return ObsProbe("numeric", np.dtype("f8") if s.hasnans else np.dtype(dt.numpy_dtype))
+        return ObsProbe("numeric", dt)
+    if pd.api.types.is_string_dtype(dt) or dt is np.dtype(object):
+        return ObsProbe("string", np.dtype(object))
+    return ObsProbe("unsupported", np.dtype(object), why=f"dtype {dt}")
+
+
+class _LazyCSR:
+    """On-disk CSR read by row blocks; ``indptr`` is read per block, never whole."""
+
+    def __init__(self, group: Any) -> None:
+        self.data, self.indices, self.indptr_node = group["data"], group["indices"], group["indptr"]
+        self.n_cols = int(group.attrs["shape"][1])
+
+    def indptr(self, a: int, b: int) -> np.ndarray:
+        return np.asarray(self.indptr_node[a : b + 1], dtype=np.int64)
+
+    def read(self, a: int, b: int, ip: np.ndarray | None = None) -> sp.csr_matrix:
+        ip = self.indptr(a, b) if ip is None else ip
+        lo, hi = int(ip[0]), int(ip[-1])
+        return sp.csr_matrix(
+            (np.asarray(self.data[lo:hi]), np.asarray(self.indices[lo:hi]), ip - lo),
+            shape=(b - a, self.n_cols),
+        )
+
+
+class _MemCSR(_LazyCSR):
+    def __init__(self, m: sp.csr_matrix) -> None:
+        self.data, self.indices, self.indptr_node = m.data, m.indices, m.indptr
+        self.n_cols = int(m.shape[1])
+
+
+class _Dense:
+    def __init__(self, array: Any) -> None:
+        self.array = array
+        self.n_cols = int(array.shape[1])
+
+    def indptr(self, a: int, b: int) -> None:
+        return None
+
+    def read(self, a: int, b: int, ip: Any = None) -> np.ndarray:
+        return np.asarray(self.array[a:b])
+
+
+class _NullableStrings(Element):
+    def __init__(self, node: Any, name: str) -> None:
+        self.values, self.mask = StringElement(node["values"], name), node["mask"]
+        self.n_rows, self.name = self.values.n_rows, name
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        out = self.values.read(start, stop)
+        out[np.asarray(self.mask[start:stop], dtype=bool)] = None
+        return out
+
+
+class InputSource:
+    """One input, opened read-only.
+
+    Attributes
+    ----------
+    index
+        Position in the list of inputs.
+    label
+        Its path (or ``"<AnnData #i>"``), used in every message.
+    path
+        Absolute path, or ``None`` for an in-memory AnnData.
+    kind
+        ``"h5ad"``, ``"zarr"`` or ``"memory"``.
+    n_obs
+        Number of rows.
+    var_names
+        Its var names (unique, else :class:`InputError`).
+    matrices, obsm, obs
+        Probes of ``X`` and ``layers/<k>``, of ``obsm/<k>`` and of obs columns.
+    """
+
+    def __init__(self, obj: Any, index: int) -> None:
+        import anndata as ad
+
+        self.index = index
+        self._h5: Any = None
+        self.adata: Any = None
+        if isinstance(obj, ad.AnnData) and obj.isbacked:
+            obj = obj.filename
+        if isinstance(obj, ad.AnnData):
+            self.adata, self.path, self.kind = obj, None, "memory"
+            self.label = f"<AnnData #{index}>"
+            self._probe_memory()
+        elif isinstance(obj, str | os.PathLike):
+            self.path = Path(obj).expanduser().resolve()
+            self.label = str(self.path)
+            self._open_disk()
+            self._probe_disk()
+        else:
+            raise InputError(
+                f"input #{index}: got a {type(obj).__name__}; {_FIX_TYPES}."
+            )
+        if self.n_obs == 0:
+            raise InputError(f"{self.label}: has no cells (n_obs == 0); drop it from the inputs.")
+        names = pd.Index(self.var_names)
+        if not names.is_unique:
+            dup = names[names.duplicated()].unique()[:5].tolist()
+            raise InputError(
+                f"{self.label}: var_names are not unique (e.g. {dup}); genes cannot be aligned. "
+                "Fix: adata.var_names_make_unique() (or drop the duplicates) and save it again."
+            )
+
+    # -- opening --------------------------------------------------------------------
+    def _open_disk(self) -> None:
+        p = self.path
+        assert p is not None
+        if not p.exists():
+            raise InputError(f"{p}: no such file or folder; check the path ({_FIX_TYPES}).")
+        if p.is_dir():
+            import zarr
+
+            try:
+                self.group = zarr.open_group(str(p), mode="r")
+            except Exception as e:
+                raise InputError(
+                    f"{p}: is a folder but not a zarr store ({type(e).__name__}: {e}); "
+                    f"{_FIX_TYPES}."
+                ) from e
+            self.kind = "zarr"
+        else:
+            import h5py
+
+            if not h5py.is_hdf5(str(p)):
+                raise InputError(
+                    f"{p}: is neither an HDF5 (.h5ad) file nor a zarr store; {_FIX_TYPES}."
+                )
+            # no chunk cache: rows are read once, in large sequential slices, and the cache
+            # (plus HDF5 free lists) would hold ~9 MB per open dataset
+            self._h5 = h5py.File(str(p), "r", rdcc_nbytes=0)
+            self.group = self._h5
+            self.kind = "h5ad"
+        keys = set(self.group.keys())
+        if not {"obs", "var", "X"} <= keys:
+            self.close()
+            missing = sorted({"obs", "var", "X"} - keys)
+            raise InputError(
+                f"{p}: not an AnnData store (no {missing} at its root); {_FIX_TYPES}."
+            )
+
+    def _probe_disk(self) -> None:
+        g = self.group
+        self.var_names = read_index(g["var"])
+        self._obs_index = g["obs"][_attr_str(g["obs"].attrs.get("_index", "_index"))]
+        self.n_obs = int(self._obs_index.shape[0])
+        self.matrices = {"X": _probe_disk_matrix(g["X"])}
+        for key, sub in (("layers", self.matrices), ("obsm", {})):
+            if key in g:
+                for k in g[key]:
+                    sub[f"{key}/{k}"] = _probe_disk_matrix(g[key][k])
+            if key == "obsm":
+                self.obsm = sub
+        obs = g["obs"]
+        order = [_attr_str(c) for c in obs.attrs.get("column-order", [])]
+        self.obs = {c: _probe_disk_obs(obs[c]) for c in order}
+
+    def _probe_memory(self) -> None:
+        a = self.adata
+        self.var_names = np.asarray(a.var_names, dtype=object)
+        self.n_obs = int(a.n_obs)
+        if a.X is None:
+            raise InputError(f"{self.label}: X is None; annbatch_torch needs X to be set.")
+        self.matrices = {"X": _probe_memory_matrix(a.X)}
+        self.matrices.update({f"layers/{k}": _probe_memory_matrix(v) for k, v in a.layers.items()})
+        self.obsm = {f"obsm/{k}": _probe_memory_matrix(v) for k, v in a.obsm.items()}
+        self.obs = {str(c): _probe_memory_obs(a.obs[c]) for c in a.obs.columns}
+
+    # -- readers --------------------------------------------------------------------
+    def _value(self, key: str) -> Any:
+        if self.adata is None:
+            kind, _, k = key.partition("/")
+            return self.group[kind][k] if k else self.group[kind]
+        if key == "X":
+            return self.adata.X
+        kind, _, k = key.partition("/")
+        v = getattr(self.adata, kind)[k]
+        return v.to_numpy() if isinstance(v, pd.DataFrame) else v
+
+    def matrix_reader(self, key: str, csc_limit: int) -> Any:
+        """A reader with ``indptr(a, b)`` (or None for dense) and ``read(a, b, indptr)``."""
+        probe = self.matrices.get(key) or self.obsm[key]
+        value = self._value(key)
+        if probe.kind == "csr":
+            return _MemCSR(value) if self.adata is not None else _LazyCSR(value)
+        if probe.kind == "csc":
+            if self.adata is not None:
+                return _MemCSR(value.tocsr())
+            try:
+                return _MemCSR(CSCElement(value, key, self.label, limit=csc_limit)._csr)
+            except InputError as e:
+                raise InputError(f"{e} Or raise max_memory to 3x its size.") from None
+        return _Dense(value)
+
+    def obs_reader(self, column: str) -> Element:
+        """An :class:`Element` over obs ``column``: codes (categorical, and in-memory
+        strings, which become categorical with sorted categories), values, or strings."""
+        probe = self.obs[column]
+        name = f"obs/{column}"
+        if self.adata is not None:
+            s = self.adata.obs[column]
+            if probe.kind in ("categorical", "string"):
+                return element_from_memory(s.astype("category"), name)
+            na = {"na_value": np.nan} if probe.dtype.kind == "f" else {}
+            return DenseElement(s.to_numpy(dtype=probe.dtype, **na), name=name)
+        node = self.group["obs"][column]
+        if encoding_type(node) == "nullable-string-array":
+            return _NullableStrings(node, name)
+        return open_element(node, name, self.label)
+
+    def string_categories(self, column: str, block: int = 1 << 20) -> list[Any]:
+        """Sorted distinct values of a string obs column (streamed in blocks on disk)."""
+        el = self.obs_reader(column)
+        if isinstance(el, CategoricalElement):
+            return list(el.categories)
+        seen: set[Any] = set()
+        for a in range(0, self.n_obs, block):
+            seen.update(pd.unique(el.read(a, min(self.n_obs, a + block))))
+        return sorted(v for v in seen if isinstance(v, str))
+
+    def names(self, a: int, b: int) -> np.ndarray:
+        """obs_names of rows ``[a, b)`` as an object array of str."""
+        if self.adata is not None:
+            return np.asarray(self.adata.obs_names[a:b], dtype=object)
+        return StringElement(self._obs_index, "obs_names").read(a, b)
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """The manifest's description of this input (path, size, mtime, n_obs)."""
+        if self.path is None:
+            return {"path": None, "name": self.label, "kind": self.kind, "size": None,
+                    "mtime": None, "n_obs": self.n_obs}
+        size, mtime = _disk_usage(self.path)
+        return {"path": str(self.path), "name": self.path.name, "kind": self.kind,
+                "size": size, "mtime": mtime, "n_obs": self.n_obs}
+
+    def close(self) -> None:
+        if self._h5 is not None:
+            self._h5.close()
+            self._h5 = None
+
+
+def _attr_str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _disk_usage(path: Path) -> tuple[int, float]:
+    """Total size in bytes and latest mtime of a file or of every file under a folder."""
+    st = path.stat()
+    if not path.is_dir():
+        return int(st.st_size), float(st.st_mtime)
+    size, mtime = 0, float(st.st_mtime)
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            s = os.stat(os.path.join(root, f))
+            size += s.st_size
+            mtime = max(mtime, s.st_mtime)
+    return size, mtime
+
+
+def open_input(obj: Any, index: int) -> InputSource:
+    """Open one input (path or AnnData) as an :class:`InputSource`."""
+    return InputSource(obj, index)

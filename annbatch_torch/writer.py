@@ -1,0 +1,453 @@
+"""Offline shuffle of AnnData inputs into a collection: :func:`create_anndata_collection`.
+
+Algorithm (out of core, exact global shuffle, every input read once, sequentially):
+
+1. Open and probe every input (nothing is loaded), resolve one schema: the var order
+   (``"inner"``: genes of the first input that all inputs have; ``"outer"``: every gene,
+   in first-seen order), the fields to carry and the global (union) categories.
+2. Draw one permutation of all ``N`` rows from ``seed`` (identity with ``shuffle=False``):
+   input row ``g`` goes to output position ``pos[g]``; shard ``s`` holds positions
+   ``[s*S, (s+1)*S)``.
+3. Pass 1 streams each input in row blocks sized from ``max_memory``, remaps sparse column
+   indices to the collection's var order (never densifying), maps category codes to the
+   global codes, and appends each row, with its position, to the temporary bucket file of
+   its shard.
+4. Pass 2, shard by shard: load the bucket, put rows in position order, write the shard as
+   a standard AnnData zarr store (X and layers CSR, obsm dense, obs categoricals with the
+   global categories, so stored codes are global codes), delete the bucket.
+5. Write ``manifest.json`` last and rename the temporary folder into place.
+
+Memory: peak RSS stays under ``max_memory`` plus a fixed overhead: the interpreter and
+libraries (~300 MB with torch), zarr's thread pool, the permutation (4 bytes per cell, 8
+above 2**32 cells), the gene maps and, for CSC inputs only, the whole input matrix (CSC
+cannot be read by rows; it is refused above ``max_memory / 3``). Pass 1 blocks use about
+half of ``max_memory``; a pass-2 shard (its bucket, one field's sorted copy and its
+obs_names) about 80%. Freed memory is handed back to the OS after every block and shard
+(glibc ``malloc_trim``), and h5py files are opened without chunk cache.
+
+Disk: the temporary buckets take about the uncompressed size of the data (X, layers,
+obsm, obs) next to the output; each bucket is deleted once its shard is written. An
+interrupted write leaves ``<output>.tmp-<host>-<pid>-<hex>`` behind; the next write to the
+same output removes it once that process is gone.
+
+Defaults: ``max_memory="1GB"``; ``n_obs_per_shard`` derived from it and the measured bytes
+per row, capped at 2**20 and rounded down to a multiple of 1024; zarr format 3 (anndata
+0.12 reads and writes it); data/indices chunks of 2**17 elements (512 KiB of float32:
+small enough for partial reads of a few hundred rows, large enough to keep file counts
+and per-chunk overhead low), obsm chunks of ``2**17 // width`` rows, obs columns 2**17
+rows; Blosc lz4 (clevel 5, byte shuffle): fast to decode and ~3.5x smaller than raw on
+count data (zstd: ~5x, ~2.5x slower to write). Every chunk is written, including all-zero
+ones (the manifest says so, readers check it). All overridable.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._schema import Schema, resolve_schema
+from ._shardio import (
+    BucketWriter,
+    bucket_segments,
+    compressors_for,
+    iter_blocks,
+    load_bucket,
+    release_memory,
+    route_block,
+    write_shard,
+)
+from .collection import Collection, open_collection
+from .errors import InputError
+from .inputs import InputSource
+from .manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, write_manifest
+
+__all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",
+           "DEFAULT_CHUNK_ELEMS", "VAR_JOINS"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MEMORY = "1GB"
+DEFAULT_CHUNK_ELEMS = 1 << 17
+MAX_SHARD_OBS = 1 << 20
+VAR_JOINS = ("inner", "outer")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int or a string like ``"512MB"``, ``"2GiB"`` or ``"1.5G"``.
+
+    ``K/M/G/T`` (with or without ``B``) are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    if not m or float(m.group(1)) <= 0:
+        raise InputError(
+            f"max_memory={value!r} cannot be parsed; pass bytes (an int) or a string such as "
+            "'512MB' or '2GiB'."
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def _as_list(v: Any) -> list[Any] | None:
+    return None if v is None else [v] if isinstance(v, str) else list(v)
+
+
+# -- sizing ----------------------------------------------------------------------------
+def _avg_name_len(src: InputSource) -> float:
+    n = min(src.n_obs, 1000)
+    return float(np.mean([len(str(x).encode()) for x in src.names(0, n)])) if n else 16.0
+
+
+def _nnz_per_row(src: InputSource, key: str) -> float:
+    p = src.matrices[key]
+    if p.nnz is not None:
+        return p.nnz / max(src.n_obs, 1)
+    n = min(src.n_obs, 1000)  # dense matrix: sample the first rows
+    return float(np.count_nonzero(src.matrix_reader(key, 0).read(0, n))) / max(n, 1)
+
+
+def _bucket_row_bytes(src: InputSource, schema: Schema) -> float:
+    """Bytes one row of ``src`` takes in a bucket (and in memory in pass 2)."""
+    b = 12 + _avg_name_len(src)
+    for f in schema.fields:
+        if f.kind == "csr":
+            b += 4 + _nnz_per_row(src, f.key) * (4 + f.dtype.itemsize)
+        elif f.kind == "dense":
+            b += int(f.width) * f.dtype.itemsize
+        else:
+            b += max(4, f.dtype.itemsize)
+    return b
+
+
+def _shard_size(sources: list[InputSource], schema: Schema, max_memory: int,
+                shuffle: bool) -> int:
+    per_src = [_bucket_row_bytes(s, schema) for s in sources]
+    n = np.array([s.n_obs for s in sources], dtype=np.float64)
+    row = (float(np.dot(per_src, n) / n.sum()) * 1.1) if shuffle else max(per_src) * 1.5
+    # pass 2 holds the bucket, one sorted field copy and python str obs_names (~120 B each)
+    per_row = 2 * row + 120
+    size = int(0.8 * max_memory / per_row)
+    if size < 256:
+        logger.warning("max_memory=%d bytes holds only %d rows per shard (%.0f bytes/row); "
+                       "using 256. Raise max_memory.", max_memory, size, per_row)
+        size = 256
+    size = min(size, MAX_SHARD_OBS)
+    return size - size % 1024 if size >= 2048 else size
+
+
+# -- the public entry point --------------------------------------------------------------
+def _check_output(out: Path, overwrite: bool, sources_paths: list[Path]) -> None:
+    for p in sources_paths:
+        if p == out or out in p.parents or p in out.parents:
+            raise InputError(f"{out}: the output overlaps the input {p}; choose another "
+                             "output_path.")
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise InputError(
+            f"{out}: the output already exists. Pass overwrite=True to replace it (the old "
+            "store is removed only after the new one is complete), or choose another "
+            "output_path."
+        )
+    if out.is_dir() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+        raise InputError(
+            f"{out}: exists and is not an annbatch_torch collection (no {MANIFEST_NAME}); "
+            "refusing to delete it with overwrite=True. Remove it yourself or choose another "
+            "output_path."
+        )
+    if not out.is_dir():
+        raise InputError(f"{out}: exists and is a file, not a collection; refusing to delete "
+                         "it with overwrite=True. Remove it or choose another output_path.")
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def _sibling(out: Path, kind: str) -> Path:
+    """``<out>.<kind>-<host>-<pid>-<random>``: a temporary folder beside ``out``."""
+    return out.with_name(f"{out.name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Delete temporary folders that killed writes to ``out`` left behind.
+
+    Only those made on this host by a process that is gone: a write still running, here or
+    on another node sharing the file system, is never touched (those are logged).
+    """
+    if not out.parent.is_dir():
+        return
+    for p in sorted(out.parent.glob(f"{glob.escape(out.name)}.*-*-*-*")):
+        kind, _, rest = p.name[len(out.name) + 1 :].partition("-")
+        parts = rest.rsplit("-", 2)
+        if kind not in ("tmp", "old") or len(parts) != 3 or not parts[1].isdigit():
+            continue
+        host, pid = parts[0], int(parts[1])
+        if host == _HOST and pid != os.getpid() and not _alive(pid):
+            logger.info("Removing %s, left by an interrupted write (process %d is gone).", p,
+                        pid)
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            logger.warning("%s belongs to a write that may still run (host %s, process %d); "
+                           "not removed.", p, host, pid)
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first, deleted last."""
+    if not (out.exists() or out.is_symlink()):
+        os.replace(tmp, out)
+        return
+    old = _sibling(out, "old")
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="cells", unit_scale=True, disable=not enabled,
+                dynamic_ncols=True, leave=False)
+
+
+def create_anndata_collection(
+    adata_paths: Sequence[str | os.PathLike[str] | Any] | str | os.PathLike[str] | Any,
+    output_path: str | os.PathLike[str],
+    *,
+    shuffle: bool = True,
+    seed: int | None = 0,
+    var_join: str = "inner",
+    obs_columns: Sequence[str] | None = None,
+    layers: Sequence[str] | None = None,
+    obsm: Sequence[str] | None = None,
+    n_obs_per_shard: int | None = None,
+    max_memory: int | str = DEFAULT_MAX_MEMORY,
+    overwrite: bool = False,
+    progress: bool = True,
+    zarr_format: int = 3,
+    zarr_chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    zarr_shard_elems: int | None = None,
+    compressor: Any = "lz4",
+    value_check: Callable[[str, str, Any], None] | None = None,
+) -> Collection:
+    """Shuffle AnnData inputs into a collection of zarr shards, out of core.
+
+    Parameters
+    ----------
+    adata_paths
+        Inputs, mixed freely: ``.h5ad`` paths, AnnData zarr store paths, ``AnnData``
+        objects (in memory or backed). X may be CSR, CSC or dense.
+    output_path
+        The collection folder to create.
+    shuffle
+        Spread rows of all inputs uniformly over all shards (exact global shuffle). With
+        False, rows keep input order.
+    seed
+        Seed of the shuffle: the same seed gives the same store, another seed another
+        order. ``None`` draws one (recorded in the manifest).
+    var_join
+        ``"inner"``: genes present in every input; ``"outer"``: every gene, absent genes
+        are implicit zeros. Order: first-seen across inputs.
+    obs_columns
+        obs columns to carry; ``None``: every column present in all inputs (categorical,
+        numeric, bool; strings become categorical, which is logged).
+    layers, obsm
+        Layers / obsm entries to carry; ``None``: those present (and readable) in all
+        inputs. An explicit name missing from an input is an :class:`InputError`.
+    n_obs_per_shard
+        Rows per shard; default: derived from ``max_memory`` and the measured bytes per
+        row, at most 2**20.
+    max_memory
+        Memory budget in bytes or as a string (``"1GB"``, ``"512MiB"``). Peak RSS stays
+        under it plus a fixed overhead (see the module docs; 4 bytes per cell for the
+        permutation).
+    overwrite
+        Replace an existing collection at ``output_path`` (atomically: the old one is
+        deleted only once the new one is complete). Without it an existing output is an
+        error. A non-empty folder that is not a collection is never deleted.
+    progress
+        Show tqdm progress bars (cells/s) on stderr.
+    zarr_format, zarr_chunk_elems, zarr_shard_elems, compressor
+        Storage of the shards: zarr format (3 or 2), elements per chunk of 1-D arrays
+        (obsm chunks hold ``zarr_chunk_elems // width`` rows), optional zarr v3 sharding of
+        X/layers arrays (elements per zarr shard), and the codec: ``"lz4"`` (Blosc lz4,
+        byte shuffle), ``"zstd"`` (Blosc zstd level 3), ``"none"``, or zarr codec objects.
+    value_check
+        Hook called as ``value_check(input_label, field, block)`` on every block of X,
+        layers and obsm read (CSR matrix or array); raise to reject an input (e.g. NaN or
+        negative counts).
+
+    Returns
+    -------
+    Collection
+        The written collection, opened.
+
+    Raises
+    ------
+    InputError
+        A missing or non-AnnData input, duplicate var_names in an input, an inner join with
+        no genes, an obs column of different kinds across inputs, an unknown ``var_join``,
+        an existing output without ``overwrite``. Nothing is written then.
+    """
+    if var_join not in VAR_JOINS:
+        raise InputError(f"var_join={var_join!r} is unknown; use 'inner' (genes in every "
+                         "input) or 'outer' (all genes, absent ones are zeros).")
+    budget = parse_memory(max_memory)
+    if n_obs_per_shard is not None and (int(n_obs_per_shard) != n_obs_per_shard
+                                        or n_obs_per_shard < 1):
+        raise InputError(f"n_obs_per_shard={n_obs_per_shard!r} must be a positive integer.")
+    if zarr_format not in (2, 3):
+        raise InputError(f"zarr_format={zarr_format!r} must be 2 or 3.")
+    opts = {"zarr_format": zarr_format, "chunk_elems": int(zarr_chunk_elems),
+            "shard_elems": zarr_shard_elems,
+            "compressors": compressors_for(compressor, zarr_format)}
+    if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
+        adata_paths = [adata_paths]
+    if not adata_paths:
+        raise InputError("adata_paths is empty; pass at least one .h5ad / zarr / AnnData.")
+    out = Path(output_path).expanduser().absolute()
+    disk = [Path(p).expanduser().resolve() for p in adata_paths if isinstance(p, str | os.PathLike)]
+    _check_output(out, overwrite, disk)
+    _remove_stale_temporaries(out)
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (2**63))
+    sources: list[InputSource] = []
+    tmp: Path | None = None
+    try:
+        for i, obj in enumerate(adata_paths):
+            sources.append(InputSource(obj, i))
+        schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
+                                _as_list(obsm))
+        n_total = sum(s.n_obs for s in sources)
+        shard_obs = int(n_obs_per_shard or _shard_size(sources, schema, budget, shuffle))
+        n_shards = -(-n_total // shard_obs)
+        logger.info("Writing %d cells x %d genes (%s join) from %d inputs into %d shards of "
+                    "%d rows at %s.", n_total, len(schema.var_names), var_join, len(sources),
+                    n_shards, shard_obs, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _sibling(out, "tmp")
+        tmp.mkdir()
+        shards, dtypes = _run_passes(sources, schema, tmp, n_total, shard_obs, shuffle, seed,
+                                     budget, opts, progress, value_check)
+        _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
+                                   var_join, shard_obs, budget, opts, compressor)
+        _swap_into_place(tmp, out)
+        tmp = None
+    finally:
+        for s in sources:
+            s.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return open_collection(out)
+
+
+def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
+                shard_obs: int, shuffle: bool, seed: int, budget: int, opts: dict[str, Any],
+                progress: bool, value_check: Any) -> tuple[list[ShardInfo], dict[str, str]]:
+    import zarr
+
+    if shuffle:  # dest[g]: output position of global input row g
+        dest = np.arange(n_total, dtype=np.uint32 if n_total < 2**32 else np.int64)
+        np.random.default_rng(seed).shuffle(dest)
+    else:
+        dest = None
+    segments = bucket_segments(schema.fields)
+    buckets = BucketWriter(tmp / ".buckets", segments)
+    csc_limit = budget // 3
+    offset = 0
+    try:
+        with _progress(n_total, "shuffle 1/2: bucket", progress) as bar:
+            for src in sources:
+                readers = {f.key: src.matrix_reader(f.key, csc_limit)
+                           for f in schema.fields if f.kind in ("csr", "dense")}
+                obs = {f.key: src.obs_reader(f.key[4:])
+                       for f in schema.fields if f.key.startswith("obs/")}
+                for a, b, ips in iter_blocks(src, readers, budget // 2, schema):
+                    d = (np.arange(offset + a, offset + b, dtype=np.int64) if dest is None
+                         else dest[offset + a: offset + b].astype(np.int64))
+                    route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, buckets,
+                                value_check)
+                    del d, ips
+                    release_memory()
+                    bar.update(b - a)
+                offset += src.n_obs
+                del readers, obs
+    finally:
+        buckets.close()
+    del dest
+    shards, dtypes = [], {}
+    with _progress(n_total, "shuffle 2/2: write", progress) as bar, \
+            zarr.config.set({"array.write_empty_chunks": True}):
+        for s in range(-(-n_total // shard_obs)):
+            name = f"shard_{s:05d}.zarr"
+            n = min(n_total, (s + 1) * shard_obs) - s * shard_obs
+            arrays = load_bucket(buckets.path(s), segments)
+            if len(arrays["pos"]) != n:
+                raise InputError(f"{tmp}: shard {s} received {len(arrays['pos'])} rows, "
+                                 f"expected {n}; an input changed while being read?")
+            dtypes = write_shard(tmp / name, arrays, schema.fields, schema.var_names, opts)
+            del arrays
+            release_memory()
+            os.remove(buckets.path(s))
+            shards.append(ShardInfo(name, n))
+            bar.update(n)
+    shutil.rmtree(tmp / ".buckets", ignore_errors=True)
+    return shards, dtypes
+
+
+def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Schema,
+                               shards: list[ShardInfo], dtypes: dict[str, str], seed: int,
+                               shuffle: bool, var_join: str, shard_obs: int, budget: int,
+                               opts: dict[str, Any], compressor: Any) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        created_by = f"annbatch_torch {version('annbatch-torch')}"
+    except PackageNotFoundError:
+        created_by = "annbatch_torch"
+    fields = {}
+    for f in schema.fields:
+        shape = (None, int(f.width)) if f.kind in ("csr", "dense") else (None,)
+        fields[f.key] = FieldInfo(
+            kind=f.kind, dtype=dtypes.get(f.key, str(f.dtype)), shape=shape,
+            categories=tuple(f.categories) if f.kind == "categorical" else None,
+            ordered=f.ordered,
+        )
+    writer = {"n_obs_per_shard": shard_obs, "max_memory": budget,
+              "zarr_format": opts["zarr_format"], "zarr_chunk_elems": opts["chunk_elems"],
+              "zarr_shard_elems": opts["shard_elems"],
+              "compressor": compressor if isinstance(compressor, str) else repr(compressor)}
+    manifest = Manifest(
+        n_obs=sum(s.n_obs for s in shards), n_vars=len(schema.var_names), shards=shards,
+        fields=fields, var_names=[str(v) for v in schema.var_names], seed=seed,
+        shuffle=shuffle, var_join=var_join, inputs=[s.record() for s in sources],
+        created_by=created_by, all_chunks_written=True,
+        extra={"writer": writer, **({"unavailable": schema.unavailable}
+                                    if schema.unavailable else {})},
+    )
+    write_manifest(tmp, manifest)

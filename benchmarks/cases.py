@@ -1,0 +1,655 @@
+"""The benchmark cases; each runs in a fresh process.
+
+Run one case by hand with::
+
+    python benchmarks/cases.py CASE_NAME CONFIG.json
+
+``CONFIG.json`` holds the inputs (h5ad paths, collection folder, batch size, number of
+warm-up and timed batches, ...) and ``result``, the file the case writes its JSON result
+to. :mod:`run` writes that file and calls this script once per case, so every loader
+starts from a fresh interpreter and its peak RSS is its own.
+
+Every loader case reports ``cells_per_s`` over ``n_batches`` timed batches after
+``n_warmup`` warm-up batches, the peak RSS of the process (and of each DataLoader
+worker) and ``entropy``, the mean per-batch Shannon entropy of ``cell_type`` (the caller
+divides it by that of truly random batches).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import inspect
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    CpuClock,
+    MemoryMonitor,
+    batch_entropy,
+    peak_rss_self_mb,
+    rss_mb,
+    time_batches,
+)
+
+__all__ = ["CASES", "EXPERIMENTS", "run_case", "main"]
+
+Config = dict[str, Any]
+Result = dict[str, Any]
+
+
+# -- helpers -------------------------------------------------------------------------
+def _n_classes(cfg: Config) -> int:
+    return int(cfg["n_classes"])
+
+
+def _loader_result(run: Any, mon: MemoryMonitor, cfg: Config, **extra: Any) -> Result:
+    out: Result = {
+        "cells_per_s": run.cells_per_s,
+        "n_cells": run.n_cells,
+        "n_batches": run.n_batches,
+        "seconds": run.seconds,
+        "warmup_seconds": run.warmup_seconds,
+        "entropy": batch_entropy(run.labels, _n_classes(cfg)) if run.labels else None,
+        "cells_per_cpu_s": run.cells_per_cpu_s,
+        "cpu": run.cpu,
+    }
+    out.update(mon.summary())
+    out.update(extra)
+    return out
+
+
+def _torch_labels(batch: dict[str, Any]) -> np.ndarray:
+    return batch["y"].numpy()
+
+
+def _rows(batch: dict[str, Any]) -> int:
+    return int(batch["x"].shape[0])
+
+
+def _check_sparse(batch: dict[str, Any]) -> None:
+    import torch
+
+    if batch["x"].layout != torch.sparse_csr:
+        raise TypeError(f"expected a sparse CSR tensor, got layout {batch['x'].layout}")
+
+
+def _check_dense(batch: dict[str, Any]) -> None:
+    import torch
+
+    x = batch["x"]
+    if x.layout != torch.strided or x.dtype != torch.float32:
+        raise TypeError(f"expected a dense float32 tensor, got {x.layout} {x.dtype}")
+
+
+# -- the writer and its baseline -----------------------------------------------------
+def case_writer(cfg: Config) -> Result:
+    """``create_anndata_collection`` on the two grouped h5ad files (time, peak RSS)."""
+    import annbatch_torch as abt
+
+    writer = abt.create_anndata_collection
+    params = inspect.signature(writer).parameters
+    kwargs: dict[str, Any] = {"seed": cfg["seed"], "overwrite": True}
+    if cfg.get("max_memory") is not None:
+        kwargs["max_memory"] = cfg["max_memory"]
+    if "obs_columns" in params:
+        kwargs["obs_columns"] = ["cell_type"]
+    if "progress" in params:
+        kwargs["progress"] = False
+    max_memory = kwargs.get("max_memory", params["max_memory"].default
+                            if "max_memory" in params else None)
+    with MemoryMonitor(interval=0.05) as mon:
+        clock = CpuClock()
+        t0 = time.perf_counter()
+        coll = writer(cfg["paths"], cfg["store"], **kwargs)
+        seconds = time.perf_counter() - t0
+        cpu = clock.read()
+    store_bytes = sum(f.stat().st_size for f in Path(cfg["store"]).rglob("*") if f.is_file())
+    out = {
+        "seconds": seconds,
+        "cells_per_s": coll.n_obs / seconds,
+        "max_memory": max_memory,
+        "max_memory_bytes": _memory_bytes(max_memory),
+        "n_shards": len(coll.shard_sizes),
+        "shard_sizes": list(coll.shard_sizes),
+        "store_mb": store_bytes / 2**20,
+        "kwargs": {k: v for k, v in kwargs.items() if k != "overwrite"},
+        "layout": _store_layout(Path(cfg["store"])),
+        "cpu": cpu,
+        "cells_per_cpu_s": coll.n_obs / cpu["own_cpu_s"] if cpu["own_cpu_s"] else None,
+    }
+    out.update(mon.summary())
+    return out
+
+
+def _memory_bytes(value: Any) -> int | None:
+    """``max_memory`` in bytes, parsed the way the writer parses it."""
+    if value is None:
+        return None
+    try:
+        from annbatch_torch.writer import parse_memory
+    except ImportError:
+        return int(value) if isinstance(value, int | float) else None
+    return parse_memory(value)
+
+
+def _store_layout(store: Path) -> dict[str, Any]:
+    """Chunk / shard shape and codecs of ``X/data`` in the first shard (for the report)."""
+    import zarr
+
+    try:
+        from annbatch_torch import open_collection
+
+        coll = open_collection(store)
+        arr = zarr.open_group(str(coll.shard_path(0)), mode="r")["X"]["data"]
+        meta = arr.metadata.to_dict()
+        return {
+            "X_data_chunks": list(arr.chunks),
+            "X_data_shards": list(arr.shards) if getattr(arr, "shards", None) else None,
+            "codecs": json.loads(json.dumps(meta.get("codecs"), default=str)),
+            "zarr_format": meta.get("zarr_format"),
+        }
+    except Exception as e:  # only descriptive
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def case_anndata_write(cfg: Config) -> Result:
+    """Baseline for the writer: anndata reads both inputs into memory, writes one zarr."""
+    import shutil
+
+    import anndata as ad
+
+    out_path = Path(cfg["store"]).with_name("anndata_baseline.zarr")
+    shutil.rmtree(out_path, ignore_errors=True)
+    with MemoryMonitor(interval=0.05) as mon:
+        clock = CpuClock()
+        t0 = time.perf_counter()
+        adatas = [ad.read_h5ad(p) for p in cfg["paths"]]
+        t1 = time.perf_counter()
+        merged = ad.concat(adatas, merge="same")
+        del adatas
+        merged.write_zarr(out_path)
+        seconds = time.perf_counter() - t0
+        cpu = clock.read()
+    n_obs = merged.n_obs
+    shutil.rmtree(out_path, ignore_errors=True)
+    out = {"seconds": seconds, "read_seconds": t1 - t0, "cells_per_s": n_obs / seconds,
+           "cpu": cpu, "cells_per_cpu_s": n_obs / cpu["own_cpu_s"] if cpu["own_cpu_s"] else None}
+    out.update(mon.summary())
+    return out
+
+
+# -- our loader ----------------------------------------------------------------------
+def _ours_dataset(cfg: Config, source: Any, densify: bool, **kw: Any) -> Any:
+    from annbatch_torch import A, AnnBatchDataset
+
+    return AnnBatchDataset(
+        source, selector={"x": A.X, "y": A.obs["cell_type"]}, batch_size=cfg["batch_size"],
+        densify=densify, seed=cfg["seed"], **kw,
+    )
+
+
+def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
+              expect_dense: bool | None = None, **kw: Any) -> Result:
+    import torch
+
+    ds = _ours_dataset(cfg, source, densify, **kw)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+                                         persistent_workers=workers > 0)
+    dense = densify if expect_dense is None else expect_dense
+    check = _check_dense if dense else _check_sparse
+
+    def epochs(e: int) -> Any:
+        ds.set_epoch(e)
+        return loader
+
+    with MemoryMonitor() as mon:
+        run = time_batches(epochs, n_warmup=cfg["n_warmup"], n_batches=cfg["n_batches"],
+                           n_cells_of=_rows, labels_of=_torch_labels, consume=check)
+    return _loader_result(
+        run, mon, cfg, chunk_size=ds.chunk_size, preload_nchunks=ds.preload_nchunks,
+        read_threads=ds.read_threads,
+    )
+
+
+def _make_ours(densify: bool, workers: int) -> Callable[[Config], Result]:
+    def case(cfg: Config) -> Result:
+        return _run_ours(cfg, cfg["store"], densify, workers)
+
+    kind = "dense (densify=True)" if densify else "torch sparse CSR"
+    case.__doc__ = f"annbatch_torch on our collection, {kind}, num_workers={workers}."
+    return case
+
+
+def case_ours_inplace_dense_w0(cfg: Config) -> Result:
+    """annbatch_torch reading the grouped h5ad files in place (no offline shuffle)."""
+    return _run_ours(cfg, [Path(p) for p in cfg["paths"]], True, 0)
+
+
+def case_memory(cfg: Config) -> Result:
+    """RSS of the main process and each worker at the end of each epoch (dense, 2
+    persistent workers): one warm-up epoch, then ``memory_epochs`` epochs; growth = end of
+    the last epoch vs end of the warm-up epoch (and, for the record, vs epoch 0's end)."""
+    import psutil
+    import torch
+
+    ds = _ours_dataset(cfg, cfg["store"], True)
+    workers = 2
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=workers, persistent_workers=True
+    )
+    me = psutil.Process(os.getpid())
+    per_epoch: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    cells = 0
+    with MemoryMonitor() as mon:
+        for e in range(cfg["memory_epochs"] + 1):  # epoch 0 warms allocators and caches up
+            ds.set_epoch(e)
+            for batch in loader:
+                _check_dense(batch)
+                cells += _rows(batch)
+            del batch
+            gc.collect()
+            kids = sorted(me.children(recursive=True), key=lambda p: p.pid)
+            per_epoch.append({
+                "epoch": e,
+                "main_rss_mb": rss_mb(),
+                "worker_rss_mb": [k.memory_info().rss / 2**20 for k in kids],
+                "worker_uss_mb": [k.memory_full_info().uss / 2**20 for k in kids],
+            })
+    seconds = time.perf_counter() - t0
+    del loader
+
+    def growth(key: str, start: int = 1) -> float:
+        first, last = per_epoch[start][key], per_epoch[-1][key]
+        if isinstance(first, list):
+            pairs = list(zip(first, last))
+            return max((b - a) / a for a, b in pairs) if pairs else float("nan")
+        return (last - first) / first
+
+    out = {
+        "epochs": per_epoch,
+        "cells_per_s": cells / seconds,
+        "main_growth": growth("main_rss_mb"),
+        "worker_growth": growth("worker_rss_mb"),
+        "worker_uss_growth": growth("worker_uss_mb"),
+        "main_growth_from_epoch0": growth("main_rss_mb", 0),
+        "worker_growth_from_epoch0": growth("worker_rss_mb", 0),
+    }
+    out.update(mon.summary())
+    return out
+
+
+# -- peers -----------------------------------------------------------------------------
+def _global_codes(adatas: list[Any]) -> np.ndarray:
+    import pandas as pd
+
+    cats = pd.Index(sorted(set().union(*(a.obs["cell_type"].cat.categories for a in adatas))))
+    return np.concatenate([
+        cats.get_indexer(a.obs["cell_type"].astype(str)).astype(np.int64) for a in adatas
+    ])
+
+
+def _scd_fetch(collection: Any, indices: np.ndarray) -> tuple[Any, np.ndarray]:
+    # what the scDataset / arrayloader benchmarks do: AnnCollection view -> X (CSR)
+    return collection[indices].X, collection.codes[indices]
+
+
+def _scd_batch(data: tuple[Any, np.ndarray], idx: np.ndarray) -> tuple[Any, np.ndarray]:
+    x, y = data
+    return x[idx], y[idx]
+
+
+def _scd_densify(batch: tuple[Any, np.ndarray]) -> dict[str, Any]:
+    import torch
+
+    x, y = batch
+    x = x.toarray() if hasattr(x, "toarray") else np.asarray(x)
+    return {"x": torch.from_numpy(x.astype(np.float32, copy=False)), "y": torch.from_numpy(y)}
+
+
+def _make_scdataset(workers: int) -> Callable[[Config], Result]:
+    def case(cfg: Config) -> Result:
+        import anndata as ad
+        import scdataset
+        import torch
+        from anndata.experimental import AnnCollection
+        from scdataset import BlockShuffling, scDataset
+
+        adatas = [ad.read_h5ad(p, backed="r") for p in cfg["paths"]]
+        collection = AnnCollection(adatas)
+        collection.codes = _global_codes(adatas)
+        block_size, fetch_factor = cfg["scd_block_size"], cfg["scd_fetch_factor"]
+        ds = scDataset(
+            collection, BlockShuffling(block_size=block_size), batch_size=cfg["batch_size"],
+            fetch_factor=fetch_factor, fetch_callback=_scd_fetch, batch_callback=_scd_batch,
+            batch_transform=_scd_densify, seed=cfg["seed"],
+        )
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+                                             persistent_workers=workers > 0)
+        with MemoryMonitor() as mon:
+            run = time_batches(lambda e: loader, n_warmup=cfg["n_warmup"],
+                               n_batches=cfg["n_batches"], n_cells_of=_rows,
+                               labels_of=_torch_labels, consume=_check_dense)
+        return _loader_result(run, mon, cfg, block_size=block_size, fetch_factor=fetch_factor,
+                              version=scdataset.__version__)
+
+    case.__doc__ = (f"scDataset block shuffling over backed h5ad (AnnCollection), densified "
+                    f"in batch_transform, num_workers={workers}.")
+    return case
+
+
+def _annloader_batch_labels(batch: Any) -> np.ndarray:
+    return np.asarray(batch.obs["codes"])
+
+
+def _make_annloader(workers: int) -> Callable[[Config], Result]:
+    def case(cfg: Config) -> Result:
+        import warnings
+
+        import anndata as ad
+        import pandas as pd
+        from anndata.experimental.pytorch import AnnLoader
+
+        adatas = [ad.read_h5ad(p, backed="r") for p in cfg["paths"]]
+        codes = _global_codes(adatas)
+        off = 0
+        for a in adatas:  # numeric codes survive the default converter as tensors
+            a.obs["codes"] = pd.Series(codes[off : off + a.n_obs], index=a.obs_names)
+            off += a.n_obs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loader = AnnLoader(adatas, batch_size=cfg["batch_size"], shuffle=True,
+                               num_workers=workers)
+
+        def cells(b: Any) -> int:
+            return int(b.X.shape[0])
+
+        def check(b: Any) -> None:
+            import torch
+
+            if not isinstance(b.X, torch.Tensor) or b.X.layout != torch.strided:
+                raise TypeError(f"AnnLoader gave X of type {type(b.X)}")
+
+        def labels(b: Any) -> np.ndarray:
+            return np.asarray(b.obs["codes"]).astype(np.int64)
+
+        try:
+            with MemoryMonitor() as mon:
+                run = time_batches(lambda e: loader, n_warmup=cfg["n_warmup"],
+                                   n_batches=min(cfg["n_batches"], cfg["slow_batches"]),
+                                   n_cells_of=cells,
+                                   labels_of=labels, consume=check)
+        except TypeError as e:
+            if workers and "AnnCollectionView" in str(e):
+                return {"status": "unsupported", "reason": (
+                    "with num_workers > 0 AnnLoader hands batch_size to a plain DataLoader, "
+                    "which fetches one row at a time and cannot collate AnnCollectionView "
+                    "rows (default_collate TypeError)")}
+            raise
+        return _loader_result(run, mon, cfg)
+
+    case.__doc__ = f"anndata AnnLoader over backed h5ad, shuffle=True, num_workers={workers}."
+    return case
+
+
+def case_annbatch(cfg: Config) -> Result:
+    """scverse annbatch (needs Python >= 3.12), when importable."""
+    if importlib.util.find_spec("annbatch") is None:
+        return {"status": "skipped",
+                "reason": f"annbatch is not importable here (Python "
+                          f"{sys.version_info.major}.{sys.version_info.minor}; annbatch 0.3 "
+                          "needs >= 3.12)"}
+    return {"status": "skipped", "reason": "annbatch is importable but this harness has no "
+            "annbatch case yet"}
+
+
+# -- ceilings --------------------------------------------------------------------------
+def case_ceiling_inmemory(cfg: Config) -> Result:
+    """CSR fully in RAM: random rows (sorted per batch) + ``.toarray()``."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    adatas = [ad.read_h5ad(p) for p in cfg["paths"]]
+    codes = _global_codes(adatas)
+    x = sp.vstack([a.X for a in adatas], format="csr")
+    del adatas
+    gc.collect()
+    bs = cfg["batch_size"]
+
+    def epochs(e: int) -> Any:
+        perm = np.random.default_rng([cfg["seed"], e]).permutation(x.shape[0])
+        for b in range(0, len(perm), bs):
+            idx = np.sort(perm[b : b + bs])
+            yield x[idx].toarray(), codes[idx]
+
+    with MemoryMonitor() as mon:
+        run = time_batches(epochs, n_warmup=cfg["n_warmup"], n_batches=cfg["n_batches"],
+                           n_cells_of=lambda b: b[0].shape[0], labels_of=lambda b: b[1])
+    return _loader_result(run, mon, cfg)
+
+
+def _front_to_back(cfg: Config, pipeline: str | None) -> Result:
+    import zarr
+
+    from annbatch_torch import open_collection
+
+    coll = open_collection(cfg["store"])
+    ctx = (zarr.config.set({"codec_pipeline.path": pipeline}) if pipeline
+           else zarr.config.set({}))
+    times, cpus = [], []
+    nnz = 0
+    with ctx, MemoryMonitor() as mon:
+        for _ in range(cfg["seq_passes"]):
+            nnz = 0
+            clock = CpuClock()
+            t0 = time.perf_counter()
+            for s in range(len(coll.shard_sizes)):
+                g = zarr.open_group(str(coll.shard_path(s)), mode="r")["X"]
+                data, indices, indptr = g["data"][...], g["indices"][...], g["indptr"][...]
+                nnz += data.shape[0]
+                if indices.shape != data.shape or indptr[-1] != data.shape[0]:
+                    raise RuntimeError(f"shard {s}: inconsistent CSR arrays")
+                del data, indices, indptr
+            times.append(time.perf_counter() - t0)
+            cpus.append(clock.read())
+    i = int(np.argmin(times))
+    best = times[i]
+    out = {"cells_per_s": coll.n_obs / best, "seconds": best, "all_seconds": times,
+           "cpu": cpus[i], "cells_per_cpu_s": coll.n_obs / cpus[i]["own_cpu_s"]
+           if cpus[i]["own_cpu_s"] else None,
+           "n_cells": coll.n_obs, "nnz": nnz, "mb_per_s": nnz * 8 / 2**20 / best,
+           "pipeline": pipeline or "zarr default"}
+    out.update(mon.summary())
+    return out
+
+
+def case_ceiling_seq_zarr(cfg: Config) -> Result:
+    """Front-to-back read of our store's X (data, indices, indptr) with zarr's default
+    codec pipeline."""
+    return _front_to_back(cfg, None)
+
+
+def case_ceiling_seq_zarrs(cfg: Config) -> Result:
+    """Front-to-back read of our store's X with the zarrs (Rust) codec pipeline."""
+    if importlib.util.find_spec("zarrs") is None:
+        return {"status": "skipped", "reason": "zarrs is not installed"}
+    return _front_to_back(cfg, "zarrs.ZarrsCodecPipeline")
+
+
+# -- experiments: candidate fast paths, built from public hooks only -----------------------
+def _hugepage_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """Zeroed float32 array in an anonymous mapping advised for transparent huge pages
+    (2 MiB page faults instead of 4 KiB ones; freed when the array is)."""
+    import mmap
+
+    nbytes = max(1, int(np.prod(shape)) * 4)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
+
+
+def _shared_zeros(shape: tuple[int, int]) -> Any:
+    """A zeroed float32 tensor allocated in shared memory (no copy at worker hand-off)."""
+    import torch
+
+    st = torch.UntypedStorage._new_shared(max(1, shape[0] * shape[1] * 4))
+    return torch.empty(0, dtype=torch.float32).set_(st, 0, shape, (shape[1], 1))
+
+
+def conv_dense_hugepage(batch: dict[str, Any]) -> dict[str, Any]:
+    """Densify CSR into a huge-page buffer (in the worker), then the default converter."""
+    from annbatch_torch import batch_dict_converter
+
+    x = batch["x"]
+    batch = dict(batch, x=x.toarray(out=_hugepage_zeros(x.shape)))
+    return batch_dict_converter(batch)
+
+
+def conv_dense_shared(batch: dict[str, Any]) -> dict[str, Any]:
+    """Densify CSR straight into a shared-memory tensor, in a worker; huge pages in the
+    main process (where nothing needs sharing)."""
+    import torch
+
+    from annbatch_torch import batch_dict_converter
+
+    if torch.utils.data.get_worker_info() is None:
+        return conv_dense_hugepage(batch)
+    x = batch["x"]
+    t = _shared_zeros(x.shape)
+    x.toarray(out=t.numpy())
+    out = batch_dict_converter({k: v for k, v in batch.items() if k != "x"})
+    out["x"] = t
+    return out
+
+
+def conv_sparse_int32(batch: dict[str, Any]) -> dict[str, Any]:
+    """torch sparse CSR with int32 indices (no int64 copies of indices / indptr)."""
+    import torch
+
+    from annbatch_torch import batch_dict_converter
+
+    x = batch["x"]
+    out = batch_dict_converter({k: v for k, v in batch.items() if k != "x"})
+    out["x"] = torch.sparse_csr_tensor(
+        torch.from_numpy(x.indptr.astype(np.int32)), torch.from_numpy(x.indices),
+        torch.from_numpy(x.data), size=x.shape, check_invariants=False)
+    return out
+
+
+def _raw_store(cfg: Config) -> str:
+    """The inputs written uncompressed (``compressor="none"``: read by the raw path)."""
+    import annbatch_torch as abt
+
+    path = Path(cfg["store"]).with_name("collection_raw")
+    if not (path / "manifest.json").exists():
+        abt.create_anndata_collection(cfg["paths"], path, seed=cfg["seed"], overwrite=True,
+                                      compressor="none", obs_columns=["cell_type"],
+                                      progress=False)
+    return str(path)
+
+
+def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bool = False,
+                raw: bool = False, **kw: Any) -> Callable[[Config], Result]:
+    def case(cfg: Config) -> Result:
+        if zarrs:
+            import zarr
+
+            zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
+        store = _raw_store(cfg) if raw else cfg["store"]
+        conv_dense = converter is not None and converter is not conv_sparse_int32
+        out = _run_ours(cfg, store, densify and not conv_dense, workers,
+                        batch_converter=converter, expect_dense=densify, **kw)
+        out["variant"] = {"converter": getattr(converter, "__name__", None), "zarrs": zarrs,
+                          "raw_store": raw, **kw}
+        return out
+
+    case.__doc__ = (f"experiment: {'dense' if densify else 'sparse'}, {workers} workers, "
+                    f"converter={getattr(converter, '__name__', None)}, zarrs={zarrs}, "
+                    f"raw={raw}, {kw}")
+    return case
+
+
+EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
+    "exp_dense_w0_hugepage": _experiment(True, 0, converter=conv_dense_hugepage),
+    "exp_dense_w2_hugepage": _experiment(True, 2, converter=conv_dense_hugepage),
+    "exp_dense_w2_shared": _experiment(True, 2, converter=conv_dense_shared),
+    "exp_sparse_w0_int32": _experiment(False, 0, converter=conv_sparse_int32),
+    "exp_sparse_w2_int32": _experiment(False, 2, converter=conv_sparse_int32),
+    "exp_sparse_w0_zarrs": _experiment(False, 0, zarrs=True),
+    "exp_sparse_w0_raw": _experiment(False, 0, raw=True),
+    "exp_sparse_w0_threads1": _experiment(False, 0, read_threads=1),
+    "exp_sparse_w0_threads2": _experiment(False, 0, read_threads=2),
+    "exp_sparse_w0_noprefetch": _experiment(False, 0, prefetch=False),
+    "exp_sparse_w0_chunk256": _experiment(False, 0, chunk_size=256, preload_nchunks=64),
+    "exp_sparse_w0_chunk1024": _experiment(False, 0, chunk_size=1024, preload_nchunks=16),
+    "exp_dense_w0_best": _experiment(True, 0, converter=conv_dense_hugepage, zarrs=True),
+    "exp_dense_w2_best": _experiment(True, 2, converter=conv_dense_shared, zarrs=True),
+    "exp_sparse_w0_best": _experiment(False, 0, converter=conv_sparse_int32, zarrs=True),
+    "exp_sparse_w2_best": _experiment(False, 2, converter=conv_sparse_int32, zarrs=True),
+}
+
+
+# -- registry ---------------------------------------------------------------------------
+CASES: dict[str, Callable[[Config], Result]] = {
+    "writer": case_writer,
+    "anndata_write": case_anndata_write,
+    "ceiling_inmemory": case_ceiling_inmemory,
+    "ceiling_seq_zarr": case_ceiling_seq_zarr,
+    "ceiling_seq_zarrs": case_ceiling_seq_zarrs,
+    "ours_dense_w0": _make_ours(True, 0),
+    "ours_dense_w2": _make_ours(True, 2),
+    "ours_sparse_w0": _make_ours(False, 0),
+    "ours_sparse_w2": _make_ours(False, 2),
+    "ours_inplace_dense_w0": case_ours_inplace_dense_w0,
+    "scdataset_w0": _make_scdataset(0),
+    "scdataset_w2": _make_scdataset(2),
+    "annloader_w0": _make_annloader(0),
+    "annloader_w2": _make_annloader(2),
+    "annbatch": case_annbatch,
+    "memory": case_memory,
+    **EXPERIMENTS,
+}
+
+
+def run_case(name: str, cfg: Config) -> Result:
+    """Run case ``name``; failures become ``{"status": "failed", "error": ...}``."""
+    t0 = time.perf_counter()
+    try:
+        out = CASES[name](cfg)
+        out.setdefault("doc", " ".join((CASES[name].__doc__ or "").split()))
+        out.setdefault("status", "ok")
+    except Exception as e:
+        out = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+               "traceback": traceback.format_exc(limit=8)}
+    out["case"] = name
+    out["wall_seconds"] = time.perf_counter() - t0
+    out.setdefault("main_peak_rss_mb", peak_rss_self_mb())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``cases.py CASE CONFIG.json`` writes the result to ``config["result"]``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in CASES:
+        print(f"usage: cases.py CASE CONFIG.json; cases: {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    cfg = json.loads(Path(argv[1]).read_text())
+    out = run_case(argv[0], cfg)
+    Path(cfg["result"]).write_text(json.dumps(out, indent=1, default=float))
+    return 0 if out["status"] != "failed" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

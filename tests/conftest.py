@@ -1,0 +1,53 @@
+"""Shared fixtures: small synthetic h5ad inputs and a collection written from them.
+
+Both are session-scoped and shared by many test modules: treat them as read-only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from annbatch_torch.collection import Collection
+from annbatch_torch.datasets import write_synthetic_h5ads
+from annbatch_torch.writer import create_anndata_collection
+
+#: cells per file of ``synthetic_h5ads`` and their (shared) number of genes
+SMALL_N_OBS = (1200, 900, 600)
+SMALL_N_VARS = 200
+#: rows per shard of ``small_collection`` (2,700 cells -> shards of 1024, 1024, 652)
+SMALL_SHARD_OBS = 1024
+
+
+@pytest.fixture(scope="session")
+def synthetic_h5ads(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three small h5ad files: 1,200 + 900 + 600 cells x the same 200 genes.
+
+    Each file holds: X, log1p-normalised counts (float32 CSR); ``layers["counts"]``, the raw
+    counts (float32 CSR); ``obsm["X_pca"]`` (float32, 8 columns); obs columns ``cell_type``
+    (categorical, 8 types with their own gene programs), ``batch`` (categorical, 2),
+    ``n_counts`` (float32), ``n_genes`` (int32) and ``is_doublet`` (bool). obs_names are
+    unique across files: ``part{i}_cell_{j}``; var_names ``gene_{k}``.
+    """
+    folder = tmp_path_factory.mktemp("synthetic_h5ads")
+    return write_synthetic_h5ads(
+        folder, len(SMALL_N_OBS), list(SMALL_N_OBS), SMALL_N_VARS,
+        layers=("counts",), obsm_pca=8, x="log1p", seed=11,
+    )
+
+
+@pytest.fixture(scope="session")
+def small_collection(
+    synthetic_h5ads: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> Collection:
+    """The collection written from ``synthetic_h5ads`` (seed 0, shuffled, inner join).
+
+    2,700 cells x 200 genes in 3 shards of at most 1,024 rows; fields ``X``,
+    ``layers/counts``, ``obsm/X_pca``, ``obs/cell_type``, ``obs/batch``, ``obs/n_counts``,
+    ``obs/n_genes``, ``obs/is_doublet``.
+    """
+    out = tmp_path_factory.mktemp("small_collection") / "store"
+    return create_anndata_collection(
+        synthetic_h5ads, out, seed=0, n_obs_per_shard=SMALL_SHARD_OBS, progress=False
+    )

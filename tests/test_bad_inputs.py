@@ -1,0 +1,724 @@
+"""Bad inputs get an exception that names the file, the field or the argument and says what
+to do: never a silent success, a hang, or a context-free crash in a DataLoader worker.
+
+Policies pinned here (see docs/architecture.md, "Bad input"):
+
+* Damaged collections are refused when opened where that is cheap (manifest, shard folders,
+  paths) and otherwise when read: :class:`ReadError` naming the shard, the field and the
+  row range. zarr reads a *missing* chunk file as zeros, so a collection whose manifest
+  says ``all_chunks_written`` is checked for missing chunk files when a field is opened.
+* Shard and var-name paths in a manifest stay inside the collection root (no ``..``, no
+  absolute paths, no symlink escaping it). Metadata is JSON, never pickle.
+* A string obs column (every value distinct, e.g. barcodes) and a categorical with more than
+  ``MAX_LABEL_CATEGORIES`` categories are *refused* as fields (``SchemaError`` with the
+  fix: integer ids in a numeric column stay selectable).
+* NaN / inf in matrices: the writer refuses them (``InputError`` naming input, field, row);
+  negative values are allowed everywhere (log-normalised or scaled data, PCA). In-place
+  reading does not scan inputs (that would read everything) and passes values through.
+* Dense in one input and sparse in another: in-place reading refuses the field with the
+  fix; the writer converts (one kind per field). A collection shard that stores a field
+  differently from its manifest is damage.
+* CSC matrices: read in place when small (loaded whole, converted to CSR), refused above
+  ``elements.DEFAULT_CSC_LIMIT`` with the conversion to run; the writer accepts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import torch
+from torch.utils.data import DataLoader
+
+import annbatch_torch as abt
+from annbatch_torch import (
+    A,
+    AnnBatchDataset,
+    CollectionError,
+    InputError,
+    ReadError,
+    SchemaError,
+    open_collection,
+)
+from annbatch_torch import elements as elements_mod
+from annbatch_torch.manifest import FORMAT_VERSION, MANIFEST_NAME, VAR_NAMES_NAME
+from annbatch_torch.sources import InPlaceSource
+
+N_VARS = 12
+PKG = Path(abt.__file__).parent
+
+
+def _adata(n: int, seed: int, *, dense: bool = False, cats: tuple[str, ...] = ("B", "T", "NK"),
+           fmt: str = "csr") -> ad.AnnData:
+    rng = np.random.default_rng(seed)
+    x = sp.random(n, N_VARS, density=0.4, format="csr", dtype=np.float32, random_state=rng)
+    x.data = np.round(x.data * 10) + 1
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical(rng.choice(cats, n), categories=list(cats)),
+            "score": rng.normal(size=n).astype(np.float32),
+            "barcode": [f"bc{seed}_{i}" for i in range(n)],  # distinct strings: not a label
+        },
+        index=[f"c{seed}_{i}" for i in range(n)],
+    )
+    xx: Any = x.toarray() if dense else (x.tocsc() if fmt == "csc" else x)
+    a = ad.AnnData(xx, obs=obs, var=pd.DataFrame(index=[f"g{k}" for k in range(N_VARS)]))
+    a.layers["counts"] = x.copy()
+    a.obsm["X_pca"] = rng.normal(size=(n, 3)).astype(np.float32)
+    return a
+
+
+@pytest.fixture(scope="module")
+def h5ads(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    d = tmp_path_factory.mktemp("bad_inputs_h5ad")
+    paths = []
+    for i, n in enumerate([150, 110]):
+        p = d / f"in{i}.h5ad"
+        _adata(n, i).write_h5ad(p)
+        paths.append(p)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def base_collection(h5ads: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small collection written by the real writer (several shards, small chunks)."""
+    out = tmp_path_factory.mktemp("bad_inputs_coll") / "store"
+    abt.create_anndata_collection(h5ads, out, seed=0, n_obs_per_shard=100,
+                                  zarr_chunk_elems=64, progress=False)
+    return out
+
+
+@pytest.fixture
+def coll(base_collection: Path, tmp_path: Path) -> Path:
+    """A private copy of the collection, free to damage."""
+    out = tmp_path / "store"
+    shutil.copytree(base_collection, out, symlinks=True)
+    return out
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    return json.loads((path / MANIFEST_NAME).read_text())
+
+
+def _edit_manifest(path: Path, **changes: Any) -> None:
+    obj = _manifest(path)
+    obj.update(changes)
+    (path / MANIFEST_NAME).write_text(json.dumps(obj))
+
+
+def _iterate(source: Any, num_workers: int = 0, **kwargs: Any) -> list[dict[str, torch.Tensor]]:
+    kwargs.setdefault("selector", {"x": A.X, "pca": A.obsm["X_pca"], "ct": A.obs["cell_type"]})
+    ds = AnnBatchDataset(source, batch_size=16, chunk_size=8, preload_nchunks=4, seed=1,
+                         **kwargs)
+    loader = DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=60
+                        if num_workers else 0)
+    return list(loader)
+
+
+# --------------------------------------------------------------------------------------
+# not a collection
+# --------------------------------------------------------------------------------------
+
+
+def test_empty_folder_is_not_a_collection(tmp_path: Path) -> None:
+    with pytest.raises(CollectionError, match=r"manifest\.json is missing.*overwrite=True"):
+        open_collection(tmp_path)
+    # the dataset says the same instead of trying to read it as an AnnData zarr store
+    with pytest.raises(CollectionError, match=re.escape(str(tmp_path)) + ".*neither"):
+        AnnBatchDataset(tmp_path)
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(CollectionError, match=r"no such collection folder.*create_anndata"):
+        open_collection(tmp_path / "nope")
+    with pytest.raises(InputError, match=r"nope\.h5ad: no such file"):
+        AnnBatchDataset(tmp_path / "nope.h5ad")
+
+
+def test_a_text_file_is_not_an_h5ad(tmp_path: Path) -> None:
+    p = tmp_path / "notes.h5ad"
+    p.write_text("hello")
+    with pytest.raises(InputError, match=r"notes\.h5ad: not an HDF5"):
+        AnnBatchDataset(p)
+
+
+def test_unfinished_collection_is_refused(coll: Path) -> None:
+    """A write interrupted before the manifest: shards present, manifest.json absent."""
+    (coll / MANIFEST_NAME).rename(coll / (MANIFEST_NAME + ".tmp"))
+    with pytest.raises(CollectionError, match=r"manifest.json is missing; a write may have been"):
+        open_collection(coll)
+    with pytest.raises(CollectionError, match=r"manifest.json is missing"):
+        AnnBatchDataset(coll)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"\x80\x04\x95 not json", "cannot parse the manifest"),  # e.g. a pickle: never loaded
+        (b"[1, 2]", "is not 'annbatch_torch.collection'"),
+        (json.dumps({"format": "someone.else"}).encode(), "not an annbatch_torch collection"),
+    ],
+    ids=["binary", "json-list", "other-format"],
+)
+def test_manifest_not_ours(coll: Path, content: bytes, match: str) -> None:
+    (coll / MANIFEST_NAME).write_bytes(content)
+    with pytest.raises(CollectionError, match=re.escape(str(coll / MANIFEST_NAME)) + ".*" + match):
+        open_collection(coll)
+
+
+def test_manifest_from_a_newer_version(coll: Path) -> None:
+    _edit_manifest(coll, format_version=FORMAT_VERSION + 1)
+    with pytest.raises(CollectionError, match=r"'format_version' is \d+, newer.*pip install -U"):
+        open_collection(coll)
+
+
+@pytest.mark.parametrize("version", ["1", 0, None, 1.5])
+def test_manifest_invalid_version(coll: Path, version: Any) -> None:
+    _edit_manifest(coll, format_version=version)
+    with pytest.raises(CollectionError, match=r"'format_version' .* is invalid"):
+        open_collection(coll)
+
+
+@pytest.mark.parametrize("key", ["shards", "n_obs", "fields"])
+def test_manifest_missing_entry(coll: Path, key: str) -> None:
+    obj = _manifest(coll)
+    del obj[key]
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    with pytest.raises(CollectionError, match=f"missing or malformed entry.*'{key}'.*rewrite"):
+        open_collection(coll)
+
+
+def test_manifest_field_without_kind(coll: Path) -> None:
+    obj = _manifest(coll)
+    obj["fields"]["X"]["kind"] = "pickle"
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    with pytest.raises(CollectionError, match="field 'X' has no valid 'kind'"):
+        open_collection(coll)
+
+
+# --------------------------------------------------------------------------------------
+# paths confined to the store (security)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["../outside.zarr", "sub/../../outside.zarr", "ABS", "..\\outside.zarr", "", 7],
+    ids=["dotdot", "nested-dotdot", "absolute", "backslash", "empty", "not-a-string"],
+)
+def test_shard_path_escaping_the_store_is_refused(
+    coll: Path, bad: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a perfectly valid shard sits outside the store: it must not be opened
+    outside = coll.parent / "outside.zarr"
+    obj = _manifest(coll)
+    shutil.copytree(coll / obj["shards"][0]["path"], outside)
+    if bad == "ABS":
+        bad = str(outside)
+    obj["shards"][0]["path"] = bad
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    opened: list[str] = []
+    import zarr
+
+    real_open = zarr.open_group
+    monkeypatch.setattr(zarr, "open_group", lambda p, *a, **k: (opened.append(str(p)),
+                                                                real_open(p, *a, **k))[1])
+    with pytest.raises(CollectionError, match=r"path .* (inside the collection|outside the "
+                       "collection root|contains '..')"):
+        open_collection(coll)
+    with pytest.raises(CollectionError):
+        AnnBatchDataset(coll)
+    assert opened == []
+
+
+def test_symlinked_shard_pointing_outside_is_refused(coll: Path) -> None:
+    obj = _manifest(coll)
+    name = obj["shards"][0]["path"]
+    outside = coll.parent / "elsewhere.zarr"
+    shutil.move(coll / name, outside)
+    os.symlink(outside, coll / name)
+    with pytest.raises(CollectionError, match=f"'{re.escape(name)}' points outside the "
+                       "collection root"):
+        open_collection(coll)
+
+
+def test_var_names_file_escaping_the_store_is_refused(coll: Path) -> None:
+    _edit_manifest(coll, var_names_file="../../../../etc/passwd")
+    with pytest.raises(CollectionError, match=r"var names path .* outside the collection root"):
+        open_collection(coll)
+
+
+@pytest.mark.parametrize("name", ["obsm/../../../outside", "obsm/a/b", "X/..", "uns/x",
+                                  "obs/"])
+def test_field_name_escaping_the_shard_is_refused(coll: Path, name: str) -> None:
+    """Field names become paths inside shards: only 'X' and 'kind/plain-name' pass."""
+    obj = _manifest(coll)
+    obj["fields"][name] = obj["fields"]["obsm/X_pca"]
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    with pytest.raises(CollectionError, match=f"field name {re.escape(repr(name))} is not 'X'"):
+        open_collection(coll)
+
+
+def test_no_pickle_or_eval_in_the_package() -> None:
+    """Nothing read from a store is unpickled or evaluated."""
+    banned = re.compile(
+        r"pickle\.loads?\(|\beval\(|\bexec\(|allow_pickle\s*=\s*True|weights_only\s*=\s*False"
+        r"|yaml\.load\(|marshal\.loads?\(|shelve\."
+    )
+    hits = []
+    for f in sorted(PKG.rglob("*.py")):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if banned.search(line):
+                hits.append(f"{f.relative_to(PKG)}:{i}: {line.strip()}")
+    assert hits == []
+
+
+# --------------------------------------------------------------------------------------
+# manifest disagreeing with the shards
+# --------------------------------------------------------------------------------------
+
+
+def test_total_row_count_disagrees(coll: Path) -> None:
+    obj = _manifest(coll)
+    _edit_manifest(coll, n_obs=obj["n_obs"] + 1)
+    with pytest.raises(CollectionError, match=r"shard row counts add up to .* but 'n_obs'"):
+        open_collection(coll)
+
+
+def test_shard_row_count_disagrees_with_the_shard(coll: Path) -> None:
+    obj = _manifest(coll)
+    obj["shards"][0]["n_obs"] -= 1
+    obj["shards"][1]["n_obs"] += 1  # the total still adds up
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    name = obj["shards"][0]["path"]
+    with pytest.raises(CollectionError, match=f"{re.escape(name)}.* has \\d+ rows but the "
+                       "manifest says"):
+        open_collection(coll)
+
+
+def test_negative_shard_row_count(coll: Path) -> None:
+    obj = _manifest(coll)
+    obj["shards"][0]["n_obs"] = -5
+    obj["n_obs"] = sum(s["n_obs"] for s in obj["shards"])
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    with pytest.raises(CollectionError, match="negative 'n_obs'"):
+        open_collection(coll)
+
+
+def test_shard_folder_deleted(coll: Path) -> None:
+    name = _manifest(coll)["shards"][1]["path"]
+    shutil.rmtree(coll / name)
+    with pytest.raises(CollectionError, match=f"shard '{re.escape(name)}' listed in the "
+                       "manifest is missing.*overwrite=True"):
+        open_collection(coll)
+
+
+@pytest.mark.parametrize("damage", ["missing", "digest", "length"])
+def test_var_names_damaged(coll: Path, damage: str) -> None:
+    vfile = coll / VAR_NAMES_NAME
+    names = json.loads(vfile.read_text())
+    if damage == "missing":
+        vfile.unlink()
+        match = "cannot read the var names"
+    elif damage == "digest":
+        vfile.write_text(json.dumps(names[::-1]))
+        match = "do not match the manifest's digest"
+    else:
+        vfile.write_text(json.dumps(names[:-1]))
+        match = f"expected a JSON list of {len(names)} var names"
+    with pytest.raises(CollectionError, match=match):
+        open_collection(coll)
+
+
+def test_field_missing_from_one_shard(coll: Path) -> None:
+    name = _manifest(coll)["shards"][1]["path"]
+    shutil.rmtree(coll / name / "obsm" / "X_pca")
+    with pytest.raises(ReadError, match=f"{re.escape(name)}: failed reading field 'obsm/X_pca', "
+                       r"shard rows \[\d+, \d+\).*'obsm/X_pca' is missing"):
+        _iterate(coll)
+
+
+# --------------------------------------------------------------------------------------
+# damaged chunks: an error naming shard and field, never wrong numbers
+# --------------------------------------------------------------------------------------
+
+
+def _chunk_files(array_dir: Path) -> list[Path]:
+    return sorted(
+        p for p in array_dir.rglob("*")
+        if p.is_file() and not p.name.startswith(".") and p.name != "zarr.json"
+    )
+
+
+def _has_checksums(coll: Path, array: str) -> bool:
+    name = _manifest(coll)["shards"][0]["path"]
+    meta = coll / name / array / "zarr.json"
+    return meta.is_file() and "crc32c" in meta.read_text()
+
+
+def _damage(chunk: Path, how: str) -> None:
+    raw = chunk.read_bytes()
+    if how == "truncate":
+        chunk.write_bytes(raw[: len(raw) // 2])
+    elif how == "garbage":
+        chunk.write_bytes(np.random.default_rng(0).bytes(len(raw)))
+    elif how == "bitflip":  # keeps a valid codec header: only a checksum notices
+        chunk.write_bytes(raw[:-8] + bytes(b ^ 0x55 for b in raw[-8:]))
+    else:
+        chunk.write_bytes(b"")
+
+
+_FIELD_OF = {"X/data": "X", "X/indices": "X", "obsm/X_pca": "obsm/X_pca",
+             "obs/cell_type/codes": "obs/cell_type"}
+
+
+@pytest.mark.parametrize("array", list(_FIELD_OF))
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_damaged_chunk_raises_read_error(coll: Path, array: str, damage: str) -> None:
+    name = _manifest(coll)["shards"][0]["path"]
+    _damage(_chunk_files(coll / name / array)[0], damage)
+    field = _FIELD_OF[array]
+    pattern = (f"{re.escape(name)}: (failed reading field '{re.escape(field)}', shard rows "
+               rf"\[\d+, \d+\)|field '{re.escape(field)}' holds category code)")
+    error: ReadError | None = None
+    try:
+        _iterate(coll)
+    except ReadError as e:
+        error = e
+    if error is None and not _has_checksums(coll, array):
+        # Blosc stores small or incompressible chunks verbatim ("memcpyed") and numcodecs
+        # does not compare the header's size with the bytes it got (numcodecs#228), so a
+        # truncated chunk decodes to garbage. Only a checksum codec catches that.
+        pytest.xfail(f"{array}: {damage} chunk undetected without the writer's crc32c codec")
+    assert error is not None, f"{array}: a {damage} chunk was read without an error"
+    assert re.search(pattern, str(error)), str(error)
+
+
+def test_damaged_chunk_in_a_worker_names_shard_and_rows(coll: Path) -> None:
+    name = _manifest(coll)["shards"][0]["path"]
+    _damage(_chunk_files(coll / name / "X/data")[0], "garbage")
+    with pytest.raises(ReadError, match=rf"(?s)Caught ReadError in DataLoader worker.*"
+                       rf"{re.escape(name)}: failed reading field 'X', shard rows \[\d+, \d+\)"):
+        _iterate(coll, num_workers=2)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip"])
+def test_checksummed_collection_detects_any_chunk_damage(
+    h5ads: list[Path], tmp_path: Path, damage: str
+) -> None:
+    """With a crc32c codec after Blosc, every damaged chunk raises, compressible or not."""
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    out = tmp_path / "store"
+    abt.create_anndata_collection(
+        h5ads, out, seed=0, n_obs_per_shard=100, zarr_chunk_elems=64, progress=False,
+        compressor=[BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), Crc32cCodec()],
+    )
+    name = _manifest(out)["shards"][0]["path"]
+    for array in ("obsm/X_pca", "obs/cell_type/codes"):
+        _damage(_chunk_files(out / name / array)[0], damage)
+    with pytest.raises(ReadError, match=f"{re.escape(name)}: failed reading field .*checksum"):
+        _iterate(out, selector={"pca": A.obsm["X_pca"]})
+    with pytest.raises(ReadError, match=f"{re.escape(name)}: failed reading field "
+                       "'obs/cell_type'.*checksum"):
+        _iterate(out, selector={"ct": A.obs["cell_type"]})
+
+
+@pytest.mark.parametrize("array", ["X/data", "X/indices", "X/indptr", "obs/cell_type/codes"])
+def test_deleted_chunk_file_is_detected(coll: Path, array: str) -> None:
+    """zarr reads a missing chunk as zeros: the collection checks chunk files exist."""
+    name = _manifest(coll)["shards"][0]["path"]
+    _chunk_files(coll / name / array)[-1].unlink()
+    with pytest.raises((ReadError, CollectionError), match=f"{re.escape(name)}.*'{array}' has "
+                       r"\d+ of its \d+ chunk files"):
+        _iterate(coll)
+
+
+def test_decreasing_indptr_is_detected(coll: Path) -> None:
+    import zarr
+
+    name = _manifest(coll)["shards"][0]["path"]
+    indptr = zarr.open_array(str(coll / name / "X" / "indptr"), mode="r+")
+    v = indptr[:]
+    v[3], v[4] = v[4] + 1, v[3]
+    indptr[:] = v
+    with pytest.raises(ReadError, match=f"{re.escape(name)}.*field 'X'.*indptr (decreases|runs)"):
+        _iterate(coll)
+
+
+def test_category_codes_out_of_range(coll: Path) -> None:
+    import zarr
+
+    name = _manifest(coll)["shards"][0]["path"]
+    codes = zarr.open_array(str(coll / name / "obs" / "cell_type" / "codes"), mode="r+")
+    v = codes[:]
+    v[2] = 99
+    codes[:] = v
+    with pytest.raises(ReadError, match=f"{re.escape(name)}: field 'obs/cell_type' holds "
+                       "category code 99 at shard row 2"):
+        _iterate(coll)
+
+
+def test_shard_storing_a_field_as_dense_where_the_manifest_says_sparse(coll: Path) -> None:
+    import zarr
+
+    name = _manifest(coll)["shards"][0]["path"]
+    shard = zarr.open_group(str(coll / name), mode="r+")
+    dense = ad.io.read_elem(shard["X"]).toarray()
+    ad.io.write_elem(shard, "X", dense)
+    with pytest.raises(ReadError, match=f"{re.escape(name)}: .*field 'X' is stored as a dense "
+                       "array but .* declares it 'csr'.*create_anndata_collection"):
+        _iterate(coll)
+    # the reverse: an obsm matrix declared dense, stored sparse
+    n = shard["obsm/X_pca"].shape[0]
+    ad.io.write_elem(shard, "obsm/X_pca", sp.csr_matrix(np.ones((n, 3), np.float32)))
+    with pytest.raises(ReadError, match="'obsm/X_pca' is stored as a sparse"):
+        _iterate(coll, selector={"pca": A.obsm["X_pca"]})
+
+
+# --------------------------------------------------------------------------------------
+# selectors
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", [A.layers["nope"], A.obsm["X_umap"], A.obs["donor"],
+                                   "layers/Counts"])
+def test_selector_naming_an_absent_field(coll: Path, h5ads: list[Path], field: Any) -> None:
+    for source in (coll, h5ads):
+        with pytest.raises(SchemaError, match=f"asks for field '{re.escape(str(field))}', "
+                           r"which does not exist\. Available fields: \[.*'X'"):
+            AnnBatchDataset(source, selector={"y": field})
+
+
+@pytest.mark.parametrize(
+    ("selector", "match"),
+    [
+        ({"y": "foo/bar"}, "Cannot parse field string 'foo/bar'"),
+        ({"y": "obs/"}, "Cannot parse field string 'obs/'"),
+        ({}, "selector must be a non-empty dict"),
+        ({"": A.X}, "selector keys must be non-empty strings"),
+        ({"y": 3}, "A field is a Field or a string"),
+    ],
+)
+def test_malformed_selector(h5ads: list[Path], selector: Any, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        AnnBatchDataset(h5ads, selector=selector)
+
+
+def test_selector_key_clashing_with_reserved_keys(h5ads: list[Path]) -> None:
+    with pytest.raises(ValueError, match=r"selector keys \['index'\] clash"):
+        AnnBatchDataset(h5ads, selector={"index": A.X}, return_index=True)
+
+
+def test_string_column_is_not_a_label(h5ads: list[Path]) -> None:
+    """Policy: refused, with the way to turn it into something selectable."""
+    with pytest.raises(SchemaError, match="'obs/barcode'"):
+        AnnBatchDataset(h5ads, selector={"y": A.obs["barcode"]})
+    src = InPlaceSource(h5ads)
+    with pytest.raises(SchemaError, match=r"in0\.h5ad: 'obs/barcode' holds strings, not "
+                       r"categories.*astype\('category'\)\.cat\.codes"):
+        src.check_field("obs/barcode")
+
+
+def test_too_many_categories_is_not_a_label(tmp_path: Path) -> None:
+    """Policy: a categorical with > MAX_LABEL_CATEGORIES categories is refused."""
+    from annbatch_torch.collection import MAX_LABEL_CATEGORIES
+
+    a = _adata(20, 3)
+    ids = [f"id{i}" for i in range(MAX_LABEL_CATEGORIES + 1)]
+    a.obs["cell_id"] = pd.Categorical(ids[:20], categories=ids)
+    p = tmp_path / "ids.h5ad"
+    a.write_h5ad(p)
+    with pytest.raises(SchemaError, match="'obs/cell_id'"):
+        AnnBatchDataset(p, selector={"y": A.obs["cell_id"]})
+    with pytest.raises(SchemaError, match=f"'obs/cell_id' has {MAX_LABEL_CATEGORIES + 1} "
+                       r"categories, more than .*cat\.codes"):
+        InPlaceSource([p]).check_field("obs/cell_id")
+    AnnBatchDataset(p, selector={"y": A.obs["cell_type"]})  # other columns stay usable
+
+
+# --------------------------------------------------------------------------------------
+# arguments out of range
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 0}, r"batch_size must be an integer >= 1, got 0"),
+        ({"batch_size": -3}, r"batch_size must be an integer >= 1, got -3"),
+        ({"batch_size": 2.5}, r"batch_size must be an integer >= 1, got 2\.5"),
+        ({"batch_size": True}, r"batch_size must be an integer >= 1, got True"),
+        ({"chunk_size": 0}, r"chunk_size must be an integer >= 1"),
+        ({"chunk_size": "64"}, r"chunk_size must be an integer >= 1, got '64'"),
+        ({"preload_nchunks": 0}, r"preload_nchunks must be an integer >= 1"),
+        ({"world_size": 0}, r"world_size must be an integer >= 1"),
+        ({"rank": -1}, r"rank must be an integer >= 0"),
+        ({"rank": 2, "world_size": 2}, r"rank must be in \[0, world_size=2\), got 2"),
+        ({"seed": -1}, r"seed must be an integer >= 0"),
+        ({"read_threads": 0}, r"read_threads must be an integer >= 1"),
+        ({"even_batches": "pad_all"}, r"even_batches must be 'drop' or 'pad'"),
+    ],
+)
+def test_argument_out_of_range(h5ads: list[Path], kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AnnBatchDataset(h5ads, **kwargs)
+
+
+def test_other_bad_arguments(h5ads: list[Path]) -> None:
+    with pytest.raises(TypeError, match="batch_converter must be callable"):
+        AnnBatchDataset(h5ads, batch_converter="dict")
+    with pytest.raises(TypeError, match="source must be a Collection, a collection folder"):
+        AnnBatchDataset(42)
+    with pytest.raises(InputError, match="No inputs given"):
+        AnnBatchDataset([])
+    ds = AnnBatchDataset(h5ads)
+    with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
+        ds.set_epoch(-1)
+    from annbatch_torch.loader import AnnBatchDataLoader
+
+    with pytest.raises(ValueError, match="leave DataLoader batch_size=None"):
+        AnnBatchDataLoader(ds, batch_size=32)
+
+
+# --------------------------------------------------------------------------------------
+# values: NaN and negative numbers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["X", "layers/counts"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_writer_refuses_non_finite_values(tmp_path: Path, where: str, value: float) -> None:
+    a = _adata(40, 7)
+    m = a.X if where == "X" else a.layers["counts"]
+    m.data[5] = value
+    row = int(np.searchsorted(m.indptr, 5, side="right") - 1)
+    p = tmp_path / "nan.h5ad"
+    a.write_h5ad(p)
+    with pytest.raises(InputError, match=f"nan\\.h5ad.*'{re.escape(where)}'.*(non-finite|NaN|inf)"
+                       f".*row {row}"):
+        abt.create_anndata_collection([p], tmp_path / "out", seed=0)
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_finite_names_input_field_row_and_fix() -> None:
+    """The check the writer runs on every block of X / layers / obsm it reads."""
+    from annbatch_torch.elements import check_finite
+
+    m = sp.random(30, 8, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    m.data[9] = np.nan
+    row, col = int(np.searchsorted(m.indptr, 9, side="right") - 1), int(m.indices[9])
+    with pytest.raises(InputError, match=rf"a\.h5ad: field 'X' holds 1 non-finite value\(s\) "
+                       rf"\(NaN or inf\), the first \(nan\) at row {1000 + row}, column {col}\."
+                       r".*nan_to_num"):
+        check_finite("a.h5ad", "X", m, first_row=1000)
+    dense = np.zeros((4, 3), np.float32)
+    dense[2, 1] = -np.inf
+    with pytest.raises(InputError, match=r"'obsm/p' .* \(-inf\) at row 2, column 1"):
+        check_finite("a.h5ad", "obsm/p", dense)
+    check_finite("a.h5ad", "X", -np.abs(m.toarray()[:2]))  # negative values pass
+    check_finite("a.h5ad", "X", np.array([[1, 2]], dtype=np.int32))  # integers: no scan
+
+
+def test_negative_values_are_allowed(tmp_path: Path) -> None:
+    a = _adata(40, 8)
+    a.X.data *= -1  # e.g. scaled data
+    p = tmp_path / "neg.h5ad"
+    a.write_h5ad(p)
+    coll = abt.create_anndata_collection([p], tmp_path / "out", seed=0)
+    ds = AnnBatchDataset(coll, batch_size=40, shuffle=False, return_index=True)
+    (b,) = list(ds)
+    got = b["X"].to_dense().numpy()
+    assert (got <= 0).all()
+    assert got.min() < 0
+    assert np.isclose(got.sum(), a.X.sum())
+
+
+# --------------------------------------------------------------------------------------
+# dense vs sparse, CSC
+# --------------------------------------------------------------------------------------
+
+
+def test_in_place_mixed_dense_and_sparse_x(tmp_path: Path) -> None:
+    sparse_p, dense_p = tmp_path / "sparse.h5ad", tmp_path / "dense.h5ad"
+    _adata(30, 1).write_h5ad(sparse_p)
+    _adata(30, 2, dense=True).write_h5ad(dense_p)
+    with pytest.raises(SchemaError, match="'X'"):
+        AnnBatchDataset([sparse_p, dense_p])
+    with pytest.raises(SchemaError, match=r"'X' cannot be selected: the inputs store it "
+                       r"differently \(.*sparse\.h5ad: csr.*dense\.h5ad: dense.*csr_matrix"
+                       ".*create_anndata_collection"):
+        InPlaceSource([sparse_p, dense_p]).check_field("X")
+    # fields both store the same way still work
+    (b,) = list(AnnBatchDataset([sparse_p, dense_p], selector={"c": A.layers["counts"]},
+                                batch_size=60))
+    assert b["c"].shape == (60, N_VARS)
+
+
+def test_writer_accepts_mixed_dense_and_sparse_x(tmp_path: Path) -> None:
+    a, b = _adata(30, 1), _adata(30, 2, dense=True)
+    pa, pb = tmp_path / "sparse.h5ad", tmp_path / "dense.h5ad"
+    a.write_h5ad(pa)
+    b.write_h5ad(pb)
+    coll = abt.create_anndata_collection([pa, pb], tmp_path / "out", seed=0)
+    assert coll.fields["X"].kind == "csr"
+    ds = AnnBatchDataset(coll, selector={"x": A.X}, batch_size=60, shuffle=False, densify=True)
+    (batch,) = list(ds)
+    want = np.concatenate([a.X.toarray(), b.X])
+    got = batch["x"].numpy()
+    assert sorted(map(tuple, got)) == sorted(map(tuple, want))
+
+
+def test_in_place_small_csc_is_read(tmp_path: Path) -> None:
+    a = _adata(50, 4, fmt="csc")
+    p = tmp_path / "csc.h5ad"
+    a.write_h5ad(p)
+    with h5py.File(p) as f:
+        assert f["X"].attrs["encoding-type"] == "csc_matrix"
+    ds = AnnBatchDataset(p, batch_size=16, return_index=True, densify=True)
+    seen = 0
+    for b in DataLoader(ds, batch_size=None, num_workers=0):
+        np.testing.assert_array_equal(b["X"].numpy(), a.X[b["index"].numpy()].toarray())
+        seen += len(b["index"])
+    assert seen == 50
+
+
+def test_in_place_large_csc_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = tmp_path / "csc.h5ad"
+    _adata(50, 4, fmt="csc").write_h5ad(p)
+    monkeypatch.setattr(elements_mod, "DEFAULT_CSC_LIMIT", 100)
+    with pytest.raises(InputError, match=r"csc\.h5ad: field 'X' is stored as CSC .*"
+                       r"adata\.X = adata\.X\.tocsr\(\).*create_anndata_collection"):
+        AnnBatchDataset(p)
+
+
+def test_writer_accepts_csc(tmp_path: Path) -> None:
+    a = _adata(50, 4, fmt="csc")
+    p = tmp_path / "csc.h5ad"
+    a.write_h5ad(p)
+    coll = abt.create_anndata_collection([p], tmp_path / "out", seed=0)
+    ds = AnnBatchDataset(coll, batch_size=50, densify=True, shuffle=False)
+    (b,) = list(ds)
+    got = b["X"].numpy()
+    assert sorted(map(tuple, got)) == sorted(map(tuple, a.X.toarray()))
+
+
+def test_in_place_inputs_with_different_genes(tmp_path: Path) -> None:
+    a, b = _adata(20, 1), _adata(20, 2)
+    b.var_names = [f"h{k}" for k in range(N_VARS)]
+    pa, pb = tmp_path / "a.h5ad", tmp_path / "b.h5ad"
+    a.write_h5ad(pa)
+    b.write_h5ad(pb)
+    with pytest.raises(InputError, match=r"b\.h5ad: var_names differ from .*a\.h5ad.*"
+                       "var_join='inner' or 'outer'"):
+        AnnBatchDataset([pa, pb])

@@ -1,0 +1,64 @@
+"""Smoke test of the benchmark harness (``benchmarks/run.py``) at a tiny size, so it
+cannot rot: every case runs (in one process, for speed), and one case runs the real way,
+in its own subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "benchmarks" / "run.py"
+TINY = ["--n-obs", "3000", "--n-vars", "200", "--batch-size", "256", "--n-batches", "3",
+        "--n-warmup", "1", "--memory-epochs", "1", "--seq-passes", "1", "--quiet"]
+LOADERS = ["ours_dense_w0", "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2",
+           "ours_inplace_dense_w0", "scdataset_w0", "scdataset_w2", "annloader_w0",
+           "ceiling_inmemory", "ceiling_seq_zarr"]
+
+
+def _run(tmp: Path, *extra: str) -> dict:
+    cmd = [sys.executable, str(RUN), *TINY, "--data-dir", str(tmp / "data"),
+           "--out", str(tmp / "out"), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((tmp / "out" / "results.json").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_every_case_runs_and_reports(tmp_path: Path) -> None:
+    res = _run(tmp_path, "--in-process")
+    cases = res["cases"]
+    bad = {k: v.get("error") for k, v in cases.items()
+           if v["status"] not in ("ok", "skipped", "unsupported")}
+    assert not bad, bad
+    for name in LOADERS:
+        assert cases[name]["status"] == "ok", (name, cases[name])
+        assert cases[name]["cells_per_s"] > 0
+    for name in LOADERS[:-1]:
+        assert 0.3 < cases[name]["quality"] <= 1.1, (name, cases[name]["quality"])
+    assert cases["annbatch"]["status"] in ("ok", "skipped")
+    assert cases["writer"]["status"] == "ok"
+    assert cases["writer"]["seconds"] > 0
+    assert len(cases["memory"]["epochs"]) == 2
+    assert len(cases["ours_dense_w2"]["worker_peak_rss_mb"]) >= 1
+    names = {t["target"] for t in res["targets"]}
+    assert "shuffle quality >= 0.97" in names
+    assert all(t["met"] is not None for t in res["targets"]), res["targets"]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## Targets" in md
+    assert "annbatch_torch dense, 2 workers" in md
+    assert (tmp_path / "out" / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(120)
+def test_case_in_own_process_and_only_merges(tmp_path: Path) -> None:
+    res = _run(tmp_path, "--only", "ceiling_inmemory")
+    r = res["cases"]["ceiling_inmemory"]
+    assert r["status"] == "ok"
+    assert r["main_peak_rss_mb"] > 10  # measured in the case's own process
+    res = _run(tmp_path, "--only", "annbatch")  # same configuration: results are merged
+    assert set(res["cases"]) == {"ceiling_inmemory", "annbatch"}

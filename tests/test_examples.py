@@ -1,0 +1,73 @@
+"""Every script in ``examples/`` runs with ``--small`` and prints what it promises."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, *args: str, timeout: int = 300) -> str:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), "--small", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=EXAMPLES.parent,
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_every_example_is_tested() -> None:
+    tested = {"plain_dataloader.py", "train_classifier.py", "selectors_and_transforms.py",
+              "lightning_ddp.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_plain_dataloader() -> None:
+    out = run_example("plain_dataloader.py")
+    losses = [float(x) for x in re.findall(r"epoch \d+: loss ([0-9.]+)", out)]
+    assert len(losses) == 3
+    assert losses[-1] < losses[0]
+
+
+def test_train_classifier_beats_chance_by_far() -> None:
+    out = run_example("train_classifier.py")
+    m = re.search(r"held-out accuracy: ([0-9.]+) on ([0-9,]+) cells \(chance: ([0-9.]+)", out)
+    assert m, out
+    accuracy, chance = float(m.group(1)), float(m.group(3))
+    assert int(m.group(2).replace(",", "")) > 500
+    assert accuracy > chance + 0.3, out
+    assert accuracy > 0.6, out
+    speeds = re.findall(r"cells/s: ([0-9,]+)", out)
+    assert len(speeds) == 3
+    assert all(int(s.replace(",", "")) > 0 for s in speeds)
+
+
+def test_selectors_and_transforms() -> None:
+    out = run_example("selectors_and_transforms.py")
+    assert "against the input files: OK" in out
+    for key, kind in [("counts", "sparse CSR"), ("x", "sparse CSR"), ("pca", "dense"),
+                      ("label", "dense"), ("library_size", "dense")]:
+        assert re.search(rf"^\s+{key}\s+torch\.\w+\s+\(.*\) {kind}$", out, re.M), (key, out)
+
+
+@pytest.mark.slow
+def test_lightning_ddp_two_ranks(tmp_path: Path) -> None:
+    """``strategy="ddp"`` re-launches the script as rank 1; both ranks print their steps."""
+    pytest.importorskip("lightning.pytorch")
+    first = run_example("lightning_ddp.py", "--devices", "2", "--workdir", str(tmp_path))
+    for e in range(2):
+        steps = {int(r): int(s) for r, s in
+                 re.findall(rf"rank (\d) epoch {e}: (\d+) steps", first)}
+        assert set(steps) == {0, 1}, first
+        assert steps[0] == steps[1] > 0
+    acc = [float(a) for a in re.findall(r"validation accuracy ([0-9.]+)", first)]
+    assert len(acc) == 2
+    assert acc[-1] > 0.5  # 8 classes; chance (majority class) is ~0.25
+    assert "store written by this run: True" in first

@@ -1,0 +1,479 @@
+"""create_anndata_collection: content, shuffle, categories, errors, atomicity, memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import anndata as ad
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import zarr
+
+from annbatch_torch.collection import open_collection
+from annbatch_torch.datasets import synthetic, write_synthetic_h5ads
+from annbatch_torch.errors import InputError
+from annbatch_torch.manifest import MANIFEST_NAME, read_manifest
+from annbatch_torch.writer import create_anndata_collection, parse_memory
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- helpers -------------------------------------------------------------------------------
+def load_all(path: Path) -> ad.AnnData:
+    """Every shard of a collection, concatenated in order, via anndata.read_zarr."""
+    coll = open_collection(path)
+    parts = [ad.read_zarr(coll.shard_path(i)) for i in range(len(coll.shards))]
+    obs = pd.concat([p.obs for p in parts])
+    for c in parts[0].obs.columns:
+        if isinstance(parts[0].obs[c].dtype, pd.CategoricalDtype):
+            cats = parts[0].obs[c].cat.categories
+            obs[c] = pd.Categorical(obs[c].astype(object), categories=cats)
+    return ad.AnnData(
+        X=sp.vstack([p.X for p in parts]).tocsr(),
+        obs=obs,
+        var=parts[0].var,
+        layers={k: sp.vstack([p.layers[k] for p in parts]).tocsr() for k in parts[0].layers},
+        obsm={k: np.concatenate([p.obsm[k] for p in parts]) for k in parts[0].obsm},
+    )
+
+
+def dense(m: object) -> np.ndarray:
+    return m.toarray() if sp.issparse(m) else np.asarray(m)
+
+
+def aligned(a: ad.AnnData, var_names: pd.Index, layer: str | None = None) -> np.ndarray:
+    """``a``'s X (or layer) as a dense matrix over ``var_names`` (absent genes are 0)."""
+    m = dense(a.X if layer is None else a.layers[layer])
+    out = np.zeros((a.n_obs, len(var_names)), dtype=m.dtype)
+    idx = var_names.get_indexer(a.var_names)
+    ok = idx >= 0
+    out[:, idx[ok]] = m[:, ok]
+    return out
+
+
+def no_temp_left(parent: Path) -> None:
+    leftovers = [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    assert leftovers == []
+
+
+@pytest.fixture(scope="module")
+def mixed_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[object], list[ad.AnnData]]:
+    """3 inputs with overlapping gene sets: h5ad (CSR X), zarr (CSC X), AnnData (dense X).
+
+    Returns the inputs as passed to the writer and the same data as in-memory AnnData.
+    """
+    d = tmp_path_factory.mktemp("mixed")
+    paths = write_synthetic_h5ads(d, 3, [1000, 1500, 700], 300, overlapping_genes=True,
+                                  layers=("counts",), obsm_pca=6, x="log1p", seed=5)
+    a0 = ad.read_h5ad(paths[0])
+    a1 = ad.read_h5ad(paths[1])
+    # the zarr input has an extra category and stores X as CSC
+    cats = [*list(a1.obs["cell_type"].cat.categories), "doublet"]
+    ct = a1.obs["cell_type"].astype(pd.CategoricalDtype(cats))
+    ct.iloc[:50] = "doublet"
+    a1.obs["cell_type"] = ct
+    a1.X = sp.csc_matrix(a1.X)
+    with ad.settings.override(zarr_write_format=3), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anndata's notes on zarr v3 (sharding, metadata)
+        a1.write_zarr(d / "part1.zarr")  # a zarr v3 input
+    # the in-memory input: dense X, cell_type and batch as plain strings
+    a2 = ad.read_h5ad(paths[2])
+    a2.X = a2.X.toarray()
+    a2.obs["cell_type"] = a2.obs["cell_type"].astype(str)
+    a2.obs["batch"] = a2.obs["batch"].astype(str)
+    return [paths[0], d / "part1.zarr", a2], [a0, a1, a2]
+
+
+# -- content -------------------------------------------------------------------------------
+@pytest.mark.parametrize("var_join", ["inner", "outer"])
+def test_every_row_once_with_identical_values(
+    mixed_inputs: tuple[list[object], list[ad.AnnData]], tmp_path: Path, var_join: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inputs, refs = mixed_inputs
+    caplog.set_level(logging.INFO, logger="annbatch_torch")
+    coll = create_anndata_collection(inputs, tmp_path / "store", var_join=var_join,
+                                     n_obs_per_shard=1024, progress=False)
+    # genes: one order, first seen
+    sets = [list(a.var_names) for a in refs]
+    if var_join == "inner":
+        want = [g for g in sets[0] if all(g in s for s in sets[1:])]
+    else:
+        want = list(dict.fromkeys(g for s in sets for g in s))
+    assert list(coll.var_names) == want
+    assert 0 < len(want) < 375
+    assert (var_join == "outer") == (len(want) > 300)
+    out = load_all(tmp_path / "store")
+    assert list(out.var_names) == want
+    # every input row exactly once
+    names = np.concatenate([np.asarray(a.obs_names) for a in refs])
+    assert out.n_obs == coll.n_obs == len(names) == 3200
+    assert out.obs_names.is_unique
+    assert set(out.obs_names) == set(names)
+    # identical values after gene alignment
+    var = pd.Index(want)
+    ref_x = np.concatenate([aligned(a, var) for a in refs])
+    ref_counts = np.concatenate([aligned(a, var, "counts") for a in refs])
+    order = pd.Index(names).get_indexer(out.obs_names)
+    np.testing.assert_array_equal(dense(out.X), ref_x[order])
+    np.testing.assert_array_equal(dense(out.layers["counts"]), ref_counts[order])
+    ref_pca = np.concatenate([a.obsm["X_pca"] for a in refs])
+    np.testing.assert_array_equal(out.obsm["X_pca"], ref_pca[order])
+    for col in ("cell_type", "batch", "n_counts", "n_genes", "is_doublet"):
+        ref = np.concatenate([np.asarray(a.obs[col].astype(object)) for a in refs])
+        assert list(out.obs[col].astype(object)) == list(ref[order]), col
+    assert out.obs["n_genes"].dtype == np.int32
+    assert out.obs["is_doublet"].dtype == bool
+    # X and layers are CSR with sorted column indices; shards mix all inputs
+    assert out.X.has_sorted_indices
+    assert out.layers["counts"].has_sorted_indices
+    for i in range(len(coll.shards)):
+        shard_names = ad.read_zarr(coll.shard_path(i)).obs_names
+        assert {n.split("_")[0] for n in shard_names} == {"part0", "part1", "part2"}
+    # the strings of the in-memory input became categorical, with a logged note
+    assert any("holds strings" in r.getMessage() for r in caplog.records)
+
+
+def test_categories_unioned_and_codes_global(
+    mixed_inputs: tuple[list[object], list[ad.AnnData]], tmp_path: Path
+) -> None:
+    inputs, refs = mixed_inputs
+    coll = create_anndata_collection(inputs, tmp_path / "store", n_obs_per_shard=1000,
+                                     progress=False)
+    cats = coll.categories("cell_type")
+    first = list(refs[0].obs["cell_type"].cat.categories)
+    assert cats[: len(first)] == first
+    assert "doublet" in cats
+    assert set(cats) == set().union(*[set(a.obs["cell_type"].astype(str)) for a in refs])
+    assert coll.categories("batch") == ["batch_0", "batch_1"]
+    manifest = json.loads((tmp_path / "store" / MANIFEST_NAME).read_text())
+    assert manifest["fields"]["obs/cell_type"]["categories"] == cats
+    for i in range(len(coll.shards)):
+        g = zarr.open_group(str(coll.shard_path(i)), mode="r")
+        codes = np.asarray(g["obs/cell_type/codes"][...])
+        assert str(codes.dtype) == coll.fields["obs/cell_type"].dtype
+        stored = [str(c) for c in g["obs/cell_type/categories"][...]]
+        assert stored == cats  # every shard stores the global categories: codes are global
+        labels = ad.read_zarr(coll.shard_path(i)).obs["cell_type"].astype(str).to_numpy()
+        np.testing.assert_array_equal(np.asarray(cats, dtype=object)[codes], labels)
+
+
+def test_seeds(synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    kw = {"n_obs_per_shard": 1000, "progress": False}
+    a = create_anndata_collection(synthetic_h5ads, tmp_path / "a", seed=3, **kw)
+    b = create_anndata_collection(synthetic_h5ads, tmp_path / "b", seed=3, **kw)
+    c = create_anndata_collection(synthetic_h5ads, tmp_path / "c", seed=4, **kw)
+    xa, xb, xc = (load_all(x.path) for x in (a, b, c))
+    assert list(xa.obs_names) == list(xb.obs_names)
+    np.testing.assert_array_equal(xa.X.data, xb.X.data)
+    np.testing.assert_array_equal(xa.X.indices, xb.X.indices)
+    assert list(xa.obs_names) != list(xc.obs_names)
+    assert set(xa.obs_names) == set(xc.obs_names)
+    # shuffle=False keeps input order
+    d = create_anndata_collection(synthetic_h5ads, tmp_path / "d", shuffle=False, **kw)
+    want = np.concatenate([ad.read_h5ad(p, backed="r").obs_names for p in synthetic_h5ads])
+    assert list(load_all(d.path).obs_names) == list(want)
+    m = read_manifest(tmp_path / "a")
+    assert (m.seed, m.shuffle, m.var_join) == (3, True, "inner")
+    assert read_manifest(tmp_path / "d").shuffle is False
+
+
+def test_fixture_collection_is_a_valid_store(
+    small_collection: object, synthetic_h5ads: list[Path]
+) -> None:
+    coll = small_collection
+    assert coll.n_obs == 2700
+    assert coll.n_vars == 200
+    assert len(coll.shards) == 3
+    assert set(coll.fields) == {"X", "layers/counts", "obsm/X_pca", "obs/cell_type",
+                                "obs/batch", "obs/n_counts", "obs/n_genes", "obs/is_doublet"}
+    m = coll.manifest
+    assert m.all_chunks_written
+    assert [i["path"] for i in m.inputs] == [str(p.resolve()) for p in synthetic_h5ads]
+    for rec, p in zip(m.inputs, synthetic_h5ads):
+        assert rec["size"] == p.stat().st_size
+        assert rec["mtime"] == p.stat().st_mtime
+        assert rec["n_obs"] == ad.read_h5ad(p, backed="r").n_obs
+    shard = ad.read_zarr(coll.shard_path(0))
+    assert shard.n_obs == 1024
+    assert list(shard.var_names) == list(coll.var_names)
+    assert isinstance(shard.X, sp.csr_matrix)
+    assert shard.X.dtype == np.float32
+
+
+def test_layers_obsm_selection_and_unavailable(tmp_path: Path) -> None:
+    a = synthetic(300, 50, layers=("counts", "log1p"), obsm_pca=4, seed=1)
+    b = synthetic(200, 50, layers=("counts",), obsm_pca=4, seed=2, obs_prefix="b_")
+    coll = create_anndata_collection([a, b], tmp_path / "auto", progress=False)
+    assert "layers/counts" in coll.fields
+    assert "layers/log1p" not in coll.fields
+    assert "layers/log1p" in coll.manifest.extra["unavailable"]
+    inputs = [r["name"] for r in coll.manifest.inputs]
+    assert inputs == ["<AnnData #0>", "<AnnData #1>"]
+    assert all(r["path"] is None for r in coll.manifest.inputs)
+    sel = create_anndata_collection([a, b], tmp_path / "sel", layers=[], obsm=[],
+                                    obs_columns=["cell_type"], progress=False)
+    assert set(sel.fields) == {"X", "obs/cell_type"}
+    with pytest.raises(InputError, match=r"<AnnData #1>.*no layer 'log1p'"):
+        create_anndata_collection([a, b], tmp_path / "bad", layers=["log1p"], progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_obs_kinds_nullable_and_bool(tmp_path: Path) -> None:
+    a = synthetic(100, 20, seed=1)
+    b = synthetic(80, 20, seed=2, obs_prefix="b_")
+    a.obs["score"] = pd.array([1, None] * 50, dtype="Int64")
+    b.obs["score"] = np.arange(80, dtype=np.int16)
+    a.obs["flag"] = True
+    b.obs["flag"] = pd.array([True, False] * 40, dtype="boolean")
+    coll = create_anndata_collection([a, b], tmp_path / "s", progress=False)
+    assert coll.fields["obs/score"].kind == "numeric"
+    assert coll.fields["obs/flag"].kind == "bool"
+    out = load_all(tmp_path / "s")
+    score = out.obs["score"].reindex(list(a.obs_names) + list(b.obs_names)).to_numpy()
+    assert np.isnan(score[1])
+    assert score[0] == 1
+    assert score[100 + 7] == 7
+
+
+def test_zarr_v2_uncompressed_and_small_memory(synthetic_h5ads: list[Path], tmp_path: Path
+                                               ) -> None:
+    coll = create_anndata_collection(synthetic_h5ads, tmp_path / "v2", zarr_format=2,
+                                     compressor="none", progress=False)
+    assert zarr.open_group(str(coll.shard_path(0)), mode="r").metadata.zarr_format == 2
+    assert len(coll.shards) == 1  # default shard size from 1GB holds all 2,700 cells
+    small = create_anndata_collection(synthetic_h5ads, tmp_path / "small", max_memory="1MB",
+                                      progress=False)
+    per_shard = small.manifest.extra["writer"]["n_obs_per_shard"]
+    assert len(small.shards) > 1
+    assert max(small.shard_sizes) == per_shard < 1_000_000 // 400
+    ref = load_all(coll.path)
+    got = load_all(small.path)
+    assert set(ref.obs_names) == set(got.obs_names)
+    np.testing.assert_array_equal(dense(ref.X), dense(got[ref.obs_names].X))
+
+
+def test_progress_bar_and_no_print(synthetic_h5ads: list[Path], tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    create_anndata_collection(synthetic_h5ads[:1], tmp_path / "p", progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "cells/s" in captured.err
+    create_anndata_collection(synthetic_h5ads[:1], tmp_path / "q", progress=False)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_parse_memory() -> None:
+    assert parse_memory("1GB") == 10**9
+    assert parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory(" 1.5 g ") == 1_500_000_000
+    assert parse_memory(4096) == 4096
+    for bad in ("lots", "-1GB", 0, "1XB"):
+        with pytest.raises(InputError, match="max_memory"):
+            parse_memory(bad)
+
+
+# -- bad input: clear error, nothing written ----------------------------------------------
+def _assert_refused(inputs: object, out: Path, match: str, **kw: object) -> None:
+    with pytest.raises(InputError, match=match):
+        create_anndata_collection(inputs, out, progress=False, **kw)
+    assert not out.exists()
+    no_temp_left(out.parent)
+
+
+def test_bad_inputs(synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    good = synthetic_h5ads[0]
+    missing = tmp_path / "missing.h5ad"
+    _assert_refused([good, missing], out, f"{missing}: no such file")
+    text = tmp_path / "notes.txt"
+    text.write_text("not anndata")
+    _assert_refused([good, text], out, f"{text}: is neither an HDF5")
+    plain = tmp_path / "plain.h5"
+    with h5py.File(plain, "w") as f:
+        f["data"] = np.arange(3)
+    _assert_refused([plain], out, rf"{plain}: not an AnnData store \(no \['X', 'obs', 'var'\]")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _assert_refused([folder], out, f"{folder}: is a folder but not a zarr store")
+    _assert_refused([good, 42], out, "input #1: got a int")
+    _assert_refused([], out, "adata_paths is empty")
+    _assert_refused([good], out, "var_join='left' is unknown", var_join="left")
+
+
+def test_duplicate_var_names(tmp_path: Path) -> None:
+    a = synthetic(50, 10, seed=1)
+    a.var_names = ["g0", "g0"] + [f"g{i}" for i in range(2, 10)]
+    path = tmp_path / "dup.h5ad"
+    a.write_h5ad(path)
+    _assert_refused([path], tmp_path / "out", rf"{path}: var_names are not unique.*'g0'")
+    _assert_refused([a], tmp_path / "out", r"<AnnData #0>: var_names.*var_names_make_unique")
+
+
+def test_inner_join_without_genes(tmp_path: Path) -> None:
+    a = synthetic(50, 10, seed=1, var_prefix="ENSG")
+    b = synthetic(50, 10, seed=2, var_prefix="sym", obs_prefix="b_")
+    path = tmp_path / "b.h5ad"
+    b.write_h5ad(path)
+    _assert_refused([a, path], tmp_path / "out",
+                    rf"<AnnData #0> and {path}: var_join='inner' leaves no genes.*'outer'")
+    coll = create_anndata_collection([a, path], tmp_path / "outer", var_join="outer",
+                                     progress=False)
+    assert coll.n_vars == 20
+
+
+def test_obs_kind_conflict(tmp_path: Path) -> None:
+    a = synthetic(50, 10, seed=1)
+    b = synthetic(50, 10, seed=2, obs_prefix="b_")
+    b.obs["cell_type"] = np.linspace(0, 1, 50)
+    path = tmp_path / "b.h5ad"
+    b.write_h5ad(path)
+    _assert_refused([a, path], tmp_path / "out",
+                    rf"<AnnData #0>: obs column 'cell_type' is categorical there but numeric "
+                    rf"\(float64\) in {path}.*obs_columns")
+    coll = create_anndata_collection([a, path], tmp_path / "ok", obs_columns=["batch"],
+                                     progress=False)
+    assert "obs/cell_type" not in coll.fields
+
+
+def test_obsm_width_conflict(tmp_path: Path) -> None:
+    a = synthetic(50, 10, seed=1, obsm_pca=3)
+    b = synthetic(50, 10, seed=2, obsm_pca=4, obs_prefix="b_")
+    _assert_refused([a, b], tmp_path / "out", "obsm/X_pca has .* columns across inputs")
+
+
+def test_existing_output(synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "store"
+    first = create_anndata_collection(synthetic_h5ads[:1], out, seed=0, progress=False)
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(InputError, match=f"{out}: the output already exists.*overwrite=True"):
+        create_anndata_collection(synthetic_h5ads[:1], out, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == before
+    # overwrite: replaced, old one gone, nothing left beside it
+    again = create_anndata_collection(synthetic_h5ads[1:], out, seed=1, overwrite=True,
+                                      progress=False)
+    assert again.n_obs == 1500 != first.n_obs
+    assert read_manifest(out).seed == 1
+    no_temp_left(tmp_path)
+    # a folder that is not a collection is never deleted, nor a file
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep")
+    with pytest.raises(InputError, match="is not an annbatch_torch collection"):
+        create_anndata_collection(synthetic_h5ads[:1], other, overwrite=True, progress=False)
+    assert (other / "precious.txt").read_text() == "keep"
+    with pytest.raises(InputError, match="overlaps the input"):
+        create_anndata_collection(synthetic_h5ads[:1], synthetic_h5ads[0], overwrite=True,
+                                  progress=False)
+
+
+# -- atomicity -----------------------------------------------------------------------------
+def test_manifest_written_last_and_no_temp_folder(synthetic_h5ads: list[Path],
+                                                  tmp_path: Path) -> None:
+    out = tmp_path / "store"
+    create_anndata_collection(synthetic_h5ads, out, n_obs_per_shard=1000, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [MANIFEST_NAME, "shard_00000.zarr", "shard_00001.zarr", "shard_00002.zarr",
+                     "var_names.json"]
+    manifest_mtime = (out / MANIFEST_NAME).stat().st_mtime_ns
+    for root, _, files in os.walk(out):
+        for f in files:
+            assert os.stat(os.path.join(root, f)).st_mtime_ns <= manifest_mtime
+
+
+def test_failure_leaves_nothing_and_keeps_old_store(synthetic_h5ads: list[Path],
+                                                    tmp_path: Path) -> None:
+    def reject_second(label: str, field: str, block: object) -> None:
+        if label.endswith("part1.h5ad"):
+            raise InputError(f"{label}: {field} has negative counts")
+
+    out = tmp_path / "store"
+    with pytest.raises(InputError, match=r"part1\.h5ad: X has negative counts"):
+        create_anndata_collection(synthetic_h5ads, out, value_check=reject_second,
+                                  progress=False)
+    assert list(tmp_path.iterdir()) == []
+    create_anndata_collection(synthetic_h5ads[:1], out, seed=5, progress=False)
+    with pytest.raises(InputError):
+        create_anndata_collection(synthetic_h5ads, out, value_check=reject_second,
+                                  overwrite=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    kept = open_collection(out)
+    assert kept.manifest.seed == 5
+    assert kept.n_obs == 1200
+
+
+# -- bounded memory ------------------------------------------------------------------------
+_CHILD = textwrap.dedent("""
+    import gc, json, os, sys, tempfile
+    from annbatch_torch.writer import create_anndata_collection
+
+    def status(key):  # VmHWM: peak RSS of this process image (see the test's docstring)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        return None
+
+    paths, out, mem = json.loads(sys.argv[1])
+    # warm-up on the first input alone (half the data): lazy imports, zarr's thread pool
+    # and their malloc arenas are the fixed overhead, not what max_memory bounds
+    with tempfile.TemporaryDirectory() as td:
+        create_anndata_collection(paths[:1], os.path.join(td, "c"), max_memory=mem,
+                                  progress=False)
+    gc.collect()
+    base = status("VmRSS")
+    import resource
+    ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    coll = create_anndata_collection(paths, out, max_memory=mem, progress=False)
+    ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"base": base, "hwm": status("VmHWM"), "ru_before": ru_before,
+                      "ru_after": ru_after, "n_obs": coll.n_obs, "shards": len(coll.shards)}))
+""")
+
+
+# ru_maxrss of a child starts at its parent's peak (Linux copies it through fork and exec),
+# and pytest's process is large: a small intermediate process resets it for the grandchild
+_LAUNCH = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_peak_memory_bounded(tmp_path: Path) -> None:
+    """Inputs 4x larger than max_memory: peak RSS grows by less than max_memory.
+
+    The writer runs in a fresh process, warmed up by a run on half the data (the fixed
+    overhead: imports, zarr's thread pool); the full run may then raise the peak RSS
+    (``getrusage().ru_maxrss``, cross-checked with ``VmHWM``) by at most max_memory plus
+    the permutation (4 bytes per cell).
+    """
+    mem = 32_000_000
+    n_obs = 44_000
+    paths = write_synthetic_h5ads(tmp_path / "in", 2, n_obs // 2, 2000, layers=("counts",),
+                                  seed=2)
+    size = sum(p.stat().st_size for p in paths)
+    assert size > 4 * mem
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = json.dumps([[str(p) for p in paths], str(tmp_path / "out"), mem])
+    r = subprocess.run([sys.executable, "-c", _LAUNCH, sys.executable, "-c", _CHILD, args],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    print(res)
+    assert res["n_obs"] == n_obs
+    assert res["shards"] > 4
+    bound = mem + 4 * n_obs
+    assert res["ru_before"] < res["base"] + 50e6  # not inherited from pytest's process
+    for peak in ("ru_after", "hwm"):
+        grew = res[peak] - res["base"]
+        assert grew < bound, f"{peak}: RSS grew {grew / 1e6:.0f} MB, max_memory {mem / 1e6:.0f} MB"
