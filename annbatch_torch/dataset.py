@@ -81,9 +81,9 @@ class AnnBatchDataset(IterableDataset):
     drop_last
         Drop the one partial batch of the epoch.
     even_batches
-        How ranks get equal batch counts (DDP hangs otherwise): ``"drop"`` truncates the
-        longer ranks (drops less than one pool per rank), ``"pad"`` appends padding
-        batches whose rows are flagged ``False`` under ``mask_key``.
+        How ranks get equal batch counts (DDP hangs otherwise): ``"drop"`` drops the
+        remainder (fewer than ``world_size`` batches per epoch in all), ``"pad"`` gives the
+        short ranks one padding batch whose rows are flagged ``False`` under ``mask_key``.
     densify
         Yield sparse fields as dense float32 (densified by scipy in the worker) instead of
         ``torch.sparse_csr_tensor``.

@@ -267,6 +267,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.val_chunks: np.ndarray | None = None
         self.store_written: bool | None = None
         self._epoch = 0
+        self._restored_epoch: int | None = None
 
     # -- data preparation --------------------------------------------------------------
     @property
@@ -443,14 +444,29 @@ class AnnBatchDataModule(pl.LightningDataModule):
 
         Lightning creates the first epoch's iterator (which starts the workers, and they
         read the epoch) *before* it calls ``sampler.set_epoch``; after a resume that first
-        epoch is not 0. So the epoch the fit loop is about to run is set here already.
+        epoch is not 0. So the epoch the fit loop is about to run is set here already, or,
+        while Lightning has not restored its loops yet (it builds the loader that early
+        when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``), the
+        epoch :meth:`load_state_dict` restored.
         """
+        epoch = self._fit_loop_epoch()
+        if self.train_dataset is not None and epoch is not None:
+            if self._restored_epoch is not None and epoch < self._restored_epoch:
+                # Lightning builds the loader before it restores its loops when
+                # configure_optimizers reads trainer.estimated_stepping_batches: the loop
+                # still says 0 and the epoch restored by load_state_dict is the right one
+                epoch = self._restored_epoch
+            else:
+                self._restored_epoch = None
+            self.set_epoch(epoch)
+        return self._loader(self.train_dataset, "train_dataloader")
+
+    def _fit_loop_epoch(self) -> int | None:
+        """The epoch Lightning's fit loop passes to ``set_epoch`` next (None off Lightning)."""
         loop = getattr(getattr(self, "trainer", None), "fit_loop", None)
         epoch = getattr(getattr(getattr(loop, "epoch_progress", None), "current", None),
                         "processed", None)
-        if self.train_dataset is not None and isinstance(epoch, int):
-            self.set_epoch(epoch)
-        return self._loader(self.train_dataset, "train_dataloader")
+        return epoch if isinstance(epoch, int) else None
 
     def val_dataloader(self) -> AnnBatchDataLoader | list[Any]:
         """Validation batches in order with a ``"mask"`` key (``[]`` without a split)."""
@@ -481,8 +497,16 @@ class AnnBatchDataModule(pl.LightningDataModule):
             self.train_dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"version", "seed", "epoch"}``; Lightning stores it in checkpoints."""
-        return {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch}
+        """``{"version", "seed", "epoch"}``; Lightning stores it in checkpoints.
+
+        Under a fitting trainer ``epoch`` is the epoch a resumed run starts in (the fit
+        loop's processed-epoch count, e.g. 1 in a checkpoint written at the end of epoch
+        0); otherwise it is the epoch the training dataset is set to.
+        """
+        fitting = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)
+        epoch = self._fit_loop_epoch() if fitting == "fit" else None
+        return {"version": _STATE_VERSION, "seed": self.seed,
+                "epoch": self.epoch if epoch is None else epoch}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the seed (split and epoch orders) and the epoch of :meth:`state_dict`.
@@ -510,3 +534,4 @@ class AnnBatchDataModule(pl.LightningDataModule):
                 for stage in stages:
                     self.setup(stage)
         self.set_epoch(epoch)
+        self._restored_epoch = epoch

@@ -12,10 +12,15 @@ Pure functions over integers (numpy only: no torch, no I/O). Rules, in order:
 3. Batch ``b`` of a pool holds canonical positions ``perm[b * batch_size:(b + 1) * batch_size]``
    with ``perm = pool_permutation(...)``, seeded by ``(seed, epoch, pool_index)``.
    ``drop_last`` drops the one partial batch of the epoch (the last pool's last batch).
-4. Pool ``i`` goes to rank ``i % world_size``; every rank then yields the same number of
-   batches: ``even_batches="drop"`` truncates each rank's tail to the minimum count (at most
-   one pool's worth per rank), ``"pad"`` appends padding items (one batch each, reading the
-   first ``min(batch_size, n_rows_in_stream)`` rows of the stream, all marked padding).
+4. Complete rounds of full pools are dealt whole, pool ``i`` to rank ``i % world_size``. The
+   rest (fewer than ``world_size`` full pools plus the partial last pool) is split by
+   batches into ``world_size`` contiguous runs, one per rank, so every rank gets work even
+   with fewer pools than ranks. Every rank then yields the same number of batches:
+   ``even_batches="drop"`` gives each rank ``tail // world_size`` tail batches (fewer than
+   ``world_size`` batches are dropped in all), ``"pad"`` gives the first ``tail %
+   world_size`` ranks one more and appends one padding item (a batch of the first
+   ``min(batch_size, n_rows_in_stream)`` rows of the stream, all marked padding) to the
+   others.
 5. Item ``j`` of a rank's list goes to worker ``j % num_workers``; so the set of batches of a
    rank does not depend on ``num_workers``, only their interleaving does.
 
@@ -315,18 +320,27 @@ class WorkList(Sequence[WorkItem]):
         return int(self.batch_counts.sum())
 
 
-def _rank_counts(
+def _deal(
     total: int, pool: int, batch_size: int, world_size: int, drop_last: bool
-) -> tuple[list[int], int]:
-    """Real batches per rank (no even_batches policy) and the batch count of the last pool."""
+) -> tuple[int, int, int, int]:
+    """How an epoch's pools are dealt to ranks.
+
+    Returns ``(per_pool, head, n_full, tail)``: batches per full pool; ``head``, the pools
+    dealt whole and round-robin (complete rounds of full pools only); the number of full
+    pools; and ``tail``, the batches of the remaining pools (fewer than ``world_size`` full
+    pools plus the partial last pool), which are split into equal contiguous runs, one per
+    rank, so no rank is starved when there are fewer pools than ranks.
+    """
     n_full, rest = divmod(total, pool)
+    per_pool = pool // batch_size
     last = rest // batch_size if drop_last else -(-rest // batch_size)
-    counts = [
-        max(0, -(-(n_full - r) // world_size)) * (pool // batch_size)
-        + (last if n_full % world_size == r else 0)
-        for r in range(world_size)
-    ]
-    return counts, last
+    head = (n_full // world_size) * world_size
+    return per_pool, head, n_full, (n_full - head) * per_pool + last
+
+
+def _rank_target(head: int, per_pool: int, tail: int, world_size: int, even: str) -> int:
+    base, extra = divmod(tail, world_size)
+    return head // world_size * per_pool + base + (1 if even == "pad" and extra else 0)
 
 
 def _stream_total(n_obs: int, chunk_size: int, ids: np.ndarray) -> int:
@@ -358,10 +372,9 @@ def batches_per_rank(
         even_batches=even_batches,
     )
     total = _stream_total(n_obs, chunk_size, _chunk_ids(n_obs, chunk_size, chunk_ids))
-    counts, _ = _rank_counts(
-        total, pool_rows(batch_size, chunk_size, preload_nchunks), batch_size, world_size, drop_last
-    )
-    return min(counts) if even_batches == "drop" else max(counts)
+    pool = pool_rows(batch_size, chunk_size, preload_nchunks)
+    per_pool, head, _, tail = _deal(total, pool, batch_size, world_size, drop_last)
+    return _rank_target(head, per_pool, tail, world_size, even_batches)
 
 
 def rank_items(
@@ -421,20 +434,35 @@ def rank_items(
         )
     )
     pool = pool_rows(batch_size, chunk_size, preload_nchunks)
-    counts, last = _rank_counts(stream.total, pool, batch_size, world_size, drop_last)
-    target = min(counts) if even_batches == "drop" else max(counts)
-    pools = np.arange(rank, -(-stream.total // pool), world_size, dtype=np.int64)
-    per_pool = np.where(pools < stream.total // pool, pool // batch_size, last)
-    take = np.clip(target - (np.cumsum(per_pool) - per_pool), 0, per_pool)
-    keep = take > 0
-    n_pad = target - int(take.sum())
+    per_pool, head, _, tail = _deal(stream.total, pool, batch_size, world_size, drop_last)
+    target = _rank_target(head, per_pool, tail, world_size, even_batches)
+    # whole pools of the complete rounds, round-robin
+    pools = [np.arange(rank, head, world_size, dtype=np.int64)]
+    starts = [np.zeros(len(pools[0]), dtype=np.int64)]
+    stops = [np.full(len(pools[0]), per_pool, dtype=np.int64)]
+    # the tail's batches: rank r takes the r-th contiguous run (runs of equal length under
+    # "drop", the remainder being dropped; the first `extra` runs one longer under "pad")
+    base, extra = divmod(tail, world_size)
+    if even_batches == "pad":
+        t0, t1 = rank * base + min(rank, extra), (rank + 1) * base + min(rank + 1, extra)
+    else:
+        t0, t1 = rank * base, (rank + 1) * base
+    if t1 > t0:
+        first, stop_pool = t0 // per_pool, (t1 - 1) // per_pool + 1
+        idx = np.arange(first, stop_pool, dtype=np.int64)
+        pools.append(head + idx)
+        starts.append(np.maximum(t0 - idx * per_pool, 0))
+        stops.append(np.minimum(t1 - idx * per_pool, per_pool))
+    pool_ids, b0, b1 = (np.concatenate(x) for x in (pools, starts, stops))
+    n_pad = target - int((b1 - b0).sum())
+    assert n_pad >= 0
     return WorkList(
         stream,
         pool,
         batch_size,
-        np.concatenate([pools[keep], np.full(n_pad, -1, dtype=np.int64)]),
-        np.zeros(int(keep.sum()) + n_pad, dtype=np.int64),
-        np.concatenate([take[keep], np.ones(n_pad, dtype=np.int64)]),
+        np.concatenate([pool_ids, np.full(n_pad, -1, dtype=np.int64)]),
+        np.concatenate([b0, np.zeros(n_pad, dtype=np.int64)]),
+        np.concatenate([b1, np.ones(n_pad, dtype=np.int64)]),
     )
 
 

@@ -213,11 +213,12 @@ def _remove_stale_temporaries(out: Path) -> None:
                            "not removed.", p, host, pid)
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
+def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first, deleted last."""
     if not (out.exists() or out.is_symlink()):
         os.replace(tmp, out)
         return
+    _check_output(out, overwrite, [])  # it may have appeared while we were writing
     old = _sibling(out, "old")
     os.replace(out, old)
     try:
@@ -356,7 +357,7 @@ def create_anndata_collection(
                                      budget, opts, progress, value_check)
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, shard_obs, budget, opts, compressor)
-        _swap_into_place(tmp, out)
+        _swap_into_place(tmp, out, overwrite)
         tmp = None
     finally:
         for s in sources:

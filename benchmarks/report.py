@@ -138,7 +138,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     out.append(_target(f"RSS growth over {n_ep} epochs < 5%",
                        100 * growth if growth is not None else None, 5.0, higher=False,
                        fmt="{:+.1f}%", detail="max of main and worker RSS growth, end of epoch "
-                       f"{n_ep} vs end of warm-up epoch 0" if m else "memory case did not run"))
+                       f"{n_ep} vs end of epoch 0" if m else "memory case did not run"))
     return out
 
 
@@ -230,7 +230,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             f"{base['read_seconds']:.1f} s |")
     m = c.get("memory")
     if m is not None and m.get("status") == "ok":
-        lines += ["", f"## Memory over {len(m['epochs']) - 1} epochs after a warm-up epoch "
+        lines += ["", f"## Memory over {len(m['epochs']) - 1} epochs after the first "
                   "(dense, 2 persistent workers)",
                   "", "| epoch | main RSS (MiB) | worker RSS (MiB) | worker USS (MiB) |",
                   "|---|---|---|---|"]
@@ -238,13 +238,12 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             lines.append(f"| {e['epoch']} | {_f(e['main_rss_mb'])} | "
                          f"{', '.join(_f(x) for x in e['worker_rss_mb'])} | "
                          f"{', '.join(_f(x) for x in e['worker_uss_mb'])} |")
-        lines.append(f"\nGrowth, end of the last epoch vs end of warm-up epoch 0 -> 1: main "
+        lines.append(f"\nGrowth, end of epoch {len(m['epochs']) - 1} vs end of epoch 0: main "
                      f"{100 * m['main_growth']:+.1f}%, workers "
                      f"{100 * m['worker_growth']:+.1f}% (RSS), "
-                     f"{100 * m['worker_uss_growth']:+.1f}% (USS). Including the warm-up "
-                     f"epoch (vs end of epoch 0): main "
-                     f"{100 * m.get('main_growth_from_epoch0', float('nan')):+.1f}%, workers "
-                     f"{100 * m.get('worker_growth_from_epoch0', float('nan')):+.1f}%.")
+                     f"{100 * m['worker_uss_growth']:+.1f}% (USS); vs end of epoch 1: main "
+                     f"{100 * m.get('main_growth_from_epoch1', float('nan')):+.1f}%, workers "
+                     f"{100 * m.get('worker_growth_from_epoch1', float('nan')):+.1f}%.")
     exps = {n: r for n, r in c.items() if n.startswith("exp_")}
     if exps:
         base = {"dense_w0": "ours_dense_w0", "dense_w2": "ours_dense_w2",

@@ -98,3 +98,12 @@ def race_prepare(paths: list[str], store: str, barrier: Any, queue: Any) -> None
     dm.prepare_data()
     queue.put({"pid": os.getpid(), "written": dm.store_written, "start": t0,
                "end": time.time()})
+
+
+class EarlyLoaderRecorder(Recorder):
+    """Reads ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (as users of
+    OneCycleLR do): Lightning then builds the train loader before it restores its loops."""
+
+    def configure_optimizers(self) -> Any:
+        self.total_steps = int(self.trainer.estimated_stepping_batches)  # builds the loader
+        return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -25,7 +25,7 @@ from annbatch_torch.lightning import store_is_current, store_staleness  # noqa: 
 from annbatch_torch.loader import AnnBatchDataLoader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lightning_helpers import Recorder, race_prepare  # noqa: E402
+from lightning_helpers import EarlyLoaderRecorder, Recorder, race_prepare  # noqa: E402
 from worker_probe import epoch_converter  # noqa: E402
 
 SIZES = [700, 500]
@@ -60,6 +60,13 @@ def _dm(h5ads: list[Path], store: Path, **kwargs: Any) -> AnnBatchDataModule:
     )
     kw.update(kwargs)
     return AnnBatchDataModule(h5ads, store, **kw)
+
+
+def _chunk_rows(chunks: np.ndarray) -> np.ndarray:
+    """Global rows of these chunks, in chunk order."""
+    cs = PLAN["chunk_size"]
+    return sampling.global_rows(np.stack([chunks * cs, np.minimum((chunks + 1) * cs, N_OBS)],
+                                         axis=1))
 
 
 def _manifest_stamp(store: Path) -> tuple[int, int]:
@@ -206,9 +213,7 @@ def test_eval_loaders_pad_ranks_with_a_mask(h5ads: list[Path], store: Path) -> N
         assert len({len(b) for b in per_rank}) == 1
         real = np.concatenate([b["index"].numpy()[b["mask"].numpy()]
                                for r in per_rank for b in r])
-        expect = (np.arange(N_OBS) if stage == "test" else
-                  sampling.global_rows(np.stack([dm.val_chunks * PLAN["chunk_size"], np.minimum(
-                      (dm.val_chunks + 1) * PLAN["chunk_size"], N_OBS)], axis=1)))
+        expect = np.arange(N_OBS) if stage == "test" else _chunk_rows(dm.val_chunks)
         assert np.array_equal(np.sort(real), np.sort(expect))
 
 
@@ -326,31 +331,33 @@ def test_trainer_validate_test_and_predict(h5ads: list[Path], store: Path,
     trainer = pl.Trainer(devices=1, **TRAINER)
     trainer.validate(model, datamodule=dm)
     with np.load(tmp_path / "val_r0_n0.npz") as z:
-        assert len(z["index"]) == len(sampling.global_rows(np.stack(
-            [dm.val_chunks * 32, np.minimum((dm.val_chunks + 1) * 32, N_OBS)], axis=1)))
+        assert np.array_equal(z["index"], _chunk_rows(dm.val_chunks))  # in order
     preds = trainer.predict(model, datamodule=dm)
     assert preds is not None
     idx = np.concatenate([p["index"].numpy()[p["mask"].numpy()] for p in preds])
     assert np.array_equal(idx, np.arange(N_OBS))  # in order, every row once
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("num_workers", "early_loader"), [(0, False), (2, False), (2, True)])
 def test_resume_from_checkpoint_restores_seed_and_epoch(
-    h5ads: list[Path], store: Path, tmp_path: Path, num_workers: int
+    h5ads: list[Path], store: Path, tmp_path: Path, num_workers: int, early_loader: bool
 ) -> None:
     """Lightning creates the first epoch's iterator before it calls ``set_epoch``; after a
-    resume that epoch is 1, not 0, and the workers must still see it."""
+    resume that epoch is 1, not 0, and the workers must still see it. With
+    ``early_loader`` the model reads ``trainer.estimated_stepping_batches``, so Lightning
+    builds the train loader even before it restores its loops."""
+    module = EarlyLoaderRecorder if early_loader else Recorder
     cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     kw = {**TRAINER, "enable_checkpointing": True, "default_root_dir": tmp_path}
     first = _dm(h5ads, store, seed=5, num_workers=num_workers)
     pl.Trainer(devices=1, max_epochs=1, callbacks=[cb], **kw).fit(
-        Recorder(str(tmp_path), N_VARS), datamodule=first)
+        module(str(tmp_path), N_VARS), datamodule=first)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     resumed = _dm(h5ads, store, seed=0, num_workers=num_workers)  # the checkpoint's seed wins
     out = tmp_path / "resumed"
     out.mkdir()
     pl.Trainer(devices=1, max_epochs=2, **kw).fit(
-        Recorder(str(out), N_VARS), datamodule=resumed, ckpt_path=ckpt)
+        module(str(out), N_VARS), datamodule=resumed, ckpt_path=ckpt)
     assert resumed.seed == 5
     assert not (out / "train_r0_e0.npz").exists()  # epoch 0 was not repeated
     rec = _load_train(out, 0, 1)
@@ -377,8 +384,7 @@ def test_ddp_two_ranks(h5ads: list[Path], store: Path, tmp_path: Path) -> None:
     assert _manifest_stamp(store) == stamp
     dm.setup("fit")  # the same split, computed here
     assert dm.train_chunks is not None
-    train_rows = sampling.global_rows(np.stack(
-        [dm.train_chunks * 32, np.minimum((dm.train_chunks + 1) * 32, N_OBS)], axis=1))
+    train_rows = _chunk_rows(dm.train_chunks)
     orders = []
     for e in range(epochs):
         recs = [_load_train(tmp_path, r, e) for r in range(world)]

@@ -136,15 +136,23 @@ def reference(p: P) -> list[list[Batch]]:
         pools.append([(tuple(rows[k : k + bs]), False) for k in range(0, len(rows), bs)])
     if p.drop_last and pools and len(pools[-1][-1][0]) < bs:
         pools[-1].pop()
+    w = p.world_size
+    n_full = len(stream) // size
+    head = n_full // w * w
     ranks = [
-        [b for i, pool in enumerate(pools) if i % p.world_size == r for b in pool]
-        for r in range(p.world_size)
+        [b for i, pool in enumerate(pools[:head]) if i % w == r for b in pool] for r in range(w)
     ]
-    counts = [len(r) for r in ranks]
-    if p.even_batches == "drop":
-        return [r[: min(counts)] for r in ranks]
+    tail = [b for pool in pools[head:] for b in pool]
+    base, extra = divmod(len(tail), w)
     pad = (tuple(stream[: min(bs, len(stream))]), True)
-    return [r + [pad] * (max(counts) - len(r)) for r in ranks]
+    for r in range(w):
+        if p.even_batches == "drop":
+            ranks[r] += tail[r * base : (r + 1) * base]
+        else:
+            lo = r * base + min(r, extra)
+            ranks[r] += tail[lo : lo + base + (r < extra)]
+            ranks[r] += [pad] * (1 if extra and r >= extra else 0)
+    return ranks
 
 
 # ---------------------------------------------------------------- property tests
@@ -162,25 +170,21 @@ def test_plan_matches_row_level_reference(p: P) -> None:
 @given(params(), st.integers(1, 4))
 def test_rows_yielded_at_most_once_and_drops_bounded(p: P, num_workers: int) -> None:
     stream = p.stream_rows()
-    size = p.pool
     seen: Counter[int] = Counter()
     for rank in range(p.world_size):
         batches = [b for wb in worker_batches(p, rank, num_workers) for b in wb]
         real = [r for rows, pad in batches if not pad for r in rows]
         seen.update(real)
-        owned = {
-            r
-            for i in range(rank * size, len(stream), size * p.world_size)
-            for r in stream[i : i + size]
-        }
-        assert set(real) <= owned
-        slack = p.batch_size - 1 if p.drop_last else 0
-        dropped = len(owned) - len(real)
-        assert dropped <= (slack if p.even_batches == "pad" else size + slack)
         for rows, pad in batches:
             if pad:  # padding: the first rows of the stream, only in padding items
                 assert rows == tuple(stream[: min(p.batch_size, len(stream))])
     assert max(seen.values(), default=1) == 1
+    # drop: fewer than world_size batches in all (plus the partial batch with drop_last)
+    slack = p.batch_size - 1 if p.drop_last else 0
+    dropped = len(stream) - len(seen)
+    bound = (p.world_size - 1) * p.batch_size if p.even_batches == "drop" else 0
+    assert dropped <= bound + slack
+    assert set(seen) <= set(stream)
     if p.world_size == 1 and not p.drop_last:
         assert sorted(seen) == sorted(stream)
         assert len(stream) == len(set(stream))
@@ -354,15 +358,41 @@ def test_small_plan_by_hand() -> None:
 
 
 def test_drop_truncates_inside_a_pool() -> None:
-    # 3 pools of 4 batches (P=8, bs=2) + 2 ranks: rank 0 has 8, rank 1 has 4 -> both yield 4
+    # 3 pools of 4 batches (P=8, bs=2) + 2 ranks: pools 0, 1 whole; pool 2 split 2 + 2
     kw = dict(shuffle=True, seed=3, epoch=1, world_size=2)
     r0 = S.rank_items(24, 8, 1, 2, rank=0, **kw)
-    assert [(it.pool_index, it.batch_start, it.batch_stop) for it in r0] == [(0, 0, 4)]
-    r0 = S.rank_items(23, 8, 1, 2, rank=0, **kw)  # last pool: 7 rows = 4 batches
-    assert [(it.pool_index, it.batch_stop) for it in r0] == [(0, 4)]
-    # P=4, 6 pools (the last one 2 rows): rank 0 has 2+2+2, rank 1 has 2+2+1 -> 5 each
-    r0 = S.rank_items(22, 4, 1, 2, rank=0, world_size=2, shuffle=False, seed=0, epoch=0)
-    assert [(it.pool_index, it.batch_stop) for it in r0] == [(0, 2), (2, 2), (4, 1)]
+    assert [(it.pool_index, it.batch_start, it.batch_stop) for it in r0] == [(0, 0, 4), (2, 0, 2)]
+    r1 = S.rank_items(23, 8, 1, 2, rank=1, **kw)  # last pool: 7 rows = 4 batches
+    assert [(it.pool_index, it.batch_start, it.batch_stop) for it in r1] == [(1, 0, 4), (2, 2, 4)]
+    # P=4, 6 pools (the last one 2 rows): pools 0-3 dealt whole; the tail (pool 4's two
+    # batches + pool 5's one) is split by batches: rank 0 gets (4, [0,1)), rank 1 (4, [1,2))
+    kw0 = dict(world_size=2, shuffle=False, seed=0, epoch=0)
+    r0 = S.rank_items(22, 4, 1, 2, rank=0, **kw0)
+    assert [(it.pool_index, it.batch_start, it.batch_stop) for it in r0] == [
+        (0, 0, 2), (2, 0, 2), (4, 0, 1)
+    ]
+    r1 = S.rank_items(22, 4, 1, 2, rank=1, **kw0)
+    assert [(it.pool_index, it.batch_start, it.batch_stop) for it in r1] == [
+        (1, 0, 2), (3, 0, 2), (4, 1, 2)
+    ]
+
+
+def test_fewer_pools_than_ranks_still_feeds_every_rank() -> None:
+    # 100k cells, default pools of 16,384 rows, 8 ranks: 6 full pools < 8 ranks
+    assert S.batches_per_rank(100_000, 512, 32, 4096, world_size=8) == 3
+    seen = set()
+    for r in range(8):
+        items = S.rank_items(100_000, 512, 32, 4096, shuffle=True, seed=0, epoch=0, rank=r,
+                             world_size=8)
+        assert items.n_batches == 3
+        for it in items:
+            perm = S.item_permutation(it, seed=0, epoch=0, shuffle=True)
+            rows = S.global_rows(it.ranges)
+            for b in range(it.batch_start, it.batch_stop):
+                got = set(rows[S.batch_positions(it, b, 4096, perm)].tolist())
+                assert not got & seen
+                seen |= got
+    assert len(seen) == 24 * 4096
 
 
 def test_dataloader_order_and_consumed() -> None:

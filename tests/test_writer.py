@@ -413,6 +413,43 @@ def test_failure_leaves_nothing_and_keeps_old_store(synthetic_h5ads: list[Path],
     assert kept.n_obs == 1200
 
 
+def test_non_finite_refused_negative_allowed(tmp_path: Path) -> None:
+    a = synthetic(60, 20, seed=1, layers=("counts",))
+    a.layers["counts"] = a.layers["counts"].copy()
+    a.layers["counts"].data[0] = np.nan
+    row = int(np.searchsorted(a.layers["counts"].indptr, 0, side="right") - 1)
+    _assert_refused([a], tmp_path / "out",
+                    rf"<AnnData #0>: field 'layers/counts' .*non-finite.* at row {row}")
+    b = synthetic(60, 20, seed=1)
+    b.X.data *= -1
+    coll = create_anndata_collection([b], tmp_path / "neg", progress=False)
+    assert load_all(coll.path).X.max() <= 0 < -load_all(coll.path).X.min()
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(
+    synthetic_h5ads: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from annbatch_torch.writer import _HOST
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "store"
+    stale = tmp_path / f"store.tmp-{_HOST}-{dead.pid}-0a1b2c3d"
+    stale_old = tmp_path / f"store.old-{_HOST}-{dead.pid}-0a1b2c3e"
+    running = tmp_path / f"store.tmp-{_HOST}-{os.getppid()}-0a1b2c3f"
+    foreign = tmp_path / f"store.tmp-othernode-{dead.pid}-0a1b2c40"
+    for p in (stale, stale_old, running, foreign):
+        (p / ".buckets").mkdir(parents=True)
+    caplog.set_level(logging.INFO, logger="annbatch_torch")
+    create_anndata_collection(synthetic_h5ads[:1], out, progress=False)
+    assert not stale.exists()
+    assert not stale_old.exists()
+    assert running.exists()
+    assert foreign.exists()
+    assert "may still run" in caplog.text
+    assert "interrupted write" in caplog.text
+
+
 # -- bounded memory ------------------------------------------------------------------------
 _CHILD = textwrap.dedent("""
     import gc, json, os, sys, tempfile

@@ -16,8 +16,13 @@ import annbatch_torch as abt
 
 
 def epoch_converter(batch: dict[str, Any]) -> dict[str, Any]:
-    """Default conversion plus the worker's own dataset copy's epoch and its pid (``-1`` and
-    the main pid without workers)."""
+    """Default conversion plus the epoch the worker's own dataset copy holds when it converts
+    the batch (``-1`` without workers) and the worker's pid.
+
+    The shared epoch can move on after the worker planned its iteration (Lightning creates
+    the first iterator before ``set_epoch``), so tests also compare the batches themselves
+    with those of a fresh dataset at that epoch.
+    """
     out: dict[str, Any] = abt.batch_dict_converter(batch)
     info = get_worker_info()
     out["worker_epoch"] = torch.tensor(info.dataset.epoch if info is not None else -1)
