@@ -11,11 +11,11 @@
   on a shared file system: the first writes, the others wait and then find it current.
 * ``setup`` opens the collection and builds this rank's datasets; rank and world size
   come from the trainer. Training shuffles with ``even_batches="drop"``: every rank takes
-  the same number of steps, and less than one pool (``chunk_size * preload_nchunks`` rows,
-  rounded to batches) per rank is left out of an epoch. Pools go whole to ranks, so keep
-  several pools per rank: ``setup`` raises if a rank would get no batch and warns above a
-  10% drop. Validation, test and predict read in order with ``even_batches="pad"``: every
-  row once, padding rows flagged ``False`` in the boolean ``"mask"`` key.
+  the same number of steps, and fewer than ``world_size`` batches are left out of an epoch
+  (the last round of pools is split across ranks by batches). ``setup`` raises if a rank
+  would get no batch (fewer training batches than ranks) and warns above a 10% drop.
+  Validation, test and predict read in order with ``even_batches="pad"``: every row once,
+  padding rows flagged ``False`` in the boolean ``"mask"`` key.
 * The validation split holds out whole chunks (``val_fraction``), chosen by
   :func:`~annbatch_torch.sampling.split_chunks` from ``seed``; test and predict read the
   whole collection.
@@ -395,8 +395,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
     def _check_train_drop(self, ds: AnnBatchDataset, world: int) -> None:
         """Refuse a plan that trains on nothing; warn when it leaves out >10% per epoch.
 
-        Pools are dealt whole to ranks and ``even_batches="drop"`` cuts every rank to the
-        shortest, so a split with fewer pools than ranks yields no batch at all.
+        ``even_batches="drop"`` leaves out fewer than ``world_size`` batches, which only
+        matters for tiny splits; with fewer batches than ranks nothing is left to train on.
         """
         assert self.collection is not None
         assert self.train_chunks is not None
@@ -410,12 +410,11 @@ class AnnBatchDataModule(pl.LightningDataModule):
         pool = sampling.pool_rows(ds.batch_size, cs, self.preload_nchunks)
         hint = max(1, rows // (cs * world * 4))
         msg = (
-            f"{self.store_path}: the training split has {rows:,} rows, {rows / pool:.1f} pools of "
-            f"{pool:,} rows (chunk_size x preload_nchunks); pools go whole to the {world} "
-            f"rank(s) and even_batches='drop' cuts every rank to the shortest, so an epoch "
-            f"uses only {kept:,} rows ({len(ds)} batches per rank). Lower preload_nchunks "
-            f"(e.g. preload_nchunks={hint}) or chunk_size, or pass "
-            "dataset_kwargs={'even_batches': 'pad'}."
+            f"{self.store_path}: the training split has {rows:,} rows ({rows / pool:.1f} pools "
+            f"of {pool:,} rows) for {world} rank(s) at batch_size={ds.batch_size}; with "
+            f"even_batches='drop' an epoch uses only {kept:,} rows ({len(ds)} batches per "
+            f"rank). Lower batch_size or preload_nchunks (e.g. preload_nchunks={hint}), or "
+            "pass dataset_kwargs={'even_batches': 'pad'}."
         )
         if len(ds) == 0:
             raise ValueError(msg)

@@ -18,7 +18,8 @@ def test_field_strings_roundtrip(kind: str, key: str) -> None:
     f = getattr(A, kind)[key]
     assert str(f) == f"{kind}/{key}"
     assert Field.parse(str(f)) == f
-    assert f.kind == kind and f.key == key
+    assert f.kind == kind
+    assert f.key == key
 
 
 def test_x_roundtrip_and_repr() -> None:
@@ -37,7 +38,8 @@ def test_bad_field_strings(bad: str) -> None:
 def test_with_transform_is_a_copy_and_compares_by_location() -> None:
     f = A.layers["counts"]
     g = f.with_transform(np.log1p)
-    assert f.transform is None and g.transform is np.log1p
+    assert f.transform is None
+    assert g.transform is np.log1p
     assert f == g  # transforms do not change which data is read
     with pytest.raises(TypeError, match="callable"):
         f.with_transform(3)  # type: ignore[arg-type]
@@ -51,5 +53,5 @@ def test_normalize_selector() -> None:
         normalize_selector({})
     with pytest.raises(ValueError, match="Cannot parse"):
         normalize_selector({"x": "obsm"})
-    with pytest.raises(ValueError, match="A.X takes no key"):
+    with pytest.raises(ValueError, match=r"A\.X takes no key"):
         Field("X", "k")

@@ -217,12 +217,22 @@ def test_eval_loaders_pad_ranks_with_a_mask(h5ads: list[Path], store: Path) -> N
         assert np.array_equal(np.sort(real), np.sort(expect))
 
 
-def test_setup_refuses_a_plan_with_no_batch_per_rank(h5ads: list[Path], store: Path) -> None:
-    """Pools go whole to ranks: 1,200 rows in pools of 1,024 cannot feed 4 ranks."""
+def test_setup_feeds_every_rank_and_refuses_fewer_batches_than_ranks(
+    h5ads: list[Path], store: Path
+) -> None:
+    """1,200 rows in one pool of 1,024 + a partial one still feed 4 ranks (the last round
+    of pools is split by batches); only fewer batches than ranks is refused."""
     dm = _dm(h5ads, store, preload_nchunks=32)
     dm.trainer = SimpleNamespace(global_rank=0, world_size=4,
                                  strategy=SimpleNamespace(root_device=None))
-    with pytest.raises(ValueError, match=r"Lower preload_nchunks \(e.g. preload_nchunks=2\)"):
+    dm.setup("fit")
+    assert dm.train_dataset is not None
+    n_batches = -(-dm.train_dataset.source.n_obs // PLAN["batch_size"])
+    assert len(dm.train_dataset) >= (n_batches - 4) // 4 > 0
+    dm = _dm(h5ads, store, batch_size=1000)
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=4,
+                                 strategy=SimpleNamespace(root_device=None))
+    with pytest.raises(ValueError, match=r"Lower batch_size or preload_nchunks"):
         dm.setup("fit")
     dm.dataset_kwargs["even_batches"] = "pad"  # the other way out
     dm.setup("fit")
