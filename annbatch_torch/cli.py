@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--zarr-format", type=int, choices=[2, 3], default=3)
     s.add_argument("--chunk-elems", type=int, default=1 << 17,
                    help="elements per zarr chunk (default 131072)")
-    s.add_argument("--compressor", default="lz4", help="lz4 (default), zstd or none")
+    s.add_argument("--compressor", default="raw",
+                   help="raw (default: uncompressed + CRC-32C, fastest reads), lz4, zstd or none")
     s.set_defaults(func=_shuffle)
 
     i = sub.add_parser("info", help="describe a collection: schema, sizes, categories")

@@ -130,6 +130,20 @@ class CSRElement(Element):
         lengths = np.diff(self.indptr[start : stop + 1])
         return data, indices, lengths
 
+    def read_into(
+        self, start: int, stop: int, data_out: np.ndarray, indices_out: np.ndarray
+    ) -> np.ndarray:
+        """Copy rows ``[start, stop)``' values and column indices into the given buffers
+        (sized ``indptr[stop] - indptr[start]``), straight from the chunk files when the
+        arrays support it (:mod:`annbatch_torch.rawzarr`); returns the row lengths."""
+        lo, hi = self.nnz_range(start, stop)
+        for src, out in ((self.data, data_out), (self.indices, indices_out)):
+            if hasattr(src, "read_into"):
+                src.read_into(lo, hi, out)
+            else:
+                out[...] = np.asarray(src[lo:hi])
+        return np.diff(self.indptr[start : stop + 1])
+
     def read(self, start: int, stop: int) -> sp.csr_matrix:
         data, indices, lengths = self.read_raw(start, stop)
         indptr = np.zeros(stop - start + 1, dtype=np.int64)

@@ -140,6 +140,7 @@ class PoolReader:
         n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
         ex = self._executor()
         jobs: dict[str, list[tuple[Piece, Future[Any]]]] = {}
+        csr_buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for field in self.fields:
             # open elements in this thread first: errors surface with context, and
             # element caches are not populated concurrently
@@ -149,7 +150,12 @@ class PoolReader:
                     els.append(self._element(p, field))
                 except Exception as e:
                     raise self._wrap(e, p, field) from e
-            jobs[field] = [(p, ex.submit(self._read_piece, el, p)) for p, el in zip(pieces, els)]
+            if els and isinstance(els[0], CSRElement):
+                jobs[field] = self._submit_csr(ex, field, pieces, els, csr_buffers)
+            else:
+                jobs[field] = [
+                    (p, ex.submit(self._read_piece, el, p)) for p, el in zip(pieces, els)
+                ]
         out: dict[str, Any] = {}
         for field, futs in jobs.items():
             parts = []
@@ -161,6 +167,10 @@ class PoolReader:
                         other.cancel()
                     raise self._wrap(e, p, field) from e
             try:
+                if field in csr_buffers:
+                    out[field] = self._assemble_csr(field, pieces, parts, csr_buffers[field],
+                                                    n_rows)
+                    continue
                 out[field] = self._assemble(field, pieces, parts, n_rows)
             except ReadError:
                 raise
@@ -174,6 +184,63 @@ class PoolReader:
                     "rewrite it with create_anndata_collection(..., overwrite=True)."
                 ) from e
         return out
+
+    def _submit_csr(
+        self,
+        ex: ThreadPoolExecutor,
+        field: str,
+        pieces: list[Piece],
+        els: list[Any],
+        buffers: dict[str, tuple[np.ndarray, np.ndarray]],
+    ) -> list[tuple[Piece, Future[Any]]]:
+        """Allocate the pool's data/indices once; each piece is read into its own slice."""
+        nnz = np.array([el.nnz_range(p.start, p.stop) for p, el in zip(pieces, els)],
+                       dtype=np.int64).reshape(-1, 2)
+        sizes = nnz[:, 1] - nnz[:, 0]
+        if (sizes < 0).any():
+            p = pieces[int(np.flatnonzero(sizes < 0)[0])]
+            raise self._wrap(ReadError("indptr decreases; the matrix is damaged"), p, field)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        data = np.empty(int(offsets[-1]), dtype=els[0].dtype)
+        indices = np.empty(int(offsets[-1]), dtype=np.dtype(els[0].indices.dtype))
+        buffers[field] = (data, indices)
+        n_cols = els[0].n_cols
+        return [
+            (p, ex.submit(self._read_csr_piece, el, p, data[a:b], indices[a:b], n_cols))
+            for p, el, a, b in zip(pieces, els, offsets[:-1], offsets[1:])
+        ]
+
+    @staticmethod
+    def _read_csr_piece(
+        el: CSRElement, p: Piece, data: np.ndarray, indices: np.ndarray, n_cols: int
+    ) -> np.ndarray:
+        lengths = el.read_into(p.start, p.stop, data, indices)
+        if indices.size and (int(indices.max()) >= n_cols or int(indices.min()) < 0):
+            raise ReadError(f"holds column indices outside [0, {n_cols}); the store is damaged")
+        return lengths
+
+    def _assemble_csr(
+        self,
+        field: str,
+        pieces: list[Piece],
+        lengths: list[np.ndarray],
+        buffers: tuple[np.ndarray, np.ndarray],
+        n_rows: int,
+    ) -> sp.csr_matrix:
+        data, indices = buffers
+        n_cols = self._element(pieces[0], field).n_cols
+        indptr = np.zeros(n_rows + 1, dtype=np.int64)
+        if lengths:
+            np.cumsum(np.concatenate(lengths), out=indptr[1:])
+        if indptr[-1] != data.shape[0]:
+            raise ReadError(
+                f"{self.source.describe()}: field {field!r}: row lengths add up to "
+                f"{indptr[-1]} values but {data.shape[0]} were read; the store is damaged, "
+                "rewrite it."
+            )
+        if indptr[-1] < np.iinfo(np.int32).max:
+            indptr = indptr.astype(np.int32)  # scipy would otherwise copy indices to int64
+        return sp.csr_matrix((data, indices, indptr), shape=(n_rows, n_cols), copy=False)
 
     def _read_piece(self, el: Any, p: Piece) -> Any:
         if isinstance(el, CSRElement):
