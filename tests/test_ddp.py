@@ -26,8 +26,6 @@ import ddp_script
 WORLD = 2
 SIZES = [700, 450, 333]  # 1483 rows: 23 full pools of 64 rows and a ragged one of 11
 N_OBS = sum(SIZES)
-POOL = sampling.pool_rows(ddp_script.PLAN["batch_size"], ddp_script.PLAN["chunk_size"],
-                          ddp_script.PLAN["preload_nchunks"])
 
 
 def free_port() -> int:
@@ -65,19 +63,25 @@ def _load(out: Path) -> list[dict[str, Any]]:
 
 
 def _rank_share(rank: int, epoch: int) -> np.ndarray:
-    """The rows of the pools dealt to ``rank`` (what it yields before even_batches cuts)."""
+    """The rows the plan gives ``rank`` under even_batches="drop", batch by batch."""
+    bs = ddp_script.PLAN["batch_size"]
     items = sampling.rank_items(N_OBS, **ddp_script.PLAN, shuffle=True, seed=ddp_script.SEED,
-                                epoch=epoch, rank=rank, world_size=WORLD, even_batches="pad")
-    return np.concatenate([sampling.global_rows(it.ranges) for it in items if not it.padding])
+                                epoch=epoch, rank=rank, world_size=WORLD, even_batches="drop")
+    out = []
+    for it in items:
+        perm = sampling.item_permutation(it, seed=ddp_script.SEED, epoch=epoch, shuffle=True)
+        rows = sampling.global_rows(it.ranges)
+        out += [rows[sampling.batch_positions(it, b, bs, perm)]
+                for b in range(it.batch_start, it.batch_stop)]
+    return np.concatenate(out)
 
 
 def _check_drop_case(ranks: list[dict[str, Any]], case: str, epoch: int = 0) -> np.ndarray:
-    """Disjoint ranks, equal batch counts, coverage complete but for < one pool per rank."""
+    """Disjoint ranks, equal batch counts, coverage complete but for < WORLD batches."""
     res = [r[case] for r in ranks]
-    for r, x in enumerate(res):  # each rank: a subset of its share, missing < one pool
+    for r, x in enumerate(res):  # each rank yields exactly the rows its plan gives it
         share = _rank_share(r, epoch)
-        assert set(x["index"].tolist()) <= set(share.tolist()), case
-        assert 0 <= len(share) - len(x["index"]) < POOL, case
+        assert sorted(x["index"].tolist()) == sorted(share.tolist()), case
     for r, x in enumerate(res):
         assert int(x["rank"]) == r, case
         assert int(x["world_size"]) == WORLD, case
@@ -88,8 +92,8 @@ def _check_drop_case(ranks: list[dict[str, Any]], case: str, epoch: int = 0) -> 
     assert len(np.unique(seen)) == len(seen), f"{case}: ranks overlap"
     assert seen.min() >= 0
     assert seen.max() < N_OBS
-    missing = N_OBS - len(seen)
-    assert 0 <= missing < WORLD * POOL, case
+    missing = N_OBS - len(seen)  # drop: fewer than WORLD batches in all
+    assert 0 <= missing < WORLD * ddp_script.PLAN["batch_size"], case
     expect = sampling.batches_per_rank(N_OBS, world_size=WORLD, **ddp_script.PLAN)
     assert all(len(x["sizes"]) == expect for x in res), case
     return np.concatenate([x["index"] for x in res])
@@ -103,7 +107,7 @@ def test_spawned_gloo_group(h5ads: list[str], tmp_path: Path) -> None:
     e0 = _check_drop_case(ranks, "drop_e0")
     e1 = _check_drop_case(ranks, "drop_e1", epoch=1)
     assert not np.array_equal(e0, e1)  # set_epoch changes the order
-    assert len(e0) < N_OBS  # this layout does drop (rank 0 has one batch more than rank 1)
+    assert len(e0) < N_OBS  # this layout drops: 22 pools dealt whole, 3 tail batches split 1+1
     # constructed before init_process_group: resolved once the group exists, with forked and
     # with spawned workers, and with no workers; all give the very same per-rank stream
     for case in ("before_fork", "before_spawn", "no_workers"):

@@ -387,12 +387,26 @@ def test_worker_killed_mid_epoch_raises_in_the_main_process(collection: Path) ->
     victim = it._workers[0].pid  # type: ignore[attr-defined]
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(?s?\)? .*{victim}.*\) "
-                       r"(is killed by signal|exited unexpectedly)"):
-        for _ in it:
-            pass
-    assert time.monotonic() - t0 < 20 + 10  # within the DataLoader timeout (plus slack)
-    del it
+    try:
+        # Usually torch's worker watchdog reports the death. A batch the dead worker had
+        # already queued cannot be received either: its tensors' file descriptors were
+        # served by that process, so that read fails first with ConnectionResetError.
+        with pytest.raises((RuntimeError, ConnectionError)) as info:
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 20 + 10  # within the DataLoader timeout (plus slack)
+        if isinstance(info.value, RuntimeError):
+            assert re.search(rf"DataLoader worker \(pid\(?s?\)? .*{victim}.*\) (is killed by "
+                             r"signal|exited unexpectedly)", str(info.value)), str(info.value)
+    finally:
+        # the DataLoader's SIGCHLD handler would report the dead worker again, at any later
+        # moment, when the healthy one exits: unregister the workers before shutting down
+        from torch.utils.data._utils import signal_handling
+
+        if it._worker_pids_set:  # type: ignore[attr-defined]
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False  # type: ignore[attr-defined]
+        it._shutdown_workers()  # type: ignore[attr-defined]
 
 
 def _stall(x: Any) -> Any:
