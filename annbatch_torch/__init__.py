@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 from .collection import Collection, Source, open_collection
 from .convert import batch_dict_converter, to_device
 from .dataset import AnnBatchDataset
-from .errors import AnnBatchError, CollectionError, InputError, ReadError, SchemaError
+from .errors import (
+    AnnBatchError,
+    BatchError,
+    CollectionError,
+    InputError,
+    ReadError,
+    SchemaError,
+)
 from .fields import A, Field
 
 if TYPE_CHECKING:
@@ -32,6 +39,7 @@ __all__ = [
     "AnnBatchDataModule",
     "AnnBatchDataset",
     "AnnBatchError",
+    "BatchError",
     "Collection",
     "CollectionError",
     "Field",

@@ -23,9 +23,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import sampling
 from .collection import Source
 from .convert import batch_dict_converter
-from .errors import SchemaError
+from .errors import BatchError, SchemaError
 from .fields import Field, normalize_selector
-from .reader import PoolReader
+from .reader import PoolReader, describe_ranges
 from .sources import as_source
 
 __all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
@@ -181,13 +181,11 @@ class AnnBatchDataset(IterableDataset):
 
     # -- configuration ---------------------------------------------------------------
     def _validate_selector(self) -> None:
-        available = sorted(self.source.fields)
         for key, f in self.selector.items():
-            if f.path not in self.source.fields:
-                raise SchemaError(
-                    f"{self.source.describe()}: selector key {key!r} asks for field "
-                    f"{f.path!r}, which does not exist. Available fields: {available}."
-                )
+            try:
+                self.source.check_field(f.path)  # says why a field is missing or refused
+            except SchemaError as e:
+                raise SchemaError(f"selector key {key!r}: {e}") from None
 
     def _resolve_dist(self) -> tuple[int, int]:
         if not self._explicit_dist:
@@ -339,14 +337,32 @@ class AnnBatchDataset(IterableDataset):
                     if value.dtype != np.float32:
                         value = value.astype(np.float32)
                 if f.transform is not None:
-                    value = f.transform(value)
+                    try:
+                        value = f.transform(value)
+                    except Exception as e:
+                        what = f"the transform of selector key {key!r} (field {f.path!r})"
+                        raise self._batch_error(what, item, b, e) from e
                 batch[key] = value
             if rows is not None:
                 batch["index"] = rows[pos]
             if self.even_batches == "pad":
                 batch[self.mask_key] = np.full(len(pos), not item.padding, dtype=bool)
+            try:
+                out = converter(batch)
+            except Exception as e:
+                raise self._batch_error("the batch_converter", item, b, e) from e
             self._progress["batches"] += 1  # before yield: state_dict() follows the fetch
-            yield converter(batch)
+            yield out
+
+    def _batch_error(
+        self, what: str, item: sampling.WorkItem, batch: int, exc: Exception
+    ) -> BatchError:
+        # the DataLoader passes only the message to the training loop: carry type and text
+        return BatchError(
+            f"{self.source.describe()}: {what} raised {type(exc).__name__}: {exc} on batch "
+            f"{batch} of pool {item.pool_index}, read from "
+            f"{describe_ranges(self.source, item.ranges)}."
+        )
 
     def __repr__(self) -> str:
         sel = {k: str(v) for k, v in self.selector.items()}

@@ -55,7 +55,7 @@ from .dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDatase
 from .errors import CollectionError
 from .fields import Field
 from .inputs import _disk_usage
-from .loader import AnnBatchDataLoader
+from .loader import AnnBatchDataLoader, is_mid_epoch
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 
 __all__ = ["AnnBatchDataModule", "store_is_current", "store_staleness"]
@@ -268,6 +268,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.store_written: bool | None = None
         self._epoch = 0
         self._restored_epoch: int | None = None
+        self._train_loader: AnnBatchDataLoader | None = None
+        self._pending_loader_state: dict[str, Any] | None = None
 
     # -- data preparation --------------------------------------------------------------
     @property
@@ -448,6 +450,14 @@ class AnnBatchDataModule(pl.LightningDataModule):
         when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``), the
         epoch :meth:`load_state_dict` restored.
         """
+        loader = self._train_loader_for_epoch()
+        if self._pending_loader_state is not None:  # a mid-epoch checkpoint: exact resume
+            loader.load_state_dict(self._pending_loader_state)
+            self._pending_loader_state = None
+        self._train_loader = loader
+        return loader
+
+    def _train_loader_for_epoch(self) -> AnnBatchDataLoader:
         epoch = self._fit_loop_epoch()
         if self.train_dataset is not None and epoch is not None:
             if self._restored_epoch is not None and epoch < self._restored_epoch:
@@ -504,8 +514,17 @@ class AnnBatchDataModule(pl.LightningDataModule):
         """
         fitting = getattr(getattr(getattr(self, "trainer", None), "state", None), "fn", None)
         epoch = self._fit_loop_epoch() if fitting == "fit" else None
-        return {"version": _STATE_VERSION, "seed": self.seed,
-                "epoch": self.epoch if epoch is None else epoch}
+        out: dict[str, Any] = {"version": _STATE_VERSION, "seed": self.seed,
+                               "epoch": self.epoch if epoch is None else epoch}
+        loader = self._train_loader
+        if loader is not None:
+            # carried here too: when configure_optimizers reads
+            # trainer.estimated_stepping_batches, Lightning builds the loader before it
+            # restores its loops and never applies its own saved loader state
+            state = loader.state_dict()
+            if is_mid_epoch(state, len(loader)):
+                out["train_loader"] = state
+        return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the seed (split and epoch orders) and the epoch of :meth:`state_dict`.
@@ -514,6 +533,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         sets the epoch from its own loop progress at every epoch start; datasets that exist
         are rebuilt when the seed changes (the split depends on it).
         """
+        self._pending_loader_state = state_dict.get("train_loader")
         try:
             seed, epoch = int(state_dict["seed"]), int(state_dict["epoch"])
         except (KeyError, TypeError, ValueError) as e:

@@ -1,4 +1,9 @@
-"""A ``DataLoader`` that advances the dataset's epoch the way samplers do.
+"""A ``DataLoader`` that advances the dataset's epoch the way samplers do, and resumes.
+
+It is torchdata's ``StatefulDataLoader``: ``state_dict()`` after k batches and
+``load_state_dict()`` on a fresh loader continue with exactly the remaining batches (the
+dataset implements the ``Stateful`` protocol per worker); Lightning saves and restores that
+state in mid-epoch checkpoints.
 
 Lightning (and most training loops built for map-style datasets) call
 ``dataloader.sampler.set_epoch(epoch)`` before each epoch, but never touch an
@@ -22,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .dataset import AnnBatchDataset
 
@@ -44,7 +50,7 @@ class EpochForwardingSampler(Sampler[None]):
         self.dataset.set_epoch(epoch)
 
 
-class AnnBatchDataLoader(DataLoader):
+class AnnBatchDataLoader(StatefulDataLoader):
     """``DataLoader(dataset, batch_size=None, ...)`` whose ``sampler.set_epoch`` reaches the
     dataset. All keyword arguments go to :class:`torch.utils.data.DataLoader`."""
 
@@ -61,3 +67,11 @@ class AnnBatchDataLoader(DataLoader):
         # DataLoader forbids assigning `sampler` after __init__; iterable-style loaders only
         # use it as an infinite source of None, which this sampler still is.
         object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))
+
+
+def is_mid_epoch(state: dict[str, Any], n_batches: int) -> bool:
+    """Whether a ``StatefulDataLoader`` state was taken inside an epoch (neither before
+    its first batch nor after its last)."""
+    snap = state.get("_snapshot")
+    done = snap["_snapshot_step"] if snap is not None else state.get("_num_yielded", 0)
+    return not state.get("_iterator_finished", False) and 0 < int(done) < n_batches

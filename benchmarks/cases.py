@@ -548,36 +548,40 @@ def conv_sparse_int32(batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _raw_store(cfg: Config) -> str:
-    """The inputs written uncompressed (``compressor="none"``: read by the raw path)."""
+def _variant_store(cfg: Config, name: str, **writer_kw: Any) -> str:
+    """The inputs written again with other writer settings (once; not timed)."""
     import annbatch_torch as abt
 
-    path = Path(cfg["store"]).with_name("collection_raw")
+    path = Path(cfg["store"]).with_name(f"collection_{name}")
     if not (path / "manifest.json").exists():
         abt.create_anndata_collection(cfg["paths"], path, seed=cfg["seed"], overwrite=True,
-                                      compressor="none", obs_columns=["cell_type"],
-                                      progress=False)
+                                      obs_columns=["cell_type"], progress=False, **writer_kw)
     return str(path)
 
 
 def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bool = False,
-                raw: bool = False, **kw: Any) -> Callable[[Config], Result]:
+                store: dict[str, Any] | None = None, **kw: Any) -> Callable[[Config], Result]:
     def case(cfg: Config) -> Result:
         if zarrs:
             import zarr
 
             zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
-        store = _raw_store(cfg) if raw else cfg["store"]
+        path = cfg["store"]
+        if store:
+            path = _variant_store(cfg, "_".join(f"{k}-{v}" for k, v in store.items()), **store)
         conv_dense = converter is not None and converter is not conv_sparse_int32
-        out = _run_ours(cfg, store, densify and not conv_dense, workers,
+        out = _run_ours(cfg, path, densify and not conv_dense, workers,
                         batch_converter=converter, expect_dense=densify, **kw)
         out["variant"] = {"converter": getattr(converter, "__name__", None), "zarrs": zarrs,
-                          "raw_store": raw, **kw}
+                          "store": store, **kw}
         return out
 
-    case.__doc__ = (f"experiment: {'dense' if densify else 'sparse'}, {workers} workers, "
-                    f"converter={getattr(converter, '__name__', None)}, zarrs={zarrs}, "
-                    f"raw={raw}, {kw}")
+    parts = [f"converter {converter.__name__}" if converter else "",
+             "zarrs codec pipeline" if zarrs else "",
+             f"store written with {store}" if store else "",
+             ", ".join(f"{k}={v}" for k, v in kw.items())]
+    case.__doc__ = (f"{'dense' if densify else 'torch CSR'}, {workers} workers: "
+                    + "; ".join(p for p in parts if p))
     return case
 
 
@@ -587,17 +591,16 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
     "exp_dense_w2_shared": _experiment(True, 2, converter=conv_dense_shared),
     "exp_sparse_w0_int32": _experiment(False, 0, converter=conv_sparse_int32),
     "exp_sparse_w2_int32": _experiment(False, 2, converter=conv_sparse_int32),
-    "exp_sparse_w0_zarrs": _experiment(False, 0, zarrs=True),
-    "exp_sparse_w0_raw": _experiment(False, 0, raw=True),
+    "exp_sparse_w0_lz4": _experiment(False, 0, store={"compressor": "lz4"}),
+    "exp_sparse_w0_lz4_zarrs": _experiment(False, 0, zarrs=True, store={"compressor": "lz4"}),
+    "exp_sparse_w0_chunkel17": _experiment(False, 0, store={"zarr_chunk_elems": 1 << 17}),
     "exp_sparse_w0_threads1": _experiment(False, 0, read_threads=1),
     "exp_sparse_w0_threads2": _experiment(False, 0, read_threads=2),
     "exp_sparse_w0_noprefetch": _experiment(False, 0, prefetch=False),
     "exp_sparse_w0_chunk256": _experiment(False, 0, chunk_size=256, preload_nchunks=64),
     "exp_sparse_w0_chunk1024": _experiment(False, 0, chunk_size=1024, preload_nchunks=16),
-    "exp_dense_w0_best": _experiment(True, 0, converter=conv_dense_hugepage, zarrs=True),
-    "exp_dense_w2_best": _experiment(True, 2, converter=conv_dense_shared, zarrs=True),
-    "exp_sparse_w0_best": _experiment(False, 0, converter=conv_sparse_int32, zarrs=True),
-    "exp_sparse_w2_best": _experiment(False, 2, converter=conv_sparse_int32, zarrs=True),
+    "exp_dense_w2_shared_threads2": _experiment(True, 2, converter=conv_dense_shared,
+                                             read_threads=2),
 }
 
 

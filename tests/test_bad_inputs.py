@@ -1,12 +1,15 @@
 """Bad inputs get an exception that names the file, the field or the argument and says what
 to do: never a silent success, a hang, or a context-free crash in a DataLoader worker.
 
-Policies pinned here (see docs/architecture.md, "Bad input"):
+Policies pinned here (this docstring is their reference until the docs carry them):
 
 * Damaged collections are refused when opened where that is cheap (manifest, shard folders,
-  paths) and otherwise when read: :class:`ReadError` naming the shard, the field and the
-  row range. zarr reads a *missing* chunk file as zeros, so a collection whose manifest
-  says ``all_chunks_written`` is checked for missing chunk files when a field is opened.
+  paths, each shard's row count from its metadata) and otherwise when read: ``ReadError``
+  naming the shard, the field and the row range. zarr reads a *missing* chunk file as zeros,
+  so a collection whose manifest says ``all_chunks_written`` is checked for missing chunk
+  files when a field is opened. Truncated or overwritten chunks are caught by the CRC-32C
+  codec the writer adds (Blosc alone accepts a truncated verbatim-stored chunk,
+  numcodecs#228); the reader also checks indptr, nnz, column indices and category codes.
 * Shard and var-name paths in a manifest stay inside the collection root (no ``..``, no
   absolute paths, no symlink escaping it). Metadata is JSON, never pickle.
 * A string obs column (every value distinct, e.g. barcodes) and a categorical with more than

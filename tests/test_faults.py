@@ -342,9 +342,6 @@ class _Boom:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="pending: AnnBatchDataset._batches wraps transform "
-                   "and batch_converter errors in errors.BatchError with reader.describe_ranges; "
-                   "remove this marker then")
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_transform_error_names_field_shard_and_rows(collection: Path, num_workers: int) -> None:
     from annbatch_torch.errors import BatchError
@@ -362,9 +359,6 @@ def _failing_converter(batch: dict[str, Any]) -> Any:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="pending: AnnBatchDataset._batches wraps transform "
-                   "and batch_converter errors in errors.BatchError with reader.describe_ranges; "
-                   "remove this marker then")
 def test_converter_error_names_shard_and_rows(collection: Path) -> None:
     from annbatch_torch.errors import BatchError
 

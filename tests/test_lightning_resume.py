@@ -12,12 +12,12 @@ state holds, per worker, our dataset's ``state_dict()`` (seed, epoch, worker, ba
 Lightning's ``_PrefetchDataFetcher`` does not prefetch when the loader has a length (ours
 has), so the saved count is exactly the batches trained on.
 
-Two things the DataModule must do (prototyped below in ``ResumableDataModule``):
+Two things the DataModule does for this (``annbatch_torch/lightning.py``, ``loader.py``):
 
-1. Build the *train* loader on ``StatefulDataLoader`` (keeping the epoch-forwarding
+1. It builds the *train* loader on ``StatefulDataLoader`` (keeping the epoch-forwarding
    sampler). A plain ``torch.utils.data.DataLoader`` is not ``_Stateful``: Lightning warns
    and the resumed run replays the epoch from its first batch while counting it as the rest.
-2. Carry the loader state in its own ``state_dict`` too and apply it in
+2. It carries the loader state in its own ``state_dict`` too and apply it in
    ``train_dataloader()``: when ``configure_optimizers`` reads
    ``trainer.estimated_stepping_batches`` (OneCycleLR and friends), Lightning builds the
    train loader before it restores the loops and then never applies the saved loader state
@@ -41,56 +41,8 @@ pl = pytest.importorskip("lightning.pytorch")
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 import annbatch_torch as abt  # noqa: E402
-from annbatch_torch import A, AnnBatchDataset  # noqa: E402
+from annbatch_torch import A  # noqa: E402
 from annbatch_torch.lightning import AnnBatchDataModule  # noqa: E402
-from annbatch_torch.loader import EpochForwardingSampler  # noqa: E402
-
-
-class StatefulAnnBatchDataLoader(StatefulDataLoader):
-    """What ``AnnBatchDataLoader`` should be: the same, on torchdata's StatefulDataLoader."""
-
-    def __init__(self, dataset: AnnBatchDataset, **kwargs: Any) -> None:
-        kwargs.setdefault("batch_size", None)
-        super().__init__(dataset, **kwargs)
-        object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))
-
-
-def _mid_epoch(state: dict[str, Any], n_batches: int) -> bool:
-    """Whether a StatefulDataLoader state was taken inside an epoch (not before or after)."""
-    snap = state.get("_snapshot")
-    done = snap["_snapshot_step"] if snap is not None else state.get("_num_yielded", 0)
-    return not state.get("_iterator_finished", False) and 0 < int(done) < n_batches
-
-
-class ResumableDataModule(AnnBatchDataModule):
-    """The proposed changes to AnnBatchDataModule, as a subclass."""
-
-    _pending_loader_state: dict[str, Any] | None = None
-    _train_loader: Any = None
-
-    def train_dataloader(self) -> Any:
-        base = super().train_dataloader()  # sets the epoch, builds the kwargs
-        kwargs = {k: getattr(base, k) for k in ("num_workers", "pin_memory",
-                                                 "persistent_workers", "timeout")}
-        loader = StatefulAnnBatchDataLoader(self.train_dataset, **kwargs)
-        if self._pending_loader_state is not None:
-            loader.load_state_dict(self._pending_loader_state)
-            self._pending_loader_state = None
-        self._train_loader = loader
-        return loader
-
-    def state_dict(self) -> dict[str, Any]:
-        out = super().state_dict()
-        loader = self._train_loader
-        if loader is not None:
-            state = loader.state_dict()
-            if _mid_epoch(state, len(loader)):
-                out["train_loader"] = state
-        return out
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        self._pending_loader_state = state_dict.get("train_loader")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "train_loader"})
 
 N_VARS = 10
 BATCH = 32
@@ -157,7 +109,7 @@ def _trainer(**kwargs: Any) -> Any:
 
 
 def _dm(store: Path, num_workers: int) -> Any:
-    return ResumableDataModule(
+    return AnnBatchDataModule(
         None, store, selector={"x": A.X}, batch_size=BATCH, chunk_size=16, preload_nchunks=4,
         num_workers=num_workers, seed=3, densify=True, dataset_kwargs={"return_index": True},
     )
@@ -205,9 +157,6 @@ def test_fit_resumes_mid_epoch_with_the_remaining_cells(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="pending: AnnBatchDataModule's train loader must be a "
-                   "StatefulDataLoader and carry its state (see the module docstring); remove "
-                   "this marker when it is")
 def test_annbatch_datamodule_resumes_mid_epoch(store: Path, tmp_path: Path) -> None:
     def make(nw: int) -> Any:
         return abt.AnnBatchDataModule(
@@ -224,7 +173,7 @@ def test_annbatch_datamodule_resumes_mid_epoch(store: Path, tmp_path: Path) -> N
     _check_resume(make, tmp_path, 2, "mid-onecycle")
 
 
-def test_prototype_train_loader_is_stateful_for_lightning(store: Path) -> None:
+def test_train_loader_is_stateful_for_lightning(store: Path) -> None:
     """What Lightning checks (``lightning.fabric.utilities.types._Stateful``)."""
     from lightning.fabric.utilities.types import _Stateful
 
