@@ -207,6 +207,13 @@ def _remove_stale_temporaries(out: Path) -> None:
         if kind not in ("tmp", "old") or len(parts) != 3 or not parts[1].isdigit():
             continue
         host, pid = parts[0], int(parts[1])
+        if kind == "old" and not (out / MANIFEST_NAME).is_file():
+            # killed between the two renames of an overwrite: this is the only copy of the
+            # previous collection; keep it for the user to rename back
+            logger.warning("%s holds the previous collection of %s, which is missing (an "
+                           "overwrite was interrupted); not removed: rename it back to keep it.",
+                           p, out)
+            continue
         if host == _HOST and pid != os.getpid() and not _alive(pid):
             logger.info("Removing %s, left by an interrupted write (process %d is gone).", p,
                         pid)
