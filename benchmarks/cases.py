@@ -600,7 +600,11 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
     "exp_sparse_w0_chunk256": _experiment(False, 0, chunk_size=256, preload_nchunks=64),
     "exp_sparse_w0_chunk1024": _experiment(False, 0, chunk_size=1024, preload_nchunks=16),
     "exp_dense_w2_shared_threads2": _experiment(True, 2, converter=conv_dense_shared,
-                                             read_threads=2),
+                                                read_threads=2),
+    "exp_dense_w2_shared_noprefetch": _experiment(True, 2, converter=conv_dense_shared,
+                                                  prefetch=False),
+    "exp_sparse_w2_int32_noprefetch": _experiment(False, 2, converter=conv_sparse_int32,
+                                                  prefetch=False),
 }
 
 

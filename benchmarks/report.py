@@ -249,20 +249,25 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         base = {"dense_w0": "ours_dense_w0", "dense_w2": "ours_dense_w2",
                 "sparse_w0": "ours_sparse_w0", "sparse_w2": "ours_sparse_w2"}
         lines += ["", "## Experiments (candidate fast paths, through public hooks)", "",
-                  "| experiment | cells/s | vs same-mode baseline | peak RSS main (MiB) | "
-                  "peak RSS of a worker (MiB) | doc |", "|---|---|---|---|---|---|"]
+                  "| experiment | cells/s | vs same-mode baseline | cells per CPU-s | vs baseline "
+                  "per CPU-s | peak RSS main (MiB) | peak RSS of a worker (MiB) | others' CPU | "
+                  "what |", "|---|---|---|---|---|---|---|---|---|"]
         for n, r in exps.items():
             key = "_".join(n.split("_")[1:3])
             b = _ok(c, base.get(key, ""))
             if r.get("status") != "ok":
-                lines.append(f"| {n} | - | - | - | - | {r.get('status')}: "
+                lines.append(f"| {n} | - | - | - | - | - | - | - | {r.get('status')}: "
                              f"{_short(r.get('error') or r.get('reason'))} |")
                 continue
             rel = r["cells_per_s"] / b["cells_per_s"] if b else None
+            cpu = r.get("cells_per_cpu_s")
+            rel_cpu = cpu / b["cells_per_cpu_s"] if b and cpu and b.get("cells_per_cpu_s") else None
             wk = (r.get("worker_peak_rss_mb") or [])[:1]
             lines.append(f"| {n} | {_f(r['cells_per_s'])} | {_f(rel, '{:.2f}x')} | "
+                         f"{_f(cpu)} | {_f(rel_cpu, '{:.2f}x')} | "
                          f"{_f(r.get('main_peak_rss_mb'))} | "
                          f"{', '.join(_f(x) for x in wk) or '-'} | "
+                         f"{_f((r.get('cpu') or {}).get('others_share'), '{:.0%}')} | "
                          f"{_short(r.get('doc', ''), 120)} |")
     lines += ["", "## Targets", "", *target_table(results["targets"]), ""]
     path.write_text("\n".join(lines))
