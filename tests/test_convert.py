@@ -38,3 +38,24 @@ def test_densify_and_to_device_match_scipy() -> None:
     np.testing.assert_array_equal(moved["x"].numpy(), m.toarray())
     kept = to_device(batch_dict_converter({"x": m}), "cpu", densify=False)
     assert kept["x"].layout == torch.sparse_csr
+
+
+def test_cpu_path_never_imports_cupy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, anndata as ad, numpy as np, scipy.sparse as sp, torch\n"
+        "import annbatch_torch as abt\n"
+        "a = ad.AnnData(sp.random(50, 7, density=0.5, format='csr', dtype=np.float32))\n"
+        "ds = abt.AnnBatchDataset(a, batch_size=16, densify=True)\n"
+        "n = sum(len(b['X']) for b in ds)\n"
+        "abt.to_device(abt.batch_dict_converter({'x': a.X}), 'cpu')\n"
+        "assert n == 50, n\n"
+        "assert 'cupy' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
