@@ -24,6 +24,7 @@ import numpy as np
 __all__ = [
     "MB",
     "CpuClock",
+    "close_iterator",
     "MemoryMonitor",
     "TimedRun",
     "time_batches",
@@ -255,14 +256,15 @@ def time_batches(
             if seen >= n_warmup + n_batches:
                 t1 = time.perf_counter()
                 cpu = clock.read()
-                _close(it)
+                close_iterator(it)
                 return TimedRun(n_batches, cells, t1 - t0, labels, t0 - t_start, cpu)
         if seen == 0:
             raise RuntimeError("the loader yielded no batch in an epoch")
     raise RuntimeError(f"fewer than {n_warmup + n_batches} batches in {max_epochs} epochs")
 
 
-def _close(it: Iterator[Any]) -> None:
+def close_iterator(it: Iterator[Any]) -> None:
+    """Stop a half-consumed batch iterator now (DataLoader workers included)."""
     # stop a half-consumed iterator now: workers (persistent ones too) would otherwise
     # keep prefetching and compete with whatever runs next
     close = getattr(it, "close", None)

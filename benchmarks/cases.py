@@ -37,6 +37,7 @@ from benchlib import (
     CpuClock,
     MemoryMonitor,
     batch_entropy,
+    close_iterator,
     peak_rss_self_mb,
     rss_mb,
     time_batches,
@@ -200,7 +201,8 @@ def _ours_dataset(cfg: Config, source: Any, densify: bool, **kw: Any) -> Any:
 
 
 def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
-              expect_dense: bool | None = None, **kw: Any) -> Result:
+              expect_dense: bool | None = None, main_densify: bool = False,
+              **kw: Any) -> Result:
     import torch
 
     ds = _ours_dataset(cfg, source, densify, **kw)
@@ -211,7 +213,7 @@ def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
 
     def epochs(e: int) -> Any:
         ds.set_epoch(e)
-        return loader
+        return _map_batches(_densify_in_main, loader) if main_densify else loader
 
     with MemoryMonitor() as mon:
         run = time_batches(epochs, n_warmup=cfg["n_warmup"], n_batches=cfg["n_batches"],
@@ -220,6 +222,28 @@ def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
         run, mon, cfg, chunk_size=ds.chunk_size, preload_nchunks=ds.preload_nchunks,
         read_threads=ds.read_threads,
     )
+
+
+def _map_batches(fn: Callable[[Any], Any], loader: Any) -> Any:
+    """``fn`` over the batches of one epoch; an early exit stops the workers."""
+    it = iter(loader)
+    try:
+        for batch in it:
+            yield fn(batch)
+    except GeneratorExit:
+        close_iterator(it)
+        raise
+
+
+def _densify_in_main(batch: dict[str, Any]) -> dict[str, Any]:
+    """Dense copy of a torch sparse CSR batch, made by scipy in the training process."""
+    import scipy.sparse as sp
+    import torch
+
+    x = batch["x"]
+    m = sp.csr_matrix((x.values().numpy(), x.col_indices().numpy(), x.crow_indices().numpy()),
+                      shape=tuple(x.shape))
+    return dict(batch, x=torch.from_numpy(m.toarray()))
 
 
 def _make_ours(densify: bool, workers: int) -> Callable[[Config], Result]:
@@ -480,6 +504,47 @@ def case_ceiling_seq_zarr(cfg: Config) -> Result:
     return _front_to_back(cfg, None)
 
 
+def case_ceiling_seq_raw(cfg: Config) -> Result:
+    """Front-to-back read of our store's X with annbatch_torch's own raw-chunk reader
+    (:mod:`annbatch_torch.rawzarr`: uncompressed chunks read straight into the buffer)."""
+    try:
+        from annbatch_torch.rawzarr import open_raw
+    except ImportError:
+        return {"status": "skipped", "reason": "annbatch_torch.rawzarr does not exist"}
+    from annbatch_torch import open_collection
+
+    coll = open_collection(cfg["store"])
+    arrays = []
+    for s in range(len(coll.shard_sizes)):
+        trio = [open_raw(coll.shard_path(s) / "X" / k) for k in ("data", "indices", "indptr")]
+        if any(a is None for a in trio):
+            return {"status": "skipped", "reason": "the store's X is not stored raw "
+                    "(compressed or sharded chunks): the raw reader does not apply"}
+        arrays.append(trio)
+    times, cpus = [], []
+    nnz = 0
+    with MemoryMonitor() as mon:
+        for _ in range(cfg["seq_passes"]):
+            nnz = 0
+            clock = CpuClock()
+            t0 = time.perf_counter()
+            for trio in arrays:
+                outs = [np.empty(a.shape, a.dtype) for a in trio]
+                for a, o in zip(trio, outs):
+                    a.read_into(0, a.shape[0], o)
+                nnz += outs[0].shape[0]
+                del outs
+            times.append(time.perf_counter() - t0)
+            cpus.append(clock.read())
+    i = int(np.argmin(times))
+    out = {"cells_per_s": coll.n_obs / times[i], "seconds": times[i], "all_seconds": times,
+           "cpu": cpus[i], "cells_per_cpu_s": coll.n_obs / cpus[i]["own_cpu_s"]
+           if cpus[i]["own_cpu_s"] else None, "n_cells": coll.n_obs, "nnz": nnz,
+           "mb_per_s": nnz * 8 / 2**20 / times[i], "pipeline": "annbatch_torch.rawzarr"}
+    out.update(mon.summary())
+    return out
+
+
 def case_ceiling_seq_zarrs(cfg: Config) -> Result:
     """Front-to-back read of our store's X with the zarrs (Rust) codec pipeline."""
     if importlib.util.find_spec("zarrs") is None:
@@ -570,8 +635,11 @@ def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bo
         if store:
             path = _variant_store(cfg, "_".join(f"{k}-{v}" for k, v in store.items()), **store)
         conv_dense = converter is not None and converter is not conv_sparse_int32
-        out = _run_ours(cfg, path, densify and not conv_dense, workers,
-                        batch_converter=converter, expect_dense=densify, **kw)
+        opts = dict(kw)
+        main_densify = opts.pop("main_densify", False)
+        out = _run_ours(cfg, path, densify and not conv_dense and not main_densify, workers,
+                        batch_converter=converter, expect_dense=densify,
+                        main_densify=main_densify, **opts)
         out["variant"] = {"converter": getattr(converter, "__name__", None), "zarrs": zarrs,
                           "store": store, **kw}
         return out
@@ -605,6 +673,10 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
                                                   prefetch=False),
     "exp_sparse_w2_int32_noprefetch": _experiment(False, 2, converter=conv_sparse_int32,
                                                   prefetch=False),
+    "exp_dense_w2_maindensify": _experiment(True, 2, converter=conv_sparse_int32,
+                                            main_densify=True),
+    "exp_dense_w2_maindensify_noprefetch": _experiment(True, 2, converter=conv_sparse_int32,
+                                                       main_densify=True, prefetch=False),
 }
 
 
@@ -615,6 +687,7 @@ CASES: dict[str, Callable[[Config], Result]] = {
     "ceiling_inmemory": case_ceiling_inmemory,
     "ceiling_seq_zarr": case_ceiling_seq_zarr,
     "ceiling_seq_zarrs": case_ceiling_seq_zarrs,
+    "ceiling_seq_raw": case_ceiling_seq_raw,
     "ours_dense_w0": _make_ours(True, 0),
     "ours_dense_w2": _make_ours(True, 2),
     "ours_sparse_w0": _make_ours(False, 0),

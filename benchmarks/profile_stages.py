@@ -2,31 +2,38 @@
 
 Usage::
 
-    python benchmarks/profile_stages.py [--store PATH] [--pools 3] [--batch-size 4096]
+    python benchmarks/profile_stages.py [--store PATH] [--pools 4] [--batch-size 4096]
 
-Takes the first ``--pools`` pools of epoch 0 of a collection (default: the one
-``run.py`` wrote for 100,000 x 20,000) and times, per pool or per batch of 4096 rows:
+Takes pools of epoch 0 of a collection (default: the one ``run.py`` wrote for
+100,000 x 20,000) and times each stage of the loader in isolation:
 
-* ``read``: ``PoolReader.read`` (chunk reads + decode + assemble), with 4 threads and 1;
-* ``read_raw``: the same pieces read one by one, without assembling (I/O + decode only);
-* ``gather``: ``pool_csr[sorted_rows]`` (scipy row gather);
-* ``toarray``: densify the gathered batch: fresh array (what the loader does), into a
-  reused buffer, and into a fresh buffer backed by transparent huge pages;
-* ``torch``: the default converter (``csr_to_torch``: int64 index copies) against int32
-  indices, and ``torch.from_numpy`` for dense;
-* ``share``: ``Tensor.share_memory_()`` of a dense batch and of a sparse batch's parts:
-  the copy a DataLoader worker makes to hand a batch to the main process, against
-  writing the dense batch straight into shared memory.
+per pool (``chunk_size * preload_nchunks`` rows)
 
-Reports the median wall time of each stage and what it means in cells/s. Wall and CPU
-time are both printed: on a shared machine CPU time is the steadier of the two.
+* ``PoolReader.read`` with 4, 2 and 1 read threads (a warm reader);
+* its parts: allocating and first touching the pool's ``data``/``indices`` buffers, reading
+  the pieces into reused buffers (file reads and CRC checks), the column-index range check
+  (``min``/``max``, and a single unsigned ``max``), a CRC-32C pass over the pool's bytes;
+
+per batch (``--batch-size`` rows)
+
+* the row gather ``pool[sorted_rows]`` (scipy);
+* densifying: ``toarray()`` into fresh memory (what the loader does), into a reused buffer
+  (``memset`` + fill), and torch's ``to_dense`` for comparison;
+* converting to ``torch.sparse_csr_tensor`` with int64 indices (``csr_to_torch``) and with
+  int32 indices;
+* handing a batch from a DataLoader worker to the main process: ``share_memory_()`` of a
+  dense batch and of a sparse batch's parts (int64 / int32), and allocating + touching a
+  dense batch directly in shared memory.
+
+Prints the median and the minimum over repeats, and the cells/s each stage alone would
+allow. Run it on a quiet machine: stages that fault pages in (fresh buffers, shared memory)
+slow down several-fold when other processes compete for the CPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import statistics
 import sys
 import time
@@ -40,28 +47,26 @@ HERE = Path(__file__).resolve().parent
 __all__ = ["main", "profile"]
 
 
-def _t(fn: Callable[[], Any], repeat: int = 3) -> tuple[float, float, Any]:
-    """Median wall and CPU seconds of ``fn()`` over ``repeat`` calls, and its last result."""
-    walls, cpus, out = [], [], None
+def _t(fn: Callable[[], Any], repeat: int = 5) -> tuple[float, float]:
+    """Median and minimum wall seconds of ``fn()`` over ``repeat`` calls."""
+    walls = []
     for _ in range(repeat):
-        c0, w0 = time.process_time(), time.perf_counter()
-        out = fn()
+        w0 = time.perf_counter()
+        fn()
         walls.append(time.perf_counter() - w0)
-        cpus.append(time.process_time() - c0)
-    return statistics.median(walls), statistics.median(cpus), out
+    return statistics.median(walls), min(walls)
 
 
-def _hugepage_zeros(shape: tuple[int, int], dtype: Any = np.float32) -> np.ndarray:
-    """A zeroed array in an anonymous mapping advised for transparent huge pages."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(m, dtype=dtype).reshape(shape)
+def _shared_zeros(shape: tuple[int, int]) -> Any:
+    import torch
+
+    st = torch.UntypedStorage._new_shared(shape[0] * shape[1] * 4)
+    return torch.empty(0, dtype=torch.float32).set_(st, 0, shape, (shape[1], 1))
 
 
 def profile(store: Path, pools: int, batch_size: int) -> dict[str, Any]:
-    """Time each stage on the first ``pools`` pools; returns ``{stage: seconds}``."""
+    """Time each stage; returns ``{"stages": {name: {median_s, min_s, per, cells_per_s}}}``."""
+    import google_crc32c
     import scipy.sparse as sp
     import torch
 
@@ -70,86 +75,94 @@ def profile(store: Path, pools: int, batch_size: int) -> dict[str, Any]:
     from annbatch_torch.reader import PoolReader, split_ranges
 
     coll = open_collection(store)
-    ds = AnnBatchDataset(coll, selector={"x": A.X, "y": A.obs["cell_type"]},
-                         batch_size=batch_size, densify=True)
-    items = list(ds.plan(epoch=0))[:pools]
-    res: dict[str, list[tuple[float, float]]] = {}
+    ds = AnnBatchDataset(coll, selector={"x": A.X}, batch_size=batch_size)
+    items = list(ds.plan(epoch=0))[: pools + 1]
+    stages: dict[str, dict[str, Any]] = {}
 
-    def add(name: str, wall: float, cpu: float) -> None:
-        res.setdefault(name, []).append((wall, cpu))
+    def add(name: str, med_min: tuple[float, float], per: int) -> None:
+        med, mn = med_min
+        stages[name] = {"median_s": med, "min_s": mn, "per": per,
+                        "cells_per_s": per / med if med > 0 else None}
 
-    n_rows = []
-    for item in items:
-        for threads in (4, 1):
-            reader = PoolReader(coll, ["X", "obs/cell_type"], threads=threads)
-            w, c, pool = _t(lambda r=reader, it=item: r.read(it.ranges), repeat=2)
-            add(f"read pool, {threads} threads", w, c)
-            reader.close()
-        n_rows.append(item.n_rows)
-        pieces = split_ranges(item.ranges, coll.shard_offsets)
+    rows = items[1].n_rows
+    for threads in (4, 2, 1):
+        reader = PoolReader(coll, ["X"], threads=threads)
+        reader.read(items[0].ranges)  # opens the elements
 
-        def raw(pieces: Any = pieces) -> None:
-            for p in pieces:
-                coll.element(p.shard, "X").read_raw(p.start, p.stop)
+        def read_all(r: PoolReader = reader) -> None:
+            for it in items[1:]:
+                r.read(it.ranges)
 
-        w, c, _ = _t(raw, repeat=2)
-        add("read_raw pieces, sequential", w, c)
-        x: sp.csr_matrix = pool["X"]
-        perm = np.random.default_rng(0).permutation(x.shape[0])
-        for b in range(min(3, x.shape[0] // batch_size)):
-            pos = np.sort(perm[b * batch_size : (b + 1) * batch_size])
-            w, c, xb = _t(lambda pos=pos, x=x: x[pos])
-            add("gather rows (scipy)", w, c)
-            w, c, dense = _t(lambda xb=xb: xb.toarray())
-            add("toarray, fresh array", w, c)
-            buf = np.zeros(xb.shape, np.float32)
+        med, mn = _t(read_all, repeat=3)
+        add(f"pool: PoolReader.read, {threads} threads", (med / pools, mn / pools), rows)
+        reader.close()
 
-            def reuse(xb: Any = xb, buf: np.ndarray = buf) -> np.ndarray:
-                buf.fill(0)
-                return xb.toarray(out=buf)
+    pieces = split_ranges(items[1].ranges, coll.shard_offsets)
+    els = [coll.element(p.shard, "X") for p in pieces]
+    spans = [el.nnz_range(p.start, p.stop) for p, el in zip(pieces, els)]
+    nnz = sum(b - a for a, b in spans)
+    data, indices = np.empty(nnz, np.float32), np.empty(nnz, np.int32)
 
-            w, c, _ = _t(reuse)
-            add("toarray, reused buffer (memset + fill)", w, c)
-            w, c, _ = _t(lambda xb=xb: xb.toarray(out=_hugepage_zeros(xb.shape)))
-            add("toarray, fresh huge-page buffer", w, c)
-            w, c, _ = _t(lambda xb=xb: csr_to_torch(xb))
-            add("torch CSR, int64 indices (csr_to_torch)", w, c)
+    def alloc() -> None:
+        np.empty(nnz, np.float32).fill(0)
+        np.empty(nnz, np.int32).fill(0)
 
-            def int32(xb: Any = xb) -> torch.Tensor:
-                return torch.sparse_csr_tensor(
-                    torch.from_numpy(xb.indptr.astype(np.int32)), torch.from_numpy(xb.indices),
-                    torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)
+    def read_into() -> None:
+        off = 0
+        for p, el, (a, b) in zip(pieces, els, spans):
+            if hasattr(el, "read_into"):
+                el.read_into(p.start, p.stop, data[off : off + b - a], indices[off : off + b - a])
+            else:
+                d, i, _ = el.read_raw(p.start, p.stop)
+                data[off : off + b - a], indices[off : off + b - a] = d, i
+            off += b - a
 
-            w, c, _ = _t(int32)
-            add("torch CSR, int32 indices", w, c)
-            w, c, _ = _t(lambda d=dense: torch.from_numpy(d).clone().share_memory_())
-            w0, c0, _ = _t(lambda d=dense: torch.from_numpy(d).clone())
-            add("share_memory_() of a dense batch (worker hand-off)", w - w0, c - c0)
+    add("pool: allocate + first touch of data/indices buffers", _t(alloc), rows)
+    add("pool: read pieces into reused buffers (I/O + CRC)", _t(read_into), rows)
+    add("pool: index check, min() and max()", _t(lambda: (indices.min(), indices.max())), rows)
+    add("pool: index check, one unsigned max()", _t(lambda: indices.view(np.uint32).max()),
+        rows)
+    add("pool: CRC-32C of data + indices", _t(lambda: (
+        google_crc32c.value(data.view(np.uint8)), google_crc32c.value(indices.view(np.uint8)))),
+        rows)
 
-            def direct(xb: Any = xb) -> torch.Tensor:
-                t = torch.zeros(xb.shape, dtype=torch.float32).share_memory_()
-                xb.toarray(out=t.numpy())
-                return t
+    pool = sp.csr_matrix((data, indices, np.concatenate(
+        [[0], np.cumsum(np.concatenate([np.diff(el.indptr[p.start : p.stop + 1])
+                                        for p, el in zip(pieces, els)]))])),
+        shape=(rows, coll.n_vars))
+    pos = np.sort(np.random.default_rng(0).permutation(rows)[:batch_size])
+    xb = pool[pos]
+    buf = np.zeros(xb.shape, np.float32)
+    dense = xb.toarray()
+    t64, t32 = csr_to_torch(xb), torch.sparse_csr_tensor(
+        torch.from_numpy(xb.indptr.astype(np.int32)), torch.from_numpy(xb.indices),
+        torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)
 
-            w, c, _ = _t(direct)
-            add("toarray straight into shared memory", w, c)
-            sparse = csr_to_torch(xb)
+    def share_parts(t: torch.Tensor) -> None:
+        for part in (t.crow_indices(), t.col_indices(), t.values()):
+            part.clone().share_memory_()
 
-            def share_sparse(s: torch.Tensor = sparse) -> None:
-                for p in (s.crow_indices(), s.col_indices(), s.values()):
-                    p.clone().share_memory_()
-
-            w, c, _ = _t(share_sparse)
-            add("share_memory_() of a torch CSR batch (worker hand-off)", w, c)
-    rows = float(np.mean(n_rows))
-    out: dict[str, Any] = {"pool_rows": rows, "batch_size": batch_size, "stages": {}}
-    for name, vals in res.items():
-        wall = statistics.median(v[0] for v in vals)
-        cpu = statistics.median(v[1] for v in vals)
-        per = rows if name.startswith("read") else batch_size
-        out["stages"][name] = {"wall_s": wall, "cpu_s": cpu,
-                               "cells_per_s": per / wall if wall > 0 else None}
-    return out
+    add("batch: gather rows pool[sorted_rows] (scipy)", _t(lambda: pool[pos]), batch_size)
+    add("batch: toarray() into fresh memory", _t(xb.toarray), batch_size)
+    add("batch: toarray() into a reused buffer (memset + fill)",
+        _t(lambda: (buf.fill(0), xb.toarray(out=buf))), batch_size)
+    add("batch: torch sparse CSR to_dense()", _t(lambda: t64.to_dense(), repeat=3), batch_size)
+    add("batch: csr_to_torch (int64 index copies)", _t(lambda: csr_to_torch(xb)), batch_size)
+    add("batch: torch sparse CSR with int32 indices", _t(lambda: torch.sparse_csr_tensor(
+        torch.from_numpy(xb.indptr.astype(np.int32)), torch.from_numpy(xb.indices),
+        torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)), batch_size)
+    add("hand-off: clone + share_memory_() of a dense batch",
+        _t(lambda: torch.from_numpy(dense).clone().share_memory_(), repeat=3), batch_size)
+    add("hand-off: clone of a dense batch (anonymous memory)",
+        _t(lambda: torch.from_numpy(dense).clone(), repeat=3), batch_size)
+    add("hand-off: allocate + touch a dense batch in shared memory",
+        _t(lambda: _shared_zeros(xb.shape).numpy().fill(0), repeat=3), batch_size)
+    add("hand-off: clone + share_memory_() of a CSR batch, int64 indices",
+        _t(lambda: share_parts(t64)), batch_size)
+    add("hand-off: clone + share_memory_() of a CSR batch, int32 indices",
+        _t(lambda: share_parts(t32)), batch_size)
+    return {"pool_rows": rows, "pool_mib": nnz * 8 / 2**20, "batch_size": batch_size,
+            "stages": stages}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,16 +171,16 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", type=Path,
                    default=HERE / "data" / "grouped_100000x20000_seed0" / "collection")
-    p.add_argument("--pools", type=int, default=3)
+    p.add_argument("--pools", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     out = profile(args.store, args.pools, args.batch_size)
-    print(f"pool of {out['pool_rows']:,.0f} rows, batch of {args.batch_size:,} rows "
-          "(median wall / CPU seconds, and the cells/s that stage alone would allow)")
+    print(f"pool: {out['pool_rows']:,} rows ({out['pool_mib']:,.0f} MiB of CSR); batch: "
+          f"{args.batch_size:,} rows. Median / min ms, and cells/s at the median.")
     for name, s in out["stages"].items():
-        print(f"  {name:<55} {s['wall_s'] * 1e3:8.1f} ms  cpu {s['cpu_s'] * 1e3:8.1f} ms"
-              f"  {s['cells_per_s'] or 0:>12,.0f} cells/s")
+        print(f"  {name:<62} {s['median_s'] * 1e3:8.1f} {s['min_s'] * 1e3:8.1f} ms "
+              f"{s['cells_per_s'] or 0:>12,.0f} cells/s")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return 0

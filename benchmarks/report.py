@@ -30,6 +30,7 @@ LABELS: dict[str, tuple[str, str]] = {
     "ceiling_inmemory": ("ceiling", "ceiling: CSR in RAM, random rows + toarray"),
     "ceiling_seq_zarr": ("ceiling", "ceiling: front-to-back read of our store (zarr)"),
     "ceiling_seq_zarrs": ("ceiling", "ceiling: front-to-back read of our store (zarrs)"),
+    "ceiling_seq_raw": ("ceiling", "ceiling: front-to-back read of our store (our raw reader)"),
 }
 _OURS_COLLECTION = ("ours_dense_w0", "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2")
 
@@ -77,7 +78,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     sparse, sparse_case = _rate(c, "ours_sparse_w0", "ours_sparse_w2")
     scd, scd_case = _rate(c, "scdataset_w0", "scdataset_w2")
     inmem, _ = _rate(c, "ceiling_inmemory")
-    seq, seq_case = _rate(c, "ceiling_seq_zarr", "ceiling_seq_zarrs")
+    seq, seq_case = _rate(c, "ceiling_seq_zarr", "ceiling_seq_zarrs", "ceiling_seq_raw")
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None

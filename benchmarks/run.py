@@ -35,7 +35,8 @@ from cases import CASES, EXPERIMENTS  # noqa: E402
 __all__ = ["main", "build_data", "run_cases", "best_of"]
 
 #: cases that read the collection written by the ``writer`` case
-NEEDS_STORE = {*EXPERIMENTS, "ceiling_seq_zarr", "ceiling_seq_zarrs", "ours_dense_w0",
+NEEDS_STORE = {*EXPERIMENTS, "ceiling_seq_zarr", "ceiling_seq_zarrs", "ceiling_seq_raw",
+               "ours_dense_w0",
                "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2", "memory"}
 
 
