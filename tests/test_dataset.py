@@ -108,7 +108,7 @@ def test_coverage_and_batch_sets_independent_of_workers(
     ds.set_epoch(1)
     list(ds)  # the main process touched every handle before workers start
     sets = {}
-    worker_counts = [0, 1, 2, 3] if method == "fork" else [0, 2]
+    worker_counts = [0, 1, 2, 3]
     for nw in worker_counts:
         ctx = mp.get_context(method) if nw else None
         loader = DataLoader(ds, batch_size=None, num_workers=nw, multiprocessing_context=ctx)
