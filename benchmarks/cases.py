@@ -624,13 +624,25 @@ def _variant_store(cfg: Config, name: str, **writer_kw: Any) -> str:
     return str(path)
 
 
+def _zarrs_pipeline(on: bool) -> Any:
+    """Context in which zarr decodes with the zarrs codec pipeline (no-op when ``on`` is
+    false); forked DataLoader workers inherit it."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    import zarr
+
+    return zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
+
+
 def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bool = False,
                 store: dict[str, Any] | None = None, **kw: Any) -> Callable[[Config], Result]:
     def case(cfg: Config) -> Result:
-        if zarrs:
-            import zarr
+        with _zarrs_pipeline(zarrs):
+            return _run_experiment(cfg)
 
-            zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
+    def _run_experiment(cfg: Config) -> Result:
         path = cfg["store"]
         if store:
             path = _variant_store(cfg, "_".join(f"{k}-{v}" for k, v in store.items()), **store)

@@ -19,8 +19,8 @@ per batch (``--batch-size`` rows)
 * the row gather ``pool[sorted_rows]`` (scipy);
 * densifying: ``toarray()`` into fresh memory (what the loader does), into a reused buffer
   (``memset`` + fill), and torch's ``to_dense`` for comparison;
-* converting to ``torch.sparse_csr_tensor`` with int64 indices (``csr_to_torch``) and with
-  int32 indices;
+* converting to ``torch.sparse_csr_tensor``: the library's ``csr_to_torch``, and with int64
+  indices (widening copies) for comparison;
 * handing a batch from a DataLoader worker to the main process: ``share_memory_()`` of a
   dense batch and of a sparse batch's parts (int64 / int32), and allocating + touching a
   dense batch directly in shared memory.
@@ -134,7 +134,10 @@ def profile(store: Path, pools: int, batch_size: int) -> dict[str, Any]:
     xb = pool[pos]
     buf = np.zeros(xb.shape, np.float32)
     dense = xb.toarray()
-    t64, t32 = csr_to_torch(xb), torch.sparse_csr_tensor(
+    t64 = torch.sparse_csr_tensor(
+        torch.from_numpy(xb.indptr.astype(np.int64)), torch.from_numpy(xb.indices.astype(np.int64)),
+        torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)
+    t32 = torch.sparse_csr_tensor(
         torch.from_numpy(xb.indptr.astype(np.int32)), torch.from_numpy(xb.indices),
         torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)
 
@@ -147,10 +150,13 @@ def profile(store: Path, pools: int, batch_size: int) -> dict[str, Any]:
     add("batch: toarray() into a reused buffer (memset + fill)",
         _t(lambda: (buf.fill(0), xb.toarray(out=buf))), batch_size)
     add("batch: torch sparse CSR to_dense()", _t(lambda: t64.to_dense(), repeat=3), batch_size)
-    add("batch: csr_to_torch (int64 index copies)", _t(lambda: csr_to_torch(xb)), batch_size)
-    add("batch: torch sparse CSR with int32 indices", _t(lambda: torch.sparse_csr_tensor(
-        torch.from_numpy(xb.indptr.astype(np.int32)), torch.from_numpy(xb.indices),
-        torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)), batch_size)
+    add("batch: csr_to_torch (the library's converter)", _t(lambda: csr_to_torch(xb)),
+        batch_size)
+    add("batch: torch sparse CSR with int64 indices (widening copies)",
+        _t(lambda: torch.sparse_csr_tensor(
+            torch.from_numpy(xb.indptr.astype(np.int64)),
+            torch.from_numpy(xb.indices.astype(np.int64)), torch.from_numpy(xb.data),
+            size=xb.shape, check_invariants=False)), batch_size)
     add("hand-off: clone + share_memory_() of a dense batch",
         _t(lambda: torch.from_numpy(dense).clone().share_memory_(), repeat=3), batch_size)
     add("hand-off: clone of a dense batch (anonymous memory)",

@@ -270,7 +270,11 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                          f"{', '.join(_f(x) for x in wk) or '-'} | "
                          f"{_f((r.get('cpu') or {}).get('others_share'), '{:.0%}')} | "
                          f"{_short(r.get('doc', ''), 120)} |")
-    lines += ["", "## Targets", "", *target_table(results["targets"]), ""]
+    lines += ["", "## Targets", ""]
+    if any(t["met"] is None for t in results["targets"]):
+        lines += ["Some targets need cases this run did not include (run without `--only`).",
+                  ""]
+    lines += [*target_table(results["targets"]), ""]
     path.write_text("\n".join(lines))
 
 

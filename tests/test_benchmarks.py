@@ -1,6 +1,6 @@
 """Smoke test of the benchmark harness (``benchmarks/run.py``) at a tiny size, so it
-cannot rot: every case runs (in one process, for speed), and one case runs the real way,
-in its own subprocess."""
+cannot rot: every case, experiments included, runs (in one process, for speed), and one
+case runs the real way, in its own subprocess."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ TINY = ["--n-obs", "3000", "--n-vars", "200", "--batch-size", "256", "--n-batche
         "--n-warmup", "1", "--memory-epochs", "1", "--seq-passes", "1", "--quiet"]
 LOADERS = ["ours_dense_w0", "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2",
            "ours_inplace_dense_w0", "scdataset_w0", "scdataset_w2", "annloader_w0",
-           "ceiling_inmemory", "ceiling_seq_zarr"]
+           "ceiling_inmemory", "ceiling_seq_raw", "ceiling_seq_zarr"]
 
 
 def _run(tmp: Path, *extra: str) -> dict:
@@ -30,7 +30,7 @@ def _run(tmp: Path, *extra: str) -> dict:
 
 @pytest.mark.timeout(180)
 def test_every_case_runs_and_reports(tmp_path: Path) -> None:
-    res = _run(tmp_path, "--in-process")
+    res = _run(tmp_path, "--in-process", "--experiments")
     cases = res["cases"]
     bad = {k: v.get("error") for k, v in cases.items()
            if v["status"] not in ("ok", "skipped", "unsupported")}
@@ -38,8 +38,11 @@ def test_every_case_runs_and_reports(tmp_path: Path) -> None:
     for name in LOADERS:
         assert cases[name]["status"] == "ok", (name, cases[name])
         assert cases[name]["cells_per_s"] > 0
-    for name in LOADERS[:-1]:
+    for name in LOADERS[:-2]:
         assert 0.3 < cases[name]["quality"] <= 1.1, (name, cases[name]["quality"])
+    exps = [n for n in cases if n.startswith("exp_")]
+    assert len(exps) >= 10
+    assert all(cases[n]["status"] == "ok" for n in exps), {n: cases[n] for n in exps}
     assert cases["annbatch"]["status"] in ("ok", "skipped")
     assert cases["writer"]["status"] == "ok"
     assert cases["writer"]["seconds"] > 0
