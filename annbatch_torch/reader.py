@@ -215,7 +215,8 @@ class PoolReader:
         el: CSRElement, p: Piece, data: np.ndarray, indices: np.ndarray, n_cols: int
     ) -> np.ndarray:
         lengths = el.read_into(p.start, p.stop, data, indices)
-        if indices.size and (int(indices.max()) >= n_cols or int(indices.min()) < 0):
+        # one unsigned max() catches both ends: negatives wrap to huge values
+        if indices.size and int(indices.view(f"u{indices.dtype.itemsize}").max()) >= n_cols:
             raise ReadError(f"holds column indices outside [0, {n_cols}); the store is damaged")
         return lengths
 
