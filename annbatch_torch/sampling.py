@@ -31,11 +31,19 @@ pool's ranges are only computed when its :class:`WorkItem` is taken from the lis
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Literal, overload
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
+
+from ._worklist import (
+    Stream,
+    WorkItem,
+    WorkList,
+    consumed_per_worker,
+    dataloader_order,
+    remaining_items,
+)
 
 __all__ = [
     "EvenBatches",
@@ -64,44 +72,6 @@ EvenBatches = Literal["drop", "pad"]
 _TAG_CHUNKS = 0x43484E4B  # "CHNK": chunk order of an epoch
 _TAG_ROWS = 0x524F5753  # "ROWS": row order inside a pool
 _TAG_SPLIT = 0x53504C54  # "SPLT": train/val chunk split
-
-
-@dataclass(frozen=True, eq=False)
-class WorkItem:
-    """One unit of a worker's work: batches ``[batch_start, batch_stop)`` of one pool.
-
-    ``pool_index`` is the global pool index in the epoch (``-1`` for a padding item);
-    ``ranges`` the ``(k, 2)`` int64 global row ranges in canonical order; ``n_rows`` their
-    total. A padding item has one batch (``[0, 1)``) holding all its ``n_rows`` rows.
-    """
-
-    pool_index: int
-    ranges: np.ndarray
-    n_rows: int
-    batch_start: int
-    batch_stop: int
-    padding: bool = False
-
-    @property
-    def n_batches(self) -> int:
-        """Number of batches this item yields."""
-        return self.batch_stop - self.batch_start
-
-    def key(self) -> tuple:
-        """A hashable description (for comparisons in tests and logs)."""
-        return (
-            self.pool_index,
-            self.n_rows,
-            self.batch_start,
-            self.batch_stop,
-            self.padding,
-            self.ranges.tobytes(),
-        )
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WorkItem) and self.key() == other.key()
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -219,107 +189,6 @@ def chunk_stream(
     return np.stack([starts, np.minimum(starts + chunk_size, n_obs)], axis=1)
 
 
-def _merge(ranges: np.ndarray) -> np.ndarray:
-    """Merge consecutive ranges that touch (``stop == next start``); order is kept."""
-    if len(ranges) < 2:
-        return ranges
-    cut = np.flatnonzero(ranges[1:, 0] != ranges[:-1, 1])
-    if len(cut) == len(ranges) - 1:
-        return ranges
-    first = np.concatenate([[0], cut + 1])
-    last = np.concatenate([cut, [len(ranges) - 1]])
-    return np.stack([ranges[first, 0], ranges[last, 1]], axis=1)
-
-
-class _Stream:
-    """Stream ranges with cumulative row offsets; slices stream positions into row ranges."""
-
-    def __init__(self, ranges: np.ndarray) -> None:
-        self.ranges = ranges
-        lengths = ranges[:, 1] - ranges[:, 0]
-        self.ends = np.cumsum(lengths)
-        self.starts = self.ends - lengths
-        self.total = int(self.ends[-1]) if len(lengths) else 0
-
-    def rows(self, a: int, b: int) -> np.ndarray:
-        if b <= a:
-            return np.empty((0, 2), dtype=np.int64)
-        j0 = int(np.searchsorted(self.ends, a, side="right"))
-        j1 = int(np.searchsorted(self.starts, b, side="left"))
-        out = self.ranges[j0:j1].copy()
-        out[0, 0] += a - self.starts[j0]
-        out[-1, 1] -= self.ends[j1 - 1] - b
-        out = _merge(out)
-        out.flags.writeable = False
-        return out
-
-
-class WorkList(Sequence[WorkItem]):
-    """A lazy list of :class:`WorkItem`: a pool's ranges are computed when it is indexed.
-
-    Slicing returns a :class:`WorkList`; ``pool_index``, ``batch_start`` and ``batch_stop``
-    are int64 arrays (pool index ``-1`` marks a padding item).
-    """
-
-    def __init__(
-        self,
-        stream: _Stream,
-        pool_size: int,
-        batch_size: int,
-        pool_index: np.ndarray,
-        batch_start: np.ndarray,
-        batch_stop: np.ndarray,
-    ) -> None:
-        self._stream, self.pool_size, self.batch_size = stream, pool_size, batch_size
-        self.pool_index, self.batch_start, self.batch_stop = pool_index, batch_start, batch_stop
-
-    def __len__(self) -> int:
-        return len(self.pool_index)
-
-    @overload
-    def __getitem__(self, i: int) -> WorkItem: ...
-    @overload
-    def __getitem__(self, i: slice) -> WorkList: ...
-    def __getitem__(self, i: int | slice) -> WorkItem | WorkList:
-        if isinstance(i, slice):
-            return WorkList(
-                self._stream,
-                self.pool_size,
-                self.batch_size,
-                self.pool_index[i],
-                self.batch_start[i],
-                self.batch_stop[i],
-            )
-        p = int(self.pool_index[i])
-        total = self._stream.total
-        a, b = (
-            (0, min(self.batch_size, total))
-            if p < 0
-            else (p * self.pool_size, min((p + 1) * self.pool_size, total))
-        )
-        return WorkItem(
-            p,
-            self._stream.rows(a, b),
-            b - a,
-            int(self.batch_start[i]),
-            int(self.batch_stop[i]),
-            padding=p < 0,
-        )
-
-    def __iter__(self) -> Iterator[WorkItem]:
-        return (self[i] for i in range(len(self)))
-
-    @property
-    def batch_counts(self) -> np.ndarray:
-        """Batches per item (int64 array)."""
-        return self.batch_stop - self.batch_start
-
-    @property
-    def n_batches(self) -> int:
-        """Total number of batches of all items."""
-        return int(self.batch_counts.sum())
-
-
 def _deal(
     total: int, pool: int, batch_size: int, world_size: int, drop_last: bool
 ) -> tuple[int, int, int, int]:
@@ -428,7 +297,7 @@ def rank_items(
         world_size=world_size,
         even_batches=even_batches,
     )
-    stream = _Stream(
+    stream = Stream(
         chunk_stream(
             n_obs, chunk_size, shuffle=shuffle, seed=seed, epoch=epoch, chunk_ids=chunk_ids
         )
@@ -527,61 +396,6 @@ def batch_positions(item: WorkItem, batch: int, batch_size: int, perm: np.ndarra
     if not item.batch_start <= batch < item.batch_stop:
         raise ValueError(f"batch must lie in [{item.batch_start}, {item.batch_stop}), got {batch}")
     return perm[batch * batch_size : (batch + 1) * batch_size]
-
-
-def dataloader_order(per_worker_counts: Sequence[int]) -> list[tuple[int, int]]:
-    """``(worker, local batch index)`` in the order torch's DataLoader yields them: one batch
-    per worker in turn, skipping exhausted workers."""
-    return [
-        (w, j)
-        for j in range(max(per_worker_counts, default=0))
-        for w, c in enumerate(per_worker_counts)
-        if j < c
-    ]
-
-
-def consumed_per_worker(per_worker_counts: Sequence[int], n_consumed: int) -> list[int]:
-    """Batches each worker had yielded when the DataLoader had yielded ``n_consumed``."""
-    counts = [int(c) for c in per_worker_counts]
-    if not 0 <= n_consumed <= sum(counts):
-        raise ValueError(f"n_consumed must lie in [0, {sum(counts)}], got {n_consumed}")
-    done = [0] * len(counts)
-    left = n_consumed
-    while left:
-        active = [w for w, c in enumerate(counts) if c > done[w]]
-        rounds = min(min(counts[w] - done[w] for w in active), left // len(active))
-        if rounds == 0:  # a partial round: the first `left` active workers yield one more
-            for w in active[:left]:
-                done[w] += 1
-            break
-        for w in active:
-            done[w] += rounds
-        left -= rounds * len(active)
-    return done
-
-
-def remaining_items(items: Sequence[WorkItem], consumed: int) -> Sequence[WorkItem]:
-    """The work left after a worker yielded ``consumed`` batches of ``items``: fully consumed
-    items are skipped and the first partly consumed one starts at its next batch."""
-    counts = (
-        items.batch_counts
-        if isinstance(items, WorkList)
-        else np.array([it.n_batches for it in items], dtype=np.int64)
-    )
-    if not 0 <= consumed <= int(counts.sum()):
-        raise ValueError(f"consumed must lie in [0, {int(counts.sum())}], got {consumed}")
-    skip = int(np.searchsorted(np.cumsum(counts), consumed, side="right"))
-    offset = consumed - int(counts[:skip].sum())
-    if isinstance(items, WorkList):
-        rest = items[skip:]
-        rest.batch_start = rest.batch_start.copy()
-        if offset:
-            rest.batch_start[0] += offset
-        return rest
-    rest_list = list(items[skip:])
-    if offset:
-        rest_list[0] = replace(rest_list[0], batch_start=rest_list[0].batch_start + offset)
-    return rest_list
 
 
 def split_chunks(
