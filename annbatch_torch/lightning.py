@@ -54,9 +54,9 @@ from .collection import Collection, open_collection
 from .dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
 from .errors import CollectionError
 from .fields import Field
-from .inputs import _disk_usage
 from .loader import AnnBatchDataLoader, is_mid_epoch
-from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .manifest import MANIFEST_NAME, read_manifest
+from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, store_is_current, store_staleness
 
 __all__ = ["AnnBatchDataModule", "store_is_current", "store_staleness"]
 
@@ -65,90 +65,7 @@ logger = logging.getLogger(__name__)
 #: dataset arguments the DataModule sets itself (pass them to the DataModule instead)
 _MANAGED = ("selector", "batch_size", "chunk_size", "preload_nchunks", "seed", "densify",
             "rank", "world_size", "chunk_ids")
-#: collection settings recorded in the manifest and compared by :func:`store_staleness`
-_RECORDED_SETTINGS = ("seed", "shuffle", "var_join")
-#: writer arguments naming fields; a store lacking a field named there is stale
-_FIELD_SETTINGS = {"layers": "layers/", "obsm": "obsm/", "obs_columns": "obs/"}
 _STATE_VERSION = 1
-
-
-def _input_signature(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What the manifest records of an input: resolved path, size and mtime (the same
-    function the writer uses, so the two always agree)."""
-    p = Path(path).expanduser().resolve()
-    size, mtime = _disk_usage(p)
-    return {"path": str(p), "size": size, "mtime": mtime}
-
-
-def store_staleness(
-    store_path: str | os.PathLike[str],
-    adata_paths: Sequence[str | os.PathLike[str]],
-    settings: Mapping[str, Any] | None = None,
-) -> str | None:
-    """Why ``store_path`` must be (re)written from ``adata_paths``, or ``None`` if current.
-
-    Parameters
-    ----------
-    store_path
-        The collection folder.
-    adata_paths
-        The inputs it should have been written from, in order.
-    settings
-        Writer settings to compare with the manifest's record (``seed``, ``shuffle``,
-        ``var_join``), and field lists (``layers``, ``obsm``, ``obs_columns``) whose
-        fields the store must hold; keys missing or ``None`` here are not compared.
-
-    Returns
-    -------
-    str or None
-        A human-readable reason (missing store, unfinished write, changed input or setting),
-        or ``None`` when the store is a finished collection of exactly these inputs,
-        unchanged since (same resolved paths, sizes and modification times).
-    """
-    try:
-        manifest = read_manifest(store_path)
-    except CollectionError as e:
-        return str(e)
-    return _manifest_staleness(manifest, adata_paths, settings or {})
-
-
-def _manifest_staleness(
-    manifest: Manifest, adata_paths: Sequence[str | os.PathLike[str]], settings: Mapping[str, Any]
-) -> str | None:
-    recorded = manifest.inputs
-    if len(recorded) != len(adata_paths):
-        return f"it was written from {len(recorded)} inputs, now there are {len(adata_paths)}"
-    for rec, path in zip(recorded, adata_paths):
-        if not Path(path).exists():
-            return f"input {path} does not exist"
-        now = _input_signature(path)
-        if rec.get("path") != now["path"]:
-            return f"input {now['path']} replaces {rec.get('path')}"
-        if rec.get("size") != now["size"]:
-            return f"input {now['path']} changed size ({rec.get('size')} -> {now['size']} bytes)"
-        if abs(float(rec.get("mtime") or 0.0) - now["mtime"]) > 1e-3:
-            return f"input {now['path']} was modified after the store was written"
-    recorded_settings = {"seed": manifest.seed, "shuffle": manifest.shuffle,
-                         "var_join": manifest.var_join}
-    for key in _RECORDED_SETTINGS:
-        if settings.get(key) is not None and recorded_settings[key] != settings[key]:
-            return f"it was written with {key}={recorded_settings[key]!r}, now {settings[key]!r}"
-    for key, prefix in _FIELD_SETTINGS.items():
-        missing = [f"{prefix}{n}" for n in settings.get(key) or () if
-                   f"{prefix}{n}" not in manifest.fields]
-        if missing:
-            return f"it lacks {missing}, asked for by {key}={list(settings[key])!r}"
-    return None
-
-
-def store_is_current(
-    store_path: str | os.PathLike[str],
-    adata_paths: Sequence[str | os.PathLike[str]],
-    settings: Mapping[str, Any] | None = None,
-) -> bool:
-    """Whether ``store_path`` is a finished collection written from exactly these inputs,
-    unchanged since (see :func:`store_staleness`)."""
-    return store_staleness(store_path, adata_paths, settings) is None
 
 
 class AnnBatchDataModule(pl.LightningDataModule):
@@ -283,7 +200,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
     def _staleness(self) -> str | None:
         # only settings the user gave explicitly: a new sampling `seed` alone reuses the store
         kw = self.collection_kwargs
-        settings = {k: kw[k] for k in (*_RECORDED_SETTINGS, *_FIELD_SETTINGS) if k in kw}
+        settings = {k: kw[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS) if k in kw}
         return store_staleness(self.store_path, self.adata_paths, settings)
 
     def _check_overwritable(self) -> None:
