@@ -27,6 +27,7 @@ from .errors import (
     SchemaError,
 )
 from .fields import A, Field
+from .loader import AnnBatchDataLoader
 
 if TYPE_CHECKING:
     from .lightning import AnnBatchDataModule
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "A",
+    "AnnBatchDataLoader",
     "AnnBatchDataModule",
     "AnnBatchDataset",
     "AnnBatchError",

@@ -1,0 +1,86 @@
+"""AnnBatchDataLoader's hand-off of dense batches: CSR from workers, densified in the main
+process (``deferred_dense_keys``), and dense batches written straight into shared memory by
+workers of a plain DataLoader. Values are compared with the in-process dataset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import annbatch_torch as abt
+from annbatch_torch import A
+from annbatch_torch.collection import Collection
+
+SEL = {"x": A.X, "counts": A.layers["counts"], "pca": A.obsm["X_pca"], "ct": A.obs["cell_type"]}
+
+
+def _by_index(batches: list[dict]) -> dict[str, np.ndarray]:
+    index = np.concatenate([b["index"].numpy() for b in batches])
+    assert len(np.unique(index)) == len(index)
+    order = np.argsort(index)
+    return {k: np.concatenate([np.asarray(b[k]) for b in batches])[order]
+            for k in batches[0] if k != "index"}
+
+
+def _double(x: np.ndarray) -> np.ndarray:
+    return x * 2
+
+
+@pytest.mark.parametrize("loader_cls", [abt.AnnBatchDataLoader, DataLoader])
+def test_dense_from_workers_equals_in_process(
+    small_collection: Collection, loader_cls: type
+) -> None:
+    kw = dict(selector=SEL, batch_size=300, return_index=True, densify=True, seed=3)
+    ref = _by_index(list(abt.AnnBatchDataset(small_collection, **kw)))
+    ds = abt.AnnBatchDataset(small_collection, **kw)
+    batches = list(loader_cls(ds, batch_size=None, num_workers=2))
+    for b in batches:
+        assert b["x"].layout == torch.strided
+        assert b["x"].dtype == torch.float32
+        assert b["counts"].layout == torch.strided
+    got = _by_index(batches)
+    assert set(got) == set(ref)
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k])
+
+
+def test_only_untransformed_sparse_keys_are_deferred(small_collection: Collection) -> None:
+    sel = {"x": A.X, "c2": A.layers["counts"].with_transform(_double), "pca": A.obsm["X_pca"]}
+    ds = abt.AnnBatchDataset(small_collection, selector=sel, densify=True)
+    assert ds.deferred_dense_keys() == {"x"}
+    assert abt.AnnBatchDataset(small_collection, selector=sel).deferred_dense_keys() == set()
+    conv = abt.AnnBatchDataset(small_collection, selector=sel, densify=True,
+                               batch_converter=abt.batch_dict_converter)
+    assert conv.deferred_dense_keys() == set()
+    loader = abt.AnnBatchDataLoader(ds, num_workers=2)
+    assert loader._deferred_keys == {"x"}
+    b = next(iter(loader))
+    assert b["x"].layout == torch.strided
+    assert b["c2"].layout == torch.strided
+    # nothing is deferred in-process or with pinned memory
+    assert abt.AnnBatchDataLoader(ds)._deferred_keys == frozenset()
+    assert abt.AnnBatchDataLoader(ds, num_workers=2, pin_memory=True)._deferred_keys == frozenset()
+
+
+def _mark(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset._marked = worker_id
+
+
+def test_user_worker_init_fn_still_runs(small_collection: Collection) -> None:
+    ds = abt.AnnBatchDataset(small_collection, densify=True, batch_size=500)
+    loader = abt.AnnBatchDataLoader(ds, num_workers=1, worker_init_fn=_mark)
+    assert len(list(loader)) == len(ds)
+    assert not ds._defer_densify  # the main process' dataset is left alone
+
+
+def test_dense_worker_batches_are_shared_memory(small_collection: Collection) -> None:
+    # the worker writes the dense batch into shared memory: no second copy on the way out
+    ds = abt.AnnBatchDataset(small_collection, densify=True, batch_size=256)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
+    b = next(it)
+    assert b["X"].is_shared()
+    del it
