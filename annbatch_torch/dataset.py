@@ -20,9 +20,9 @@ import scipy.sparse as sp
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import sampling
+from . import gpu, sampling
 from .collection import Source
-from .convert import batch_dict_converter
+from .convert import batch_dict_converter, densify_csr
 from .errors import BatchError, SchemaError
 from .fields import Field, normalize_selector
 from .reader import PoolReader, describe_ranges
@@ -50,6 +50,18 @@ def _check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
     return int(value)
+
+
+def _row_slice(value: Any, lo: int, hi: int) -> Any:
+    """Rows ``[lo, hi)`` of a pool value without copying (a CSR of views, or a view)."""
+    if not sp.issparse(value):
+        return value[lo:hi]
+    start, stop = int(value.indptr[lo]), int(value.indptr[hi])
+    indptr = value.indptr[lo : hi + 1] - value.indptr[lo]
+    return sp.csr_matrix(
+        (value.data[start:stop], value.indices[start:stop], indptr),
+        shape=(hi - lo, value.shape[1]), copy=False,
+    )
 
 
 class AnnBatchDataset(IterableDataset):
@@ -108,6 +120,12 @@ class AnnBatchDataset(IterableDataset):
         off inside DataLoader workers, where the other workers already overlap reads and
         it would cost one more pool of memory per worker (measured: no speed difference
         with 2 workers, 90-240 MB less per worker).
+    device
+        Hold each pool on this device (``"cuda"``, ``"cuda:1"``; the ``gpu`` extra) and cut
+        and densify batches there (:class:`~annbatch_torch.gpu.DevicePool`): batch values
+        are then tensors on the device, also inside transforms and the
+        ``batch_converter``. Needs ``num_workers=0``. ``"cpu"`` runs the same path on the
+        host. Default ``None``: numpy/scipy batches on the host.
     """
 
     def __init__(
@@ -131,6 +149,7 @@ class AnnBatchDataset(IterableDataset):
         mask_key: str = "mask",
         read_threads: int = 4,
         prefetch: bool | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = _check_int("batch_size", batch_size, 1)
@@ -150,6 +169,7 @@ class AnnBatchDataset(IterableDataset):
         self.mask_key = mask_key
         self.prefetch = None if prefetch is None else bool(prefetch)
         self.batch_converter = batch_converter
+        self.device = None if device is None else gpu.check_device(device)
         self.source: Source = as_source(source)
         self.selector = normalize_selector(selector)
         self._validate_selector()
@@ -179,6 +199,8 @@ class AnnBatchDataset(IterableDataset):
         self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._shared[1] = -1  # last epoch that started iterating
         self._reader: PoolReader | None = None
+        # set in DataLoader workers by AnnBatchDataLoader: leave deferred_dense_keys() as CSR
+        self._defer_densify = False
         # exact resume (torchdata Stateful): batches this copy yielded in the current epoch
         self._progress = {"worker": 0, "num_workers": 1, "epoch": 0, "batches": 0}
         self._resume: dict[str, int] | None = None
@@ -238,6 +260,18 @@ class AnnBatchDataset(IterableDataset):
         )
         return sampling.worker_items(items, worker, max(1, num_workers))
 
+    def deferred_dense_keys(self) -> set[str]:
+        """Output keys that :class:`~annbatch_torch.AnnBatchDataLoader` densifies in the
+        main process when ``densify=True`` and DataLoader workers are used: sparse fields
+        without a transform, with the default ``batch_converter``. Workers then send CSR
+        (~5x fewer bytes than dense at typical sparsity) instead of dense batches."""
+        if not self.densify or self.batch_converter is not None:
+            return set()
+        return {
+            key for key, f in self.selector.items()
+            if f.transform is None and self.source.fields[f.path].kind == "csr"
+        }
+
     # -- pickling -----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         self._resolve_dist()  # the process group lives here, not in a worker
@@ -273,6 +307,8 @@ class AnnBatchDataset(IterableDataset):
                     f"{num_workers}. Resume with the same num_workers."
                 )
             skip = resume["batches"]
+        if self.device is not None:
+            gpu.check_device(self.device)  # refuses DataLoader workers with the fix
         items = self.plan(epoch, worker, num_workers)
         if skip:
             items = sampling.remaining_items(items, skip)
@@ -307,6 +343,16 @@ class AnnBatchDataset(IterableDataset):
         self._shared[1] = -1  # resuming the same epoch is intended, not a forgotten set_epoch
         self._resume = resume
 
+    def _read_pool(self, reader: PoolReader, item: sampling.WorkItem, epoch: int
+                   ) -> tuple[dict[str, Any], np.ndarray]:
+        """Read an item's pool laid out batch after batch (see :func:`sampling.pool_order`)."""
+        perm = sampling.item_permutation(item, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        order = sampling.pool_order(perm, self.batch_size)
+        pool = reader.read(item.ranges, order)
+        if self.device is not None:  # uploaded here: overlaps the current pool's batches
+            return gpu.DevicePool(pool, self.device), order
+        return pool, order
+
     def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int) -> Iterator[Any]:
         if not items:
             return
@@ -316,31 +362,53 @@ class AnnBatchDataset(IterableDataset):
         if prefetch:
             bg = ThreadPoolExecutor(1, thread_name_prefix="annbatch-prefetch")
         try:
-            nxt: Future[Any] | None = bg.submit(reader.read, items[0].ranges) if bg else None
+            nxt: Future[Any] | None = (
+                bg.submit(self._read_pool, reader, items[0], epoch) if bg else None
+            )
             for i, item in enumerate(items):
-                pool = nxt.result() if nxt is not None else reader.read(item.ranges)
+                if nxt is not None:
+                    pool, order = nxt.result()
+                else:
+                    pool, order = self._read_pool(reader, item, epoch)
                 nxt = None
-                if bg is not None and i + 1 < len(items):
-                    nxt = bg.submit(reader.read, items[i + 1].ranges)
-                yield from self._batches(item, pool, epoch)
+                more = bg is not None and i + 1 < len(items)
+                for out in self._batches(item, pool, order):
+                    yield out
+                    if more and nxt is None:
+                        # submitted once the first batch is taken: by then the caller has
+                        # let go of the previous pool's batches, whose buffers get reused
+                        nxt = bg.submit(self._read_pool, reader, items[i + 1], epoch)
+                if more and nxt is None:
+                    nxt = bg.submit(self._read_pool, reader, items[i + 1], epoch)
+                if isinstance(pool, gpu.DevicePool):
+                    pool.close()
+                del pool  # without prefetch: free this pool before the next is read
         finally:
             if bg is not None:
                 bg.shutdown(wait=True, cancel_futures=True)
+            reader.buffers.clear()
 
-    def _batches(self, item: sampling.WorkItem, pool: dict[str, Any], epoch: int) -> Iterator[Any]:
-        perm = sampling.item_permutation(item, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        rows = sampling.global_rows(item.ranges) if self.return_index else None
+    def _batches(
+        self, item: sampling.WorkItem, pool: dict[str, Any] | gpu.DevicePool, order: np.ndarray
+    ) -> Iterator[Any]:
+        rows = sampling.global_rows(item.ranges)[order] if self.return_index else None
         converter = self.batch_converter or batch_dict_converter
-        bs = self.batch_size
+        bs, n = self.batch_size, len(order)
+        in_worker = get_worker_info() is not None
+        deferred = self.deferred_dense_keys() if in_worker and self._defer_densify else set()
         for b in range(item.batch_start, item.batch_stop):
-            pos = np.sort(perm[b * bs : (b + 1) * bs])
+            lo, hi = b * bs, min((b + 1) * bs, n)  # batches are contiguous in the pool
             batch: dict[str, Any] = {}
+            dev = pool if isinstance(pool, gpu.DevicePool) else None
+            on_device = dev.batch(lo, hi, self.densify) if dev is not None else None
             for key, f in self.selector.items():
-                value = pool[f.path][pos]
-                if self.densify and sp.issparse(value):
-                    value = value.toarray()
-                    if value.dtype != np.float32:
-                        value = value.astype(np.float32)
+                if on_device is not None:
+                    value = on_device[f.path]
+                else:
+                    value = _row_slice(pool[f.path], lo, hi)
+                if self.densify and sp.issparse(value) and key not in deferred:
+                    # in a worker: straight into shared memory, no copy on the way out
+                    value = densify_csr(value, shared=in_worker)
                 if f.transform is not None:
                     try:
                         value = f.transform(value)
@@ -349,9 +417,9 @@ class AnnBatchDataset(IterableDataset):
                         raise self._batch_error(what, item, b, e) from e
                 batch[key] = value
             if rows is not None:
-                batch["index"] = rows[pos]
+                batch["index"] = rows[lo:hi]
             if self.even_batches == "pad":
-                batch[self.mask_key] = np.full(len(pos), not item.padding, dtype=bool)
+                batch[self.mask_key] = np.full(hi - lo, not item.padding, dtype=bool)
             try:
                 out = converter(batch)
             except Exception as e:

@@ -84,3 +84,28 @@ def test_dense_worker_batches_are_shared_memory(small_collection: Collection) ->
     b = next(it)
     assert b["X"].is_shared()
     del it
+
+
+@pytest.mark.parametrize("densify", [True, False])
+def test_device_pool_path_equals_host_path(small_collection: Collection, densify: bool) -> None:
+    # device="cpu" runs the DevicePool path (upload, slice, densify) on the host; on CUDA the
+    # same code runs with cupy's kernel (tests/test_gpu.py, gpu marker)
+    kw = dict(selector=SEL, batch_size=300, return_index=True, densify=densify, seed=5)
+    ref = list(abt.AnnBatchDataset(small_collection, **kw))
+    got = list(abt.AnnBatchDataset(small_collection, device="cpu", **kw))
+    assert len(got) == len(ref)
+    for r, g in zip(ref, got):
+        assert set(r) == set(g)
+        for k in r:
+            a, b = r[k], g[k]
+            if a.layout == torch.sparse_csr:
+                assert b.layout == torch.sparse_csr
+                a, b = a.to_dense(), b.to_dense()
+            assert a.dtype == b.dtype
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_device_without_cuda_says_why(small_collection: Collection) -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        abt.AnnBatchDataset(small_collection, device="cuda")
