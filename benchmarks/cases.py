@@ -37,7 +37,6 @@ from benchlib import (
     CpuClock,
     MemoryMonitor,
     batch_entropy,
-    close_iterator,
     peak_rss_self_mb,
     rss_mb,
     time_batches,
@@ -201,19 +200,23 @@ def _ours_dataset(cfg: Config, source: Any, densify: bool, **kw: Any) -> Any:
 
 
 def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
-              expect_dense: bool | None = None, main_densify: bool = False,
-              **kw: Any) -> Result:
+              expect_dense: bool | None = None, plain_loader: bool = False, **kw: Any) -> Result:
     import torch
 
+    from annbatch_torch import AnnBatchDataLoader
+
     ds = _ours_dataset(cfg, source, densify, **kw)
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
-                                         persistent_workers=workers > 0)
+    # AnnBatchDataLoader: with densify=True and workers, workers send CSR and the main
+    # process densifies; a plain DataLoader gets dense batches from the workers
+    loader_cls = torch.utils.data.DataLoader if plain_loader else AnnBatchDataLoader
+    loader = loader_cls(ds, batch_size=None, num_workers=workers,
+                        persistent_workers=workers > 0)
     dense = densify if expect_dense is None else expect_dense
     check = _check_dense if dense else _check_sparse
 
     def epochs(e: int) -> Any:
         ds.set_epoch(e)
-        return _map_batches(_densify_in_main, loader) if main_densify else loader
+        return loader
 
     with MemoryMonitor() as mon:
         run = time_batches(epochs, n_warmup=cfg["n_warmup"], n_batches=cfg["n_batches"],
@@ -222,28 +225,6 @@ def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
         run, mon, cfg, chunk_size=ds.chunk_size, preload_nchunks=ds.preload_nchunks,
         read_threads=ds.read_threads,
     )
-
-
-def _map_batches(fn: Callable[[Any], Any], loader: Any) -> Any:
-    """``fn`` over the batches of one epoch; an early exit stops the workers."""
-    it = iter(loader)
-    try:
-        for batch in it:
-            yield fn(batch)
-    except GeneratorExit:
-        close_iterator(it)
-        raise
-
-
-def _densify_in_main(batch: dict[str, Any]) -> dict[str, Any]:
-    """Dense copy of a torch sparse CSR batch, made by scipy in the training process."""
-    import scipy.sparse as sp
-    import torch
-
-    x = batch["x"]
-    m = sp.csr_matrix((x.values().numpy(), x.col_indices().numpy(), x.crow_indices().numpy()),
-                      shape=tuple(x.shape))
-    return dict(batch, x=torch.from_numpy(m.toarray()))
 
 
 def _make_ours(densify: bool, workers: int) -> Callable[[Config], Result]:
@@ -553,66 +534,6 @@ def case_ceiling_seq_zarrs(cfg: Config) -> Result:
 
 
 # -- experiments: candidate fast paths, built from public hooks only -----------------------
-def _hugepage_zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """Zeroed float32 array in an anonymous mapping advised for transparent huge pages
-    (2 MiB page faults instead of 4 KiB ones; freed when the array is)."""
-    import mmap
-
-    nbytes = max(1, int(np.prod(shape)) * 4)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(m, dtype=np.float32, count=int(np.prod(shape))).reshape(shape)
-
-
-def _shared_zeros(shape: tuple[int, int]) -> Any:
-    """A zeroed float32 tensor allocated in shared memory (no copy at worker hand-off)."""
-    import torch
-
-    st = torch.UntypedStorage._new_shared(max(1, shape[0] * shape[1] * 4))
-    return torch.empty(0, dtype=torch.float32).set_(st, 0, shape, (shape[1], 1))
-
-
-def conv_dense_hugepage(batch: dict[str, Any]) -> dict[str, Any]:
-    """Densify CSR into a huge-page buffer (in the worker), then the default converter."""
-    from annbatch_torch import batch_dict_converter
-
-    x = batch["x"]
-    batch = dict(batch, x=x.toarray(out=_hugepage_zeros(x.shape)))
-    return batch_dict_converter(batch)
-
-
-def conv_dense_shared(batch: dict[str, Any]) -> dict[str, Any]:
-    """Densify CSR straight into a shared-memory tensor, in a worker; huge pages in the
-    main process (where nothing needs sharing)."""
-    import torch
-
-    from annbatch_torch import batch_dict_converter
-
-    if torch.utils.data.get_worker_info() is None:
-        return conv_dense_hugepage(batch)
-    x = batch["x"]
-    t = _shared_zeros(x.shape)
-    x.toarray(out=t.numpy())
-    out = batch_dict_converter({k: v for k, v in batch.items() if k != "x"})
-    out["x"] = t
-    return out
-
-
-def conv_sparse_int32(batch: dict[str, Any]) -> dict[str, Any]:
-    """torch sparse CSR with int32 indices (no int64 copies of indices / indptr)."""
-    import torch
-
-    from annbatch_torch import batch_dict_converter
-
-    x = batch["x"]
-    out = batch_dict_converter({k: v for k, v in batch.items() if k != "x"})
-    out["x"] = torch.sparse_csr_tensor(
-        torch.from_numpy(x.indptr.astype(np.int32)), torch.from_numpy(x.indices),
-        torch.from_numpy(x.data), size=x.shape, check_invariants=False)
-    return out
-
-
 def _variant_store(cfg: Config, name: str, **writer_kw: Any) -> str:
     """The inputs written again with other writer settings (once; not timed)."""
     import annbatch_torch as abt
@@ -646,12 +567,8 @@ def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bo
         path = cfg["store"]
         if store:
             path = _variant_store(cfg, "_".join(f"{k}-{v}" for k, v in store.items()), **store)
-        conv_dense = converter is not None and converter is not conv_sparse_int32
-        opts = dict(kw)
-        main_densify = opts.pop("main_densify", False)
-        out = _run_ours(cfg, path, densify and not conv_dense and not main_densify, workers,
-                        batch_converter=converter, expect_dense=densify,
-                        main_densify=main_densify, **opts)
+        out = _run_ours(cfg, path, densify and converter is None, workers,
+                        batch_converter=converter, expect_dense=densify, **kw)
         out["variant"] = {"converter": getattr(converter, "__name__", None), "zarrs": zarrs,
                           "store": store, **kw}
         return out
@@ -666,29 +583,18 @@ def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bo
 
 
 EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
-    "exp_dense_w0_hugepage": _experiment(True, 0, converter=conv_dense_hugepage),
-    "exp_dense_w2_hugepage": _experiment(True, 2, converter=conv_dense_hugepage),
-    "exp_dense_w2_shared": _experiment(True, 2, converter=conv_dense_shared),
-    "exp_sparse_w0_int32": _experiment(False, 0, converter=conv_sparse_int32),
-    "exp_sparse_w2_int32": _experiment(False, 2, converter=conv_sparse_int32),
+    # dense batches made in the workers and moved through shared memory (plain DataLoader)
+    "exp_dense_w2_plain_dataloader": _experiment(True, 2, plain_loader=True),
     "exp_sparse_w0_lz4": _experiment(False, 0, store={"compressor": "lz4"}),
     "exp_sparse_w0_lz4_zarrs": _experiment(False, 0, zarrs=True, store={"compressor": "lz4"}),
     "exp_sparse_w0_chunkel17": _experiment(False, 0, store={"zarr_chunk_elems": 1 << 17}),
     "exp_sparse_w0_threads1": _experiment(False, 0, read_threads=1),
     "exp_sparse_w0_threads2": _experiment(False, 0, read_threads=2),
     "exp_sparse_w0_noprefetch": _experiment(False, 0, prefetch=False),
+    "exp_dense_w0_noprefetch": _experiment(True, 0, prefetch=False),
     "exp_sparse_w0_chunk256": _experiment(False, 0, chunk_size=256, preload_nchunks=64),
     "exp_sparse_w0_chunk1024": _experiment(False, 0, chunk_size=1024, preload_nchunks=16),
-    "exp_dense_w2_shared_threads2": _experiment(True, 2, converter=conv_dense_shared,
-                                                read_threads=2),
-    "exp_dense_w2_shared_noprefetch": _experiment(True, 2, converter=conv_dense_shared,
-                                                  prefetch=False),
-    "exp_sparse_w2_int32_noprefetch": _experiment(False, 2, converter=conv_sparse_int32,
-                                                  prefetch=False),
-    "exp_dense_w2_maindensify": _experiment(True, 2, converter=conv_sparse_int32,
-                                            main_densify=True),
-    "exp_dense_w2_maindensify_noprefetch": _experiment(True, 2, converter=conv_sparse_int32,
-                                                       main_densify=True, prefetch=False),
+    "exp_dense_w2_prefetch": _experiment(True, 2, prefetch=True),
 }
 
 
