@@ -144,6 +144,31 @@ class CSRElement(Element):
                 out[...] = np.asarray(src[lo:hi])
         return np.diff(self.indptr[start : stop + 1])
 
+    @property
+    def can_scatter(self) -> bool:
+        """Whether :meth:`read_rows_scatter` reads straight from chunk files."""
+        return hasattr(self.data, "read_runs") and hasattr(self.indices, "read_runs")
+
+    def read_rows_scatter(
+        self, start: int, stop: int, data_out: np.ndarray, indices_out: np.ndarray,
+        dests: np.ndarray,
+    ) -> None:
+        """Copy row ``start + i``'s values and column indices to ``data_out[dests[i]:]``
+        and ``indices_out[dests[i]:]`` for ``i < stop - start`` (rows land wherever the
+        caller wants them, e.g. at their shuffled positions in a pool)."""
+        if stop <= start:
+            return
+        runs = self.indptr[start:stop]
+        end = int(self.indptr[stop])
+        for src, out in ((self.data, data_out), (self.indices, indices_out)):
+            if hasattr(src, "read_runs"):
+                src.read_runs(runs, end, dests, out)
+            else:
+                values = np.asarray(src[int(runs[0]) : end])
+                lengths = np.diff(self.indptr[start : stop + 1])
+                pos = np.repeat(dests - (runs - runs[0]), lengths) + np.arange(values.size)
+                out[pos] = values
+
     def read(self, start: int, stop: int) -> sp.csr_matrix:
         data, indices, lengths = self.read_raw(start, stop)
         indptr = np.zeros(stop - start + 1, dtype=np.int64)

@@ -16,6 +16,8 @@ the field and the row range.
 
 from __future__ import annotations
 
+import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +29,7 @@ from .collection import Source
 from .elements import CSCElement, CSRElement
 from .errors import AnnBatchError, ReadError
 
-__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader"]
+__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,61 @@ def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
     return text + (f"; and {len(pieces) - limit} more ranges" if len(pieces) > limit else "")
 
 
+class BufferCache:
+    """Reusable pool buffers, never handed out while anything still uses them.
+
+    Fresh 100-MB buffers cost page faults on first touch (~20% of a pool read here). A
+    buffer is handed out again only when nothing but this cache references it: every
+    view, CSR matrix or ``torch.from_numpy`` tensor made from it holds a reference, so a
+    batch a caller keeps is never overwritten (the cache then allocates a new buffer).
+
+    Parameters
+    ----------
+    keep
+        Buffers remembered for reuse (the rest are freed when released).
+    """
+
+    def __init__(self, keep: int = 6) -> None:
+        self.keep = keep
+        self._owners: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"keep": self.keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["keep"])  # type: ignore[misc]
+
+    def _free_owners(self) -> list[np.ndarray]:
+        # references to a free buffer: the list, the loop variable, getrefcount's argument
+        return [o for o in self._owners if sys.getrefcount(o) <= 3]
+
+    def take(self, n: int, dtype: np.dtype) -> np.ndarray:
+        """An uninitialised 1-D array of ``n`` items of ``dtype``."""
+        dtype = np.dtype(dtype)
+        nbytes = n * dtype.itemsize
+        with self._lock:
+            free = self._free_owners()
+            fits = [o for o in free if o.nbytes >= nbytes]
+            if fits:
+                return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
+            owner = np.empty(nbytes + nbytes // 8 + 64, dtype=np.uint8)  # room to grow
+            if len(self._owners) >= self.keep and free:
+                self._owners = [o for o in self._owners if o is not free[0]]
+            if len(self._owners) < self.keep:
+                self._owners.append(owner)
+            return owner[:nbytes].view(dtype)
+
+    def clear(self) -> None:
+        """Forget every buffer (memory still in use elsewhere stays valid)."""
+        with self._lock:
+            self._owners.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self._owners)
+
+
 class PoolReader:
     """Read pools of rows of selected fields from a :class:`~.collection.Source`.
 
@@ -97,6 +154,7 @@ class PoolReader:
         self.threads = max(1, int(threads))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid: int | None = None
+        self.buffers = BufferCache(keep=4 * len(self.fields))  # 2 pools x data, indices
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -113,6 +171,7 @@ class PoolReader:
         return self._pool
 
     def close(self) -> None:
+        self.buffers.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = None
@@ -133,14 +192,30 @@ class PoolReader:
             el = el.as_csr_element()
         return el
 
-    def read(self, ranges: np.ndarray) -> dict[str, Any]:
-        """Read ``ranges`` for every field; values in the canonical order of ``ranges``."""
+    def read(self, ranges: np.ndarray, order: np.ndarray | None = None) -> dict[str, Any]:
+        """Read ``ranges`` for every field.
+
+        Parameters
+        ----------
+        ranges
+            ``(k, 2)`` global ``[start, stop)`` row ranges; their concatenation is the
+            pool's *canonical* row order.
+        order
+            Optional permutation of the canonical positions: output row ``i`` is canonical
+            row ``order[i]``. CSR fields of raw stores are read straight into their
+            permuted places (no gather afterwards); other fields are permuted after reading.
+        """
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         pieces = split_ranges(ranges, self.source.shard_offsets)
         n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            if order.shape != (n_rows,):
+                raise ValueError(f"order must hold {n_rows} positions, got {order.shape}")
         ex = self._executor()
         jobs: dict[str, list[tuple[Piece, Future[Any]]]] = {}
-        csr_buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        csr_buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        permute_after: set[str] = set()
         for field in self.fields:
             # open elements in this thread first: errors surface with context, and
             # element caches are not populated concurrently
@@ -151,11 +226,17 @@ class PoolReader:
                 except Exception as e:
                     raise self._wrap(e, p, field) from e
             if els and isinstance(els[0], CSRElement):
-                jobs[field] = self._submit_csr(ex, field, pieces, els, csr_buffers)
+                scatter = order is not None and all(el.can_scatter for el in els)
+                jobs[field] = self._submit_csr(ex, field, pieces, els, csr_buffers,
+                                               order if scatter else None)
+                if order is not None and not scatter:
+                    permute_after.add(field)
             else:
                 jobs[field] = [
                     (p, ex.submit(self._read_piece, el, p)) for p, el in zip(pieces, els)
                 ]
+                if order is not None:
+                    permute_after.add(field)
         out: dict[str, Any] = {}
         for field, futs in jobs.items():
             parts = []
@@ -168,10 +249,9 @@ class PoolReader:
                     raise self._wrap(e, p, field) from e
             try:
                 if field in csr_buffers:
-                    out[field] = self._assemble_csr(field, pieces, parts, csr_buffers[field],
-                                                    n_rows)
-                    continue
-                out[field] = self._assemble(field, pieces, parts, n_rows)
+                    value = self._assemble_csr(field, pieces, csr_buffers[field], n_rows)
+                else:
+                    value = self._assemble(field, pieces, parts, n_rows)
             except ReadError:
                 raise
             except Exception as e:  # e.g. shards disagreeing on a dense field's width
@@ -183,6 +263,7 @@ class PoolReader:
                     f"{ranges_txt} ({type(e).__name__}: {e}). The store may be damaged; "
                     "rewrite it with create_anndata_collection(..., overwrite=True)."
                 ) from e
+            out[field] = value[order] if field in permute_after else value
         return out
 
     def _submit_csr(
@@ -191,57 +272,69 @@ class PoolReader:
         field: str,
         pieces: list[Piece],
         els: list[Any],
-        buffers: dict[str, tuple[np.ndarray, np.ndarray]],
+        buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        order: np.ndarray | None,
     ) -> list[tuple[Piece, Future[Any]]]:
-        """Allocate the pool's data/indices once; each piece is read into its own slice."""
-        nnz = np.array([el.nnz_range(p.start, p.stop) for p, el in zip(pieces, els)],
-                       dtype=np.int64).reshape(-1, 2)
-        sizes = nnz[:, 1] - nnz[:, 0]
-        if (sizes < 0).any():
-            p = pieces[int(np.flatnonzero(sizes < 0)[0])]
-            raise self._wrap(ReadError("indptr decreases; the matrix is damaged"), p, field)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        data = np.empty(int(offsets[-1]), dtype=els[0].dtype)
-        indices = np.empty(int(offsets[-1]), dtype=np.dtype(els[0].indices.dtype))
-        buffers[field] = (data, indices)
-        n_cols = els[0].n_cols
+        """Allocate the pool's data/indices once; every row is read into its final place
+        (canonical order, or ``order`` when given)."""
+        lengths = [np.diff(el.indptr[p.start : p.stop + 1]) for p, el in zip(pieces, els)]
+        canon = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        out_len = canon if order is None else canon[order]
+        indptr = np.zeros(len(canon) + 1, dtype=np.int64)
+        np.cumsum(out_len, out=indptr[1:])
+        if order is None:
+            dests = indptr[:-1]
+        else:
+            dests = np.empty(len(canon), dtype=np.int64)
+            dests[order] = indptr[:-1]
+        nnz = int(indptr[-1])
+        data = self.buffers.take(nnz, els[0].dtype)
+        indices = self.buffers.take(nnz, np.dtype(els[0].indices.dtype))
+        buffers[field] = (data, indices, indptr)
         return [
-            (p, ex.submit(self._read_csr_piece, el, p, data[a:b], indices[a:b], n_cols))
-            for p, el, a, b in zip(pieces, els, offsets[:-1], offsets[1:])
+            (p, ex.submit(self._read_csr_piece, el, p, data, indices,
+                          dests[p.out_start : p.out_start + (p.stop - p.start)]))
+            for p, el in zip(pieces, els)
         ]
 
     @staticmethod
     def _read_csr_piece(
-        el: CSRElement, p: Piece, data: np.ndarray, indices: np.ndarray, n_cols: int
-    ) -> np.ndarray:
-        lengths = el.read_into(p.start, p.stop, data, indices)
-        # one unsigned max() catches both ends: negatives wrap to huge values
-        if indices.size and int(indices.view(f"u{indices.dtype.itemsize}").max()) >= n_cols:
-            raise ReadError(f"holds column indices outside [0, {n_cols}); the store is damaged")
-        return lengths
+        el: CSRElement, p: Piece, data: np.ndarray, indices: np.ndarray, dests: np.ndarray
+    ) -> None:
+        if el.can_scatter:
+            el.read_rows_scatter(p.start, p.stop, data, indices, dests)
+            return
+        lo, hi = el.nnz_range(p.start, p.stop)  # canonical order: one contiguous block
+        a = int(dests[0]) if len(dests) else 0
+        el.read_into(p.start, p.stop, data[a : a + hi - lo], indices[a : a + hi - lo])
 
     def _assemble_csr(
         self,
         field: str,
         pieces: list[Piece],
-        lengths: list[np.ndarray],
-        buffers: tuple[np.ndarray, np.ndarray],
+        buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
         n_rows: int,
     ) -> sp.csr_matrix:
-        data, indices = buffers
+        data, indices, indptr = buffers
         n_cols = self._element(pieces[0], field).n_cols
-        indptr = np.zeros(n_rows + 1, dtype=np.int64)
-        if lengths:
-            np.cumsum(np.concatenate(lengths), out=indptr[1:])
-        if indptr[-1] != data.shape[0]:
+        # one unsigned max() catches both ends: negatives wrap to huge values
+        if indices.size and int(indices.view(f"u{indices.dtype.itemsize}").max()) >= n_cols:
+            bad = int(np.flatnonzero((indices < 0) | (indices >= n_cols))[0])
+            row = int(np.searchsorted(indptr, bad, side="right")) - 1
             raise ReadError(
-                f"{self.source.describe()}: field {field!r}: row lengths add up to "
-                f"{indptr[-1]} values but {data.shape[0]} were read; the store is damaged, "
-                "rewrite it."
+                f"{self.source.describe()}: field {field!r} holds column index "
+                f"{int(indices[bad])} outside [0, {n_cols}) (pool row {row}, read from "
+                f"{describe_ranges(self.source, self._ranges_of(pieces))}); the store is "
+                "damaged, rewrite it with create_anndata_collection(..., overwrite=True)."
             )
         if indptr[-1] < np.iinfo(np.int32).max:
             indptr = indptr.astype(np.int32)  # scipy would otherwise copy indices to int64
         return sp.csr_matrix((data, indices, indptr), shape=(n_rows, n_cols), copy=False)
+
+    def _ranges_of(self, pieces: list[Piece]) -> np.ndarray:
+        offsets = self.source.shard_offsets
+        return np.array([[offsets[p.shard] + p.start, offsets[p.shard] + p.stop]
+                         for p in pieces], dtype=np.int64).reshape(-1, 2)
 
     def _read_piece(self, el: Any, p: Piece) -> Any:
         if isinstance(el, CSRElement):

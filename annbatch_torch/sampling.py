@@ -58,6 +58,7 @@ __all__ = [
     "pool_permutation",
     "item_permutation",
     "batch_positions",
+    "pool_order",
     "rank_items",
     "worker_items",
     "batches_per_rank",
@@ -396,6 +397,21 @@ def batch_positions(item: WorkItem, batch: int, batch_size: int, perm: np.ndarra
     if not item.batch_start <= batch < item.batch_stop:
         raise ValueError(f"batch must lie in [{item.batch_start}, {item.batch_stop}), got {batch}")
     return perm[batch * batch_size : (batch + 1) * batch_size]
+
+
+def pool_order(perm: np.ndarray, batch_size: int) -> np.ndarray:
+    """The pool laid out batch after batch: ``perm`` with each ``batch_size`` block sorted.
+
+    Batch ``b`` is then the contiguous slice ``[b * batch_size, (b + 1) * batch_size)``
+    and holds the same rows, in the same (ascending) order, as
+    ``np.sort(batch_positions(item, b, batch_size, perm))``.
+    """
+    perm = np.asarray(perm, dtype=np.int64)
+    n_full = len(perm) // batch_size * batch_size
+    out = np.empty_like(perm)
+    out[:n_full] = np.sort(perm[:n_full].reshape(-1, batch_size), axis=1).reshape(-1)
+    out[n_full:] = np.sort(perm[n_full:])
+    return out
 
 
 def split_chunks(

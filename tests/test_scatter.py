@@ -1,0 +1,532 @@
+"""Scattered reads: rows straight into their shuffled places.
+
+* ``RawZarrArray.read_runs`` / ``read_into`` against a numpy reference, on arrays written
+  by zarr-python (with and without the ``crc32c`` codec), and its failure modes (absent,
+  truncated, oversize and corrupted chunk files);
+* ``CSRElement.read_rows_scatter`` for raw arrays and its numpy fallback;
+* ``PoolReader.read(ranges, order)`` equals ``PoolReader.read(ranges)[order]`` for a raw
+  collection, an lz4 collection, in-place h5ad files and in-memory AnnData;
+* ``sampling.pool_order``;
+* a damaged column index surfaces as a ``ReadError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import google_crc32c
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from zarr.codecs import BytesCodec, Crc32cCodec
+
+from annbatch_torch import rawzarr
+from annbatch_torch.collection import open_collection
+from annbatch_torch.datasets import write_synthetic_h5ads
+from annbatch_torch.elements import CSRElement
+from annbatch_torch.errors import ReadError
+from annbatch_torch.rawzarr import ChunkError, RawZarrArray, open_raw
+from annbatch_torch.reader import PoolReader
+from annbatch_torch.sampling import pool_order
+from annbatch_torch.sources import InPlaceSource, as_source
+from annbatch_torch.writer import create_anndata_collection
+
+DTYPES = ("int32", "int64", "float32")
+
+
+# -- helpers ----------------------------------------------------------------------------
+def write_raw(
+    path: Path, values: np.ndarray, chunk: int, crc: bool, fill_value: Any = None
+) -> RawZarrArray:
+    """``values`` as a zarr v3 array of raw little-endian chunks (+ CRC-32C if ``crc``)."""
+    chunks = (chunk, *values.shape[1:])
+    a = zarr.create_array(
+        store=str(path),
+        shape=values.shape,
+        chunks=chunks,
+        dtype=values.dtype,
+        compressors=[Crc32cCodec()] if crc else None,
+        filters=None,
+        serializer=BytesCodec(endian="little"),
+        fill_value=fill_value,
+    )
+    a[...] = values
+    raw = open_raw(path)
+    assert raw is not None
+    assert raw.crc == crc
+    assert raw.chunk_rows == chunk
+    return raw
+
+
+def source_values(rng: np.random.Generator, n: int, dtype: str) -> np.ndarray:
+    """Distinct-looking, non-zero (never the fill value) and never the sentinel."""
+    if dtype == "float32":
+        return (rng.random(n) + 1.0).astype(np.float32)
+    return rng.integers(1, 2**31 - 1, size=n).astype(dtype)
+
+
+def sentinel(dtype: str) -> Any:
+    return -12345.5 if dtype == "float32" else -7
+
+
+def reference(src: np.ndarray, starts: np.ndarray, stop: int, dests: np.ndarray,
+              out: np.ndarray) -> np.ndarray:
+    ref = out.copy()
+    ends = np.append(starts[1:], stop)
+    for s, e, d in zip(starts.tolist(), ends.tolist(), dests.tolist()):
+        ref[d : d + e - s] = src[s:e]
+    return ref
+
+
+def chunk_path(raw: RawZarrArray, c: int) -> Path:
+    p = raw.path / "c" / str(c)
+    assert p.is_file(), p
+    return p
+
+
+# -- RawZarrArray.read_runs -------------------------------------------------------------
+@st.composite
+def runs_cases(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(st.integers(1, 120))
+    chunk = draw(st.one_of(st.just(1), st.integers(2, 40), st.integers(n + 1, n + 10)))
+    lo = draw(st.integers(0, n))
+    stop = draw(st.integers(lo, n))
+    cuts = sorted(draw(st.lists(st.integers(lo, stop), max_size=12)))  # repeats: empty runs
+    starts = np.array([lo, *cuts], dtype=np.int64)
+    lengths = np.diff(np.append(starts, stop))
+    k = len(starts)
+    perm = draw(st.permutations(range(k)))
+    gaps = draw(st.lists(st.integers(0, 3), min_size=k + 1, max_size=k + 1))
+    dests = np.empty(k, dtype=np.int64)
+    pos = gaps[0]
+    for j, r in enumerate(perm):  # runs laid out in ``perm`` order, with gaps between
+        dests[r] = pos
+        pos += int(lengths[r]) + gaps[j + 1]
+    return {
+        "n": n, "chunk": chunk, "starts": starts, "stop": stop, "dests": dests,
+        "out_len": pos, "dtype": draw(st.sampled_from(DTYPES)), "crc": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**32 - 1)),
+    }
+
+
+@settings(max_examples=100, deadline=None)
+@given(runs_cases())
+def test_read_runs_matches_numpy_reference(case: dict[str, Any]) -> None:
+    rng = np.random.default_rng(case["seed"])
+    dtype = case["dtype"]
+    src = source_values(rng, case["n"], dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = write_raw(Path(tmp) / "a", src, case["chunk"], case["crc"])
+        out = np.full(case["out_len"], sentinel(dtype), dtype=dtype)
+        ref = reference(src, case["starts"], case["stop"], case["dests"], out)
+        raw.read_runs(case["starts"], case["stop"], case["dests"], out)
+    np.testing.assert_array_equal(out, ref)  # untouched parts keep the sentinel
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    n=st.integers(1, 80),
+    chunk=st.integers(1, 90),
+    cols=st.integers(1, 3),
+    dtype=st.sampled_from(DTYPES),
+    crc=st.booleans(),
+    data=st.data(),
+)
+def test_read_into_and_getitem(n: int, chunk: int, cols: int, dtype: str, crc: bool,
+                               data: st.DataObject) -> None:
+    rng = np.random.default_rng(n * 1000 + chunk)
+    src = source_values(rng, n * cols, dtype)
+    src = src.reshape(n, cols) if cols > 1 else src
+    lo = data.draw(st.integers(0, n), label="lo")
+    hi = data.draw(st.integers(lo, n), label="hi")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = write_raw(Path(tmp) / "a", src, chunk, crc)
+        out = np.full((hi - lo, *src.shape[1:]), sentinel(dtype), dtype=dtype)
+        raw.read_into(lo, hi, out)
+        np.testing.assert_array_equal(out, src[lo:hi])
+        np.testing.assert_array_equal(raw[lo:hi], src[lo:hi])
+        np.testing.assert_array_equal(raw[...], src)
+
+
+@pytest.mark.parametrize("crc", [False, True])
+@pytest.mark.parametrize("n_chunks", [1, 2])
+def test_read_runs_more_segments_than_iov_max(tmp_path: Path, crc: bool, n_chunks: int) -> None:
+    """3,000 one-element runs, reversed (so nothing merges): > 1,024 buffers per preadv."""
+    n = 3000
+    src = np.arange(1, n + 1, dtype=np.int32)
+    raw = write_raw(tmp_path / "a", src, n // n_chunks, crc)
+    # skip element 0 so the chunk has a leading part not requested (scratch with crc)
+    starts = np.arange(1, n - 1, dtype=np.int64)
+    dests = (n - 3) - np.arange(n - 2, dtype=np.int64)
+    out = np.full(n - 2, -1, dtype=np.int32)
+    raw.read_runs(starts, n - 1, dests, out)
+    np.testing.assert_array_equal(out, src[1 : n - 1][::-1])
+
+
+def test_preadv_full_splits_at_iov_max(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a tiny IOV_MAX every group boundary is exercised, also a short read mid-way."""
+    monkeypatch.setattr(rawzarr, "_IOV_MAX", 3)
+    n = 40
+    src = np.arange(1, n + 1, dtype=np.int64)
+    raw = write_raw(tmp_path / "a", src, 20, crc=True)
+    starts = np.arange(n, dtype=np.int64)
+    dests = (n - 1) - starts
+    out = np.zeros(n, dtype=np.int64)
+    raw.read_runs(starts, n, dests, out)
+    np.testing.assert_array_equal(out, src[::-1])
+    p = chunk_path(raw, 1)
+    p.write_bytes(p.read_bytes()[:-30])
+    with pytest.raises(ChunkError):
+        raw.read_runs(starts, n, dests, np.zeros(n, dtype=np.int64))
+
+
+def test_contiguous_runs_are_merged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1-element runs landing one after the other are read as one segment."""
+    n = 500
+    src = np.arange(1, n + 1, dtype=np.int32)
+    raw = write_raw(tmp_path / "a", src, n, crc=False)
+    calls: list[int] = []
+    real = rawzarr._preadv_full
+
+    def spy(fd: int, bufs: list[Any], *rest: Any) -> int:
+        calls.append(len(bufs))
+        return real(fd, bufs, *rest)
+
+    monkeypatch.setattr(rawzarr, "_preadv_full", spy)
+    out = np.zeros(n + 5, dtype=np.int32)
+    raw.read_runs(np.arange(n, dtype=np.int64), n, np.arange(n, dtype=np.int64) + 5, out)
+    np.testing.assert_array_equal(out[5:], src)
+    np.testing.assert_array_equal(out[:5], 0)
+    assert calls == [1]
+
+
+def test_read_runs_nothing_to_read(tmp_path: Path) -> None:
+    src = np.arange(1, 11, dtype=np.int32)
+    raw = write_raw(tmp_path / "a", src, 4, crc=True)
+    out = np.full(5, -1, dtype=np.int32)
+    raw.read_runs(np.zeros(0, dtype=np.int64), 0, np.zeros(0, dtype=np.int64), out)
+    raw.read_runs(np.array([3, 3, 3]), 3, np.array([0, 1, 2]), out)  # only empty runs
+    raw.read_into(4, 4, out)
+    np.testing.assert_array_equal(out, -1)
+
+
+# -- failure modes ----------------------------------------------------------------------
+@pytest.mark.parametrize("crc", [False, True])
+@pytest.mark.parametrize(("dtype", "fill"), [("int32", -5), ("int64", 0), ("float32", 0.5),
+                                             ("float32", float("nan"))])
+def test_absent_chunk_reads_fill_value(tmp_path: Path, crc: bool, dtype: str, fill: Any) -> None:
+    n, chunk = 30, 8
+    src = source_values(np.random.default_rng(0), n, dtype)
+    raw = write_raw(tmp_path / "a", src, chunk, crc, fill_value=fill)
+    chunk_path(raw, 1).unlink()
+    want = src.copy()
+    want[8:16] = fill
+    # zarr agrees on what an absent chunk means
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "a"), mode="r")[...], want)
+    starts = np.array([2, 5, 9, 14, 20], dtype=np.int64)
+    stop = 27
+    dests = np.array([100, 0, 50, 3, 70], dtype=np.int64)
+    out = np.full(120, sentinel(dtype), dtype=dtype)
+    ref = reference(want, starts, stop, dests, out)
+    raw.read_runs(starts, stop, dests, out)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(raw[...], want)
+
+
+@pytest.mark.parametrize("crc", [False, True])
+@pytest.mark.parametrize("cut", [1, 4, 32, "all"])
+def test_truncated_chunk_raises(tmp_path: Path, crc: bool, cut: Any) -> None:
+    src = np.arange(1, 25, dtype=np.int32)
+    raw = write_raw(tmp_path / "a", src, 8, crc)
+    p = chunk_path(raw, 1)
+    body = p.read_bytes()
+    p.write_bytes(b"" if cut == "all" else body[:-cut])
+    with pytest.raises(ChunkError):
+        raw[...]
+    with pytest.raises(ChunkError):
+        raw.read_runs(np.array([6, 10]), 20, np.array([10, 0]), np.zeros(14, dtype=np.int32))
+    np.testing.assert_array_equal(raw[:8], src[:8])  # other chunks still read
+    np.testing.assert_array_equal(raw[16:], src[16:])
+
+
+@pytest.mark.parametrize("where", ["requested", "not requested", "crc trailer"])
+def test_flipped_byte_fails_checksum(tmp_path: Path, where: str) -> None:
+    src = np.arange(1, 41, dtype=np.int64)
+    raw = write_raw(tmp_path / "a", src, 10, crc=True)
+    p = chunk_path(raw, 2)  # elements [20, 30)
+    body = bytearray(p.read_bytes())
+    assert len(body) == 10 * 8 + 4
+    pos = {"requested": 3 * 8 + 1, "not requested": 9 * 8 + 2, "crc trailer": 81}[where]
+    body[pos] ^= 0x10
+    p.write_bytes(bytes(body))
+    out = np.zeros(4, dtype=np.int64)
+    with pytest.raises(ChunkError, match="checksum"):
+        raw.read_runs(np.array([22, 24]), 26, np.array([2, 0]), out)  # bytes 16..48
+    with pytest.raises(ChunkError, match="checksum"):
+        raw.read_into(20, 21, np.zeros(1, dtype=np.int64))
+    np.testing.assert_array_equal(raw[:20], src[:20])
+
+
+def test_oversize_chunk_raises(tmp_path: Path) -> None:
+    src = np.arange(1, 41, dtype=np.float32)
+    raw = write_raw(tmp_path / "a", src, 10, crc=True)
+    p = chunk_path(raw, 3)
+    p.write_bytes(p.read_bytes() + b"\x00")
+    with pytest.raises(ChunkError):
+        raw[...]
+    with pytest.raises(ChunkError):
+        raw.read_runs(np.array([31]), 32, np.array([0]), np.zeros(1, dtype=np.float32))
+    np.testing.assert_array_equal(raw[:30], src[:30])
+
+
+# -- CSRElement.read_rows_scatter ---------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    n_rows=st.integers(1, 50),
+    chunk=st.integers(1, 60),
+    crc=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
+)
+def test_csr_read_rows_scatter(n_rows: int, chunk: int, crc: bool, seed: int,
+                               data: st.DataObject) -> None:
+    rng = np.random.default_rng(seed)
+    n_cols = 17
+    m = sp.random(n_rows, n_cols, density=data.draw(st.sampled_from([0.0, 0.1, 0.5])),
+                  format="csr", dtype=np.float32, random_state=rng)
+    m.data += 1.0  # never 0 (the fill value)
+    start = data.draw(st.integers(0, n_rows), label="start")
+    stop = data.draw(st.integers(start, n_rows), label="stop")
+    order = rng.permutation(stop - start)  # output row i is row start + order[i]
+    lengths = np.diff(m.indptr[start : stop + 1])
+    out_indptr = np.concatenate([[0], np.cumsum(lengths[order])])
+    dests = np.empty(stop - start, dtype=np.int64)
+    dests[order] = out_indptr[:-1]
+    want = m[start:stop][order]
+    nnz = int(lengths.sum())
+    with tempfile.TemporaryDirectory() as tmp:
+        # zarr refuses 0-length arrays' chunk shape 0: keep one element beyond nnz
+        d = write_raw(Path(tmp) / "data", np.append(m.data, 9).astype(np.float32), chunk, crc)
+        i = write_raw(Path(tmp) / "indices", np.append(m.indices, 0).astype(np.int32),
+                      chunk, crc)
+        elements = [
+            CSRElement(d, i, m.indptr, m.shape),
+            CSRElement(m.data, m.indices.astype(np.int32), m.indptr, m.shape),
+        ]
+        assert [el.can_scatter for el in elements] == [True, False]
+        for el in elements:
+            data_out = np.full(nnz, -1.0, dtype=np.float32)
+            indices_out = np.full(nnz, -1, dtype=np.int32)
+            el.read_rows_scatter(start, stop, data_out, indices_out, dests)
+            np.testing.assert_array_equal(data_out, want.data)
+            np.testing.assert_array_equal(indices_out, want.indices)
+            np.testing.assert_array_equal(out_indptr, want.indptr)
+
+
+# -- PoolReader.read(ranges, order) -------------------------------------------------------
+FIELDS = ["X", "layers/counts", "obsm/X_pca", "obs/cell_type", "obs/n_counts"]
+SOURCE_KINDS = ["raw", "lz4", "h5ad", "memory"]
+
+
+@pytest.fixture(scope="module")
+def pool_sources(
+    synthetic_h5ads: list[Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Each source with its whole content read in canonical order (the truth)."""
+    folder = tmp_path_factory.mktemp("scatter_sources")
+    opts = {"seed": 3, "n_obs_per_shard": 300, "zarr_chunk_elems": 1500, "progress": False}
+    sources = {
+        "raw": create_anndata_collection(synthetic_h5ads, folder / "raw", **opts),
+        "lz4": create_anndata_collection(
+            synthetic_h5ads, folder / "lz4", compressor="lz4", **opts
+        ),
+        "h5ad": as_source(list(synthetic_h5ads)),
+        "memory": InPlaceSource([ad.read_h5ad(p) for p in synthetic_h5ads]),
+    }
+    out = {}
+    for kind, src in sources.items():
+        reader = PoolReader(src, FIELDS, threads=2)
+        out[kind] = (src, reader.read(np.array([[0, src.n_obs]])))
+        reader.close()
+    return out
+
+
+def test_pool_sources_scatter_where_expected(
+    pool_sources: dict[str, tuple[Any, dict[str, Any]]],
+) -> None:
+    for kind, (src, _) in pool_sources.items():
+        n_shards = len(src.shard_offsets) - 1
+        assert n_shards >= 3
+        can = [src.element(s, "X").can_scatter for s in range(n_shards)]
+        assert all(can) if kind == "raw" else not any(can), kind
+    # the raw and lz4 stores hold the same rows in the same order
+    raw, lz4 = pool_sources["raw"][1], pool_sources["lz4"][1]
+    for f in FIELDS:
+        if sp.issparse(raw[f]):
+            assert (raw[f] != lz4[f]).nnz == 0
+        else:
+            np.testing.assert_array_equal(raw[f], lz4[f])
+
+
+def assert_same(got: Any, want: Any, field: str) -> None:
+    assert type(got) is type(want) or (sp.issparse(got) and sp.issparse(want)), field
+    assert got.shape == want.shape, field
+    assert got.dtype == want.dtype, field
+    if sp.issparse(want):
+        got, want = got.tocsr(copy=True), want.tocsr(copy=True)
+        got.sort_indices()
+        want.sort_indices()
+        np.testing.assert_array_equal(got.indptr, want.indptr, err_msg=field)
+        np.testing.assert_array_equal(got.indices, want.indices, err_msg=field)
+        np.testing.assert_array_equal(got.data, want.data, err_msg=field)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=field)
+
+
+@st.composite
+def pools(draw: st.DrawFn, n_obs: int) -> tuple[np.ndarray, np.ndarray]:
+    ranges = []
+    for _ in range(draw(st.integers(0, 5))):
+        a = draw(st.integers(0, n_obs - 1))
+        b = draw(st.integers(a, min(n_obs, a + 700)))  # may be empty, overlap, cross shards
+        ranges.append((a, b))
+    ranges_a = np.array(ranges, dtype=np.int64).reshape(-1, 2)
+    n = int((ranges_a[:, 1] - ranges_a[:, 0]).sum())
+    perm = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).permutation(n)
+    if draw(st.booleans()):  # as the dataset lays pools out: batch after batch
+        perm = pool_order(perm, draw(st.integers(1, 64)))
+    return ranges_a, perm
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+def test_pool_read_with_order(
+    pool_sources: dict[str, tuple[Any, dict[str, Any]]], kind: str
+) -> None:
+    src, full = pool_sources[kind]
+    reader = PoolReader(src, FIELDS, threads=2)
+
+    @settings(max_examples=25, deadline=None)
+    @given(pools(src.n_obs))
+    def check(case: tuple[np.ndarray, np.ndarray]) -> None:
+        ranges, order = case
+        rows = np.concatenate(
+            [np.arange(a, b) for a, b in ranges] or [np.zeros(0, dtype=np.int64)]
+        )
+        canonical = reader.read(ranges)
+        got = reader.read(ranges, order)
+        assert set(got) == set(FIELDS)
+        for f in FIELDS:
+            assert_same(got[f], canonical[f][order], f)
+            assert_same(got[f], full[f][rows[order]], f)
+
+    try:
+        check()
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+def test_pool_read_order_across_every_shard(
+    pool_sources: dict[str, tuple[Any, dict[str, Any]]], kind: str
+) -> None:
+    """A whole-source pool, reversed, and ranges cut exactly at shard boundaries."""
+    src, full = pool_sources[kind]
+    offsets = src.shard_offsets
+    ranges = np.stack([offsets[:-1], offsets[1:]], axis=1)[::-1].copy()
+    rows = np.concatenate([np.arange(a, b) for a, b in ranges])
+    order = np.arange(len(rows))[::-1].copy()
+    reader = PoolReader(src, FIELDS, threads=3)
+    try:
+        got = reader.read(ranges, order)
+    finally:
+        reader.close()
+    for f in FIELDS:
+        assert_same(got[f], full[f][rows[order]], f)
+
+
+def test_pool_read_order_validation(pool_sources: dict[str, tuple[Any, dict[str, Any]]]) -> None:
+    src, _ = pool_sources["raw"]
+    reader = PoolReader(src, ["X"])
+    try:
+        with pytest.raises(ValueError, match="order"):
+            reader.read(np.array([[0, 10]]), np.arange(9))
+        empty = reader.read(np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64))
+        assert empty["X"].shape == (0, src.n_vars)
+    finally:
+        reader.close()
+
+
+# -- sampling.pool_order ----------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 300), batch_size=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
+def test_pool_order(n: int, batch_size: int, seed: int) -> None:
+    perm = np.random.default_rng(seed).permutation(n)
+    out = pool_order(perm, batch_size)
+    assert out.shape == perm.shape
+    np.testing.assert_array_equal(np.sort(out), np.arange(n))  # a permutation of perm
+    for b in range(0, n, batch_size):
+        block = out[b : b + batch_size]
+        assert (np.diff(block) > 0).all()  # sorted
+        np.testing.assert_array_equal(block, np.sort(perm[b : b + batch_size]))
+
+
+# -- damaged stores through the pool reader ------------------------------------------------
+@pytest.fixture(scope="module")
+def pristine_tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_raw_store")
+    paths = write_synthetic_h5ads(folder / "in", 2, [70, 50], 30, seed=5)
+    out = folder / "store"
+    create_anndata_collection(paths, out, n_obs_per_shard=40, zarr_chunk_elems=64,
+                              progress=False)
+    return out
+
+
+@pytest.fixture
+def tiny_raw_store(pristine_tiny_store: Path, tmp_path: Path) -> Path:
+    """A private copy of a small raw collection (3 shards of 40 rows), free to damage."""
+    return Path(shutil.copytree(pristine_tiny_store, tmp_path / "store"))
+
+
+@pytest.mark.parametrize("bad", [30, 1000, -1])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_damaged_column_index_raises_read_error(tiny_raw_store: Path, bad: int,
+                                                ordered: bool) -> None:
+    c = open_collection(tiny_raw_store)
+    assert c.n_vars == 30
+    indices = c.element(1, "X").indices
+    assert isinstance(indices, RawZarrArray)
+    assert indices.crc
+    p = chunk_path(indices, 0)
+    values = np.frombuffer(p.read_bytes()[:-4], dtype=indices.dtype).copy()
+    values[5] = bad
+    payload = values.tobytes()
+    p.write_bytes(payload + google_crc32c.value(payload).to_bytes(4, "little"))
+    c = open_collection(tiny_raw_store)
+    n = c.n_obs
+    order = np.random.default_rng(0).permutation(n) if ordered else None
+    with pytest.raises(ReadError, match=r"field 'X'.*column index"):
+        PoolReader(c, ["X", "obs/cell_type"]).read(np.array([[0, n]]), order)
+    # rows outside the damaged chunk still read
+    ok = PoolReader(c, ["X"]).read(np.array([[0, 40]]), np.arange(40)[::-1].copy())
+    assert ok["X"].shape == (40, 30)
+
+
+def test_corrupted_chunk_raises_read_error(tiny_raw_store: Path) -> None:
+    c = open_collection(tiny_raw_store)
+    data = c.element(0, "X").data
+    assert isinstance(data, RawZarrArray)
+    p = chunk_path(data, 0)
+    body = bytearray(p.read_bytes())
+    body[0] ^= 0xFF
+    p.write_bytes(bytes(body))
+    c = open_collection(tiny_raw_store)
+    order = np.arange(c.n_obs)[::-1].copy()
+    with pytest.raises(ReadError, match=r"'X'.*checksum"):
+        PoolReader(c, ["X"]).read(np.array([[0, c.n_obs]]), order)
