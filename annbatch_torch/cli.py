@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(flag, nargs="*", default=None, metavar="NAME",
                        help=f"{what} to carry (default: those in every input; the flag "
                             "alone: none)")
-    s.add_argument("--max-memory", default="1GB", help="memory budget, e.g. 4GB (default 1GB)")
+    s.add_argument("--max-memory", default=None,
+                   help="peak RSS bound of the process, e.g. 4GB (default: 640 MB of buffers "
+                   "on top of what the process uses)")
     s.add_argument("--shard-size", type=int, default=None,
                    help="rows per shard (default: derived from --max-memory)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing collection")

@@ -8,7 +8,7 @@ Algorithm (out of core, exact global shuffle, every input read once, sequentiall
 2. Draw one permutation of all ``N`` rows from ``seed`` (identity with ``shuffle=False``):
    input row ``g`` goes to output position ``pos[g]``; shard ``s`` holds positions
    ``[s*S, (s+1)*S)``.
-3. Pass 1 streams each input in row blocks sized from ``max_memory``, remaps sparse column
+3. Pass 1 streams each input in row blocks sized from the memory budget, remaps sparse column
    indices to the collection's var order (never densifying), maps category codes to the
    global codes, and appends each row, with its position, to the temporary bucket file of
    its shard.
@@ -17,30 +17,37 @@ Algorithm (out of core, exact global shuffle, every input read once, sequentiall
    global categories, so stored codes are global codes), delete the bucket.
 5. Write ``manifest.json`` last and rename the temporary folder into place.
 
-Memory: peak RSS stays under ``max_memory`` plus a fixed overhead: the interpreter and
-libraries (~300 MB with torch), zarr's thread pool, the permutation (4 bytes per cell, 8
-above 2**32 cells), the gene maps and, for CSC inputs only, the whole input matrix (CSC
-cannot be read by rows; it is refused above ``max_memory / 3``). Pass 1 blocks use about
-half of ``max_memory``; a pass-2 shard (its bucket, one field's sorted copy and its
-obs_names) about 80%. Freed memory is handed back to the OS after every block and shard
-(glibc ``malloc_trim``), and h5py files are opened without chunk cache.
+Memory: ``max_memory`` bounds the peak RSS of the whole process. Once the inputs are
+opened and the schema resolved, the writer measures the RSS already in use (interpreter and
+libraries, ~300 MB with torch; open inputs; anything the caller holds, in-memory AnnData
+inputs included) and sizes its buffers from ``max_memory`` minus that, the permutation (4
+bytes per cell, 8 above 2**32 cells) and a 48 MB reserve (zarr's thread pool, allocator
+slack): pass-1 blocks take about half of this working memory, a CSC file input (it cannot
+be read by rows, so it is loaded whole) at most a quarter, a pass-2 shard (its bucket, one
+field's sorted copy and its obs_names) about 80% (see :mod:`._writer_budget`). Under 64 MB
+of working memory is an :class:`InputError` naming the measured baseline and the
+``max_memory`` to pass. Freed memory is handed back to the OS after every block and shard
+(glibc ``malloc_trim``), and h5py files are opened without chunk cache. Not bounded: an
+explicit ``n_obs_per_shard`` (a pass-2 shard holds about twice its uncompressed size) and
+the CSR copy of an in-memory CSC AnnData. Off Linux the RSS is read with ``psutil``;
+without it the baseline counts as zero.
 
 Disk: the temporary buckets take about the uncompressed size of the data (X, layers,
 obsm, obs) next to the output; each bucket is deleted once its shard is written. An
 interrupted write leaves ``<output>.tmp-<host>-<pid>-<hex>`` behind; the next write to the
 same output removes it once that process is gone.
 
-Defaults: ``max_memory="1GB"``; ``n_obs_per_shard`` derived from it and the measured bytes
-per row, capped at 2**20 and rounded down to a multiple of 1024; zarr format 3 (anndata
-0.12 reads and writes it); data/indices chunks of 2**16 elements (256 KiB of float32:
-small enough that a random 512-row read fetches little it does not use, large enough to
-keep file counts and per-chunk overhead low), obsm chunks of ``2**16 // width`` rows, obs
-columns 2**16 rows; codec ``"raw"``: uncompressed chunks with a CRC-32C each, which
+Defaults: ``max_memory=None`` (640 MB of buffers on top of the process' RSS);
+``n_obs_per_shard`` derived from the working memory and the measured bytes per row, capped
+at 2**20 and rounded down to a multiple of 1024; zarr format 3 (anndata 0.12 reads and
+writes it); data/indices chunks of 2**16 elements (256 KiB of float32: small enough that a
+random 512-row read fetches little it does not use, large enough to keep file counts and
+per-chunk overhead low), obsm chunks of ``2**16 // width`` rows, obs columns 2**16 rows;
+codec ``"raw"``: uncompressed chunks with a CRC-32C each, which
 :mod:`annbatch_torch.rawzarr` reads straight into the pool buffers (2-3x the throughput of
-zarr-python decoding Blosc lz4 here) while still detecting corrupted chunks. ``"lz4"``
-is ~3.5x smaller on count data (``"zstd"`` ~5x) at the cost of slower reads. Every chunk
-is written, including all-zero
-ones (the manifest says so, readers check it). All overridable.
+zarr-python decoding Blosc lz4 here) while still detecting corrupted chunks. ``"lz4"`` is
+~3.5x smaller on count data (``"zstd"`` ~5x) at the cost of slower reads. Every chunk is
+written, including all-zero ones (the manifest says so, readers check it). All overridable.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _writer_budget as _budget
 from ._schema import Schema, resolve_schema
 from ._shardio import (
     BucketWriter,
@@ -69,6 +77,7 @@ from ._shardio import (
     route_block,
     write_shard,
 )
+from ._writer_budget import parse_memory
 from .collection import Collection, open_collection
 from .errors import InputError
 from .inputs import InputSource
@@ -79,75 +88,11 @@ __all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MEMORY = "1GB"
+DEFAULT_MAX_MEMORY = None  # 640 MB of buffers on top of what the process uses
 DEFAULT_CHUNK_ELEMS = 1 << 16
-MAX_SHARD_OBS = 1 << 20
 VAR_JOINS = ("inner", "outer")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_memory(value: int | float | str) -> int:
-    """Bytes from an int or a string like ``"512MB"``, ``"2GiB"`` or ``"1.5G"``.
-
-    ``K/M/G/T`` (with or without ``B``) are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024.
-    """
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(value).lower())
-    if not m or float(m.group(1)) <= 0:
-        raise InputError(
-            f"max_memory={value!r} cannot be parsed; pass bytes (an int) or a string such as "
-            "'512MB' or '2GiB'."
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
 def _as_list(v: Any) -> list[Any] | None:
     return None if v is None else [v] if isinstance(v, str) else list(v)
-
-
-# -- sizing ----------------------------------------------------------------------------
-def _avg_name_len(src: InputSource) -> float:
-    n = min(src.n_obs, 1000)
-    return float(np.mean([len(str(x).encode()) for x in src.names(0, n)])) if n else 16.0
-
-
-def _nnz_per_row(src: InputSource, key: str) -> float:
-    p = src.matrices[key]
-    if p.nnz is not None:
-        return p.nnz / max(src.n_obs, 1)
-    n = min(src.n_obs, 1000)  # dense matrix: sample the first rows
-    return float(np.count_nonzero(src.matrix_reader(key, 0).read(0, n))) / max(n, 1)
-
-
-def _bucket_row_bytes(src: InputSource, schema: Schema) -> float:
-    """Bytes one row of ``src`` takes in a bucket (and in memory in pass 2)."""
-    b = 12 + _avg_name_len(src)
-    for f in schema.fields:
-        if f.kind == "csr":
-            b += 4 + _nnz_per_row(src, f.key) * (4 + f.dtype.itemsize)
-        elif f.kind == "dense":
-            b += int(f.width) * f.dtype.itemsize
-        else:
-            b += max(4, f.dtype.itemsize)
-    return b
-
-
-def _shard_size(sources: list[InputSource], schema: Schema, max_memory: int,
-                shuffle: bool) -> int:
-    per_src = [_bucket_row_bytes(s, schema) for s in sources]
-    n = np.array([s.n_obs for s in sources], dtype=np.float64)
-    row = (float(np.dot(per_src, n) / n.sum()) * 1.1) if shuffle else max(per_src) * 1.5
-    # pass 2 holds the bucket, one sorted field copy and python str obs_names (~120 B each)
-    per_row = 2 * row + 120
-    size = int(0.8 * max_memory / per_row)
-    if size < 256:
-        logger.warning("max_memory=%d bytes holds only %d rows per shard (%.0f bytes/row); "
-                       "using 256. Raise max_memory.", max_memory, size, per_row)
-        size = 256
-    size = min(size, MAX_SHARD_OBS)
-    return size - size % 1024 if size >= 2048 else size
 
 
 # -- the public entry point --------------------------------------------------------------
@@ -257,7 +202,7 @@ def create_anndata_collection(
     layers: Sequence[str] | None = None,
     obsm: Sequence[str] | None = None,
     n_obs_per_shard: int | None = None,
-    max_memory: int | str = DEFAULT_MAX_MEMORY,
+    max_memory: int | str | None = DEFAULT_MAX_MEMORY,
     overwrite: bool = False,
     progress: bool = True,
     zarr_format: int = 3,
@@ -291,12 +236,19 @@ def create_anndata_collection(
         Layers / obsm entries to carry; ``None``: those present (and readable) in all
         inputs. An explicit name missing from an input is an :class:`InputError`.
     n_obs_per_shard
-        Rows per shard; default: derived from ``max_memory`` and the measured bytes per
-        row, at most 2**20.
+        Rows per shard; default: derived from the memory ``max_memory`` leaves and the
+        measured bytes per row, at most 2**20 (so it depends on the process' RSS too; pass
+        it for the same layout everywhere). An explicit value is not bounded by
+        ``max_memory``: a pass-2 shard holds about twice its uncompressed size.
     max_memory
-        Memory budget in bytes or as a string (``"1GB"``, ``"512MiB"``). Peak RSS stays
-        under it plus a fixed overhead (see the module docs; 4 bytes per cell for the
-        permutation).
+        Memory budget in bytes or as a string (``"1GB"``, ``"512MiB"``): the peak RSS of
+        the whole process, the memory already in use when the writer starts included
+        (~300 MB for the interpreter and libraries, plus what the caller holds). The
+        writer's buffers get what is left after that, the permutation (4 bytes per cell)
+        and a 48 MB reserve; under 64 MB left raises :class:`InputError` (see the module
+        docs). Default ``None``: 640 MB of buffers on top of what the process already
+        uses (~1 GB peak from a fresh interpreter; never refused, also inside a big
+        training process).
     overwrite
         Replace an existing collection at ``output_path`` (atomically: the old one is
         deleted only once the new one is complete). Without it an existing output is an
@@ -324,12 +276,13 @@ def create_anndata_collection(
     InputError
         A missing or non-AnnData input, duplicate var_names in an input, an inner join with
         no genes, an obs column of different kinds across inputs, an unknown ``var_join``,
-        an existing output without ``overwrite``. Nothing is written then.
+        an existing output without ``overwrite``, a ``max_memory`` that leaves under 64 MB
+        once the process' RSS is subtracted. Nothing is written then.
     """
     if var_join not in VAR_JOINS:
         raise InputError(f"var_join={var_join!r} is unknown; use 'inner' (genes in every "
                          "input) or 'outer' (all genes, absent ones are zeros).")
-    budget = parse_memory(max_memory)
+    budget = None if max_memory is None else parse_memory(max_memory)
     if n_obs_per_shard is not None and (int(n_obs_per_shard) != n_obs_per_shard
                                         or n_obs_per_shard < 1):
         raise InputError(f"n_obs_per_shard={n_obs_per_shard!r} must be a positive integer.")
@@ -356,7 +309,8 @@ def create_anndata_collection(
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
                                 _as_list(obsm))
         n_total = sum(s.n_obs for s in sources)
-        shard_obs = int(n_obs_per_shard or _shard_size(sources, schema, budget, shuffle))
+        work = _budget.working_memory(budget, n_total if shuffle else 0)
+        shard_obs = int(n_obs_per_shard or _budget.shard_size(sources, schema, work, shuffle))
         n_shards = -(-n_total // shard_obs)
         logger.info("Writing %d cells x %d genes (%s join) from %d inputs into %d shards of "
                     "%d rows at %s.", n_total, len(schema.var_names), var_join, len(sources),
@@ -365,7 +319,7 @@ def create_anndata_collection(
         tmp = _sibling(out, "tmp")
         tmp.mkdir()
         shards, dtypes = _run_passes(sources, schema, tmp, n_total, shard_obs, shuffle, seed,
-                                     budget, opts, progress, value_check)
+                                     work, opts, progress, value_check)
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, shard_obs, budget, opts, compressor)
         _swap_into_place(tmp, out, overwrite)
@@ -379,7 +333,7 @@ def create_anndata_collection(
 
 
 def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
-                shard_obs: int, shuffle: bool, seed: int, budget: int, opts: dict[str, Any],
+                shard_obs: int, shuffle: bool, seed: int, work: int, opts: dict[str, Any],
                 progress: bool, value_check: Any) -> tuple[list[ShardInfo], dict[str, str]]:
     import zarr
 
@@ -390,7 +344,7 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
         dest = None
     segments = bucket_segments(schema.fields)
     buckets = BucketWriter(tmp / ".buckets", segments)
-    csc_limit = budget // 3
+    csc_limit = work // 4  # converting to CSR holds it twice; pass 1 then holds it once
     offset = 0
     try:
         with _progress(n_total, "shuffle 1/2: bucket", progress) as bar:
@@ -399,7 +353,7 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
                            for f in schema.fields if f.kind in ("csr", "dense")}
                 obs = {f.key: src.obs_reader(f.key[4:])
                        for f in schema.fields if f.key.startswith("obs/")}
-                for a, b, ips in iter_blocks(src, readers, budget // 2, schema):
+                for a, b, ips in iter_blocks(src, readers, work // 2, schema):
                     d = (np.arange(offset + a, offset + b, dtype=np.int64) if dest is None
                          else dest[offset + a: offset + b].astype(np.int64))
                     route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, buckets,

@@ -60,8 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-batches", type=int, default=12,
                    help="at most this many timed batches for AnnLoader (~1 s per batch)")
     p.add_argument("--memory-epochs", type=int, default=5)
-    p.add_argument("--max-memory", default=None,
-                   help="writer max_memory (default: the writer's own default)")
+    p.add_argument("--max-memory", default="1GB",
+                   help="writer max_memory: peak RSS bound of the writer process (default 1GB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scd-block-size", type=int, default=4,
                    help="scDataset BlockShuffling block_size (as in the arrayloader benchmarks)")

@@ -22,7 +22,7 @@ def test_shuffle_and_info(synthetic_h5ads: list[Path], tmp_path: Path,
     out = tmp_path / "store"
     rc = main(["shuffle", *map(str, synthetic_h5ads), "-o", str(out), "--seed", "7",
                "--obs", "cell_type", "batch", "--layers", "--obsm", "--shard-size", "1000",
-               "--no-progress", "--max-memory", "256MB"])
+               "--no-progress", "--max-memory", "4GB"])
     assert rc == 0
     assert f"wrote {out}: 2,700 cells x 200 genes in 3 shards" in capsys.readouterr().out
     coll = open_collection(out)

@@ -109,7 +109,7 @@ _WRITER_SCRIPT = textwrap.dedent(
             note()
         _shardio.BucketWriter.append = append
     abt.create_anndata_collection(inputs, out, seed=int(seed), n_obs_per_shard=300,
-                                  overwrite=True, progress=False, max_memory="64MB")
+                                  overwrite=True, progress=False)
     print("FINISHED")
     """
 )

@@ -19,6 +19,7 @@ import pytest
 import scipy.sparse as sp
 import zarr
 
+from annbatch_torch import _writer_budget
 from annbatch_torch.collection import open_collection
 from annbatch_torch.datasets import synthetic, write_synthetic_h5ads
 from annbatch_torch.errors import InputError
@@ -246,14 +247,16 @@ def test_obs_kinds_nullable_and_bool(tmp_path: Path) -> None:
     assert score[100 + 7] == 7
 
 
-def test_zarr_v2_uncompressed_and_small_memory(synthetic_h5ads: list[Path], tmp_path: Path
-                                               ) -> None:
+def test_zarr_v2_uncompressed_and_small_memory(synthetic_h5ads: list[Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     coll = create_anndata_collection(synthetic_h5ads, tmp_path / "v2", zarr_format=2,
                                      compressor="none", progress=False)
     assert zarr.open_group(str(coll.shard_path(0)), mode="r").metadata.zarr_format == 2
     assert len(coll.shards) == 1  # default shard size from 1GB holds all 2,700 cells
-    small = create_anndata_collection(synthetic_h5ads, tmp_path / "small", max_memory="1MB",
-                                      progress=False)
+    # 1 MB of working memory (what max_memory leaves once the process' RSS is subtracted):
+    # small pass-1 blocks and many shards
+    monkeypatch.setattr(_writer_budget, "working_memory", lambda max_memory, n_cells: 10**6)
+    small = create_anndata_collection(synthetic_h5ads, tmp_path / "small", progress=False)
     per_shard = small.manifest.extra["writer"]["n_obs_per_shard"]
     assert len(small.shards) > 1
     assert max(small.shard_sizes) == per_shard < 1_000_000 // 400
@@ -261,6 +264,63 @@ def test_zarr_v2_uncompressed_and_small_memory(synthetic_h5ads: list[Path], tmp_
     got = load_all(small.path)
     assert set(ref.obs_names) == set(got.obs_names)
     np.testing.assert_array_equal(dense(ref.X), dense(got[ref.obs_names].X))
+
+
+def test_max_memory_below_the_baseline_is_refused(synthetic_h5ads: list[Path],
+                                                  tmp_path: Path) -> None:
+    """This process already uses more than 64 MB (numpy, torch, zarr): nothing is left."""
+    out = tmp_path / "store"
+    with pytest.raises(InputError, match=r"max_memory=64 MB is too small") as info:
+        create_anndata_collection(synthetic_h5ads, out, max_memory="64MB", progress=False)
+    msg = str(info.value)
+    rss = _writer_budget.current_rss()
+    assert rss is not None
+    assert rss > 64 * 10**6
+    assert "already uses" in msg
+    assert "Raise max_memory to at least max_memory='" in msg
+    need = int(msg.split("max_memory='")[1].split("MB'")[0]) * 10**6
+    assert need > rss + _writer_budget.MIN_WORK_MEMORY
+    assert not out.exists()
+    no_temp_left(tmp_path)
+
+
+def test_budget_subtracts_the_baseline_rss(synthetic_h5ads: list[Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Buffers are sized from max_memory minus the measured RSS, permutation and reserve."""
+    n = sum(ad.read_h5ad(p, backed="r").n_obs for p in synthetic_h5ads)
+    seen: list[int] = []
+    real = _writer_budget.shard_size
+
+    def spy(sources: object, schema: object, work: int, shuffle: bool) -> int:
+        seen.append(work)
+        return real(sources, schema, work, shuffle)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_writer_budget, "shard_size", spy)
+    per_shard = []
+    for i, rss in enumerate((0, 80 * 10**6)):
+        monkeypatch.setattr(_writer_budget, "current_rss", lambda rss=rss: rss)
+        coll = create_anndata_collection(synthetic_h5ads, tmp_path / f"s{i}",
+                                         max_memory="200MB", progress=False)
+        assert seen[-1] == 200 * 10**6 - rss - 4 * n - _writer_budget.RESERVE
+        per_shard.append(coll.manifest.extra["writer"]["n_obs_per_shard"])
+    assert per_shard[1] < 0.55 * per_shard[0]
+    # a baseline above the budget leaves nothing: refused, naming the measured RSS
+    monkeypatch.setattr(_writer_budget, "current_rss", lambda: 190 * 10**6)
+    with pytest.raises(InputError, match=r"already uses 190 MB.*max_memory='303MB'"):
+        create_anndata_collection(synthetic_h5ads, tmp_path / "s2", max_memory="200MB",
+                                  progress=False)
+    # no way to measure RSS (no /proc, no psutil): the baseline counts as zero, with a warning
+    monkeypatch.setattr(_writer_budget, "current_rss", lambda: None)
+    caplog.set_level(logging.WARNING, logger="annbatch_torch")
+    create_anndata_collection(synthetic_h5ads, tmp_path / "s3", max_memory="200MB",
+                              progress=False)
+    assert seen[-1] == 200 * 10**6 - 4 * n - _writer_budget.RESERVE
+    assert "Cannot measure this process' memory" in caplog.text
+    # the default (max_memory=None) never refuses, whatever the process already uses
+    monkeypatch.setattr(_writer_budget, "current_rss", lambda: 50 * 10**9)
+    create_anndata_collection(synthetic_h5ads, tmp_path / "s4", progress=False)
+    assert seen[-1] == _writer_budget.DEFAULT_WORK_MEMORY
 
 
 def test_progress_bar_and_no_print(synthetic_h5ads: list[Path], tmp_path: Path,
@@ -455,8 +515,19 @@ def test_stale_temporaries_of_dead_writers_are_removed(
 
 # -- bounded memory ------------------------------------------------------------------------
 _CHILD = textwrap.dedent("""
-    import gc, json, os, sys, tempfile
+    import json, logging, sys
     from annbatch_torch.writer import create_anndata_collection
+
+    work = []  # the writer's working memory, from its log record (MB)
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            if "for the writer's buffers" in record.msg:
+                work.append(record.args[-1] * 1e6)
+
+    log = logging.getLogger("annbatch_torch")
+    log.setLevel(logging.INFO)
+    log.addHandler(Grab())
 
     def status(key):  # VmHWM: peak RSS of this process image (see the test's docstring)
         with open("/proc/self/status") as f:
@@ -465,20 +536,18 @@ _CHILD = textwrap.dedent("""
                     return int(line.split()[1]) * 1024
         return None
 
-    paths, out, mem = json.loads(sys.argv[1])
-    # warm-up on the first input alone (half the data): lazy imports, zarr's thread pool
-    # and their malloc arenas are the fixed overhead, not what max_memory bounds
-    with tempfile.TemporaryDirectory() as td:
-        create_anndata_collection(paths[:1], os.path.join(td, "c"), max_memory=mem,
-                                  progress=False)
-    gc.collect()
+    paths, out, extra = json.loads(sys.argv[1])
+    # the budget: what this process uses now (interpreter, numpy, torch, ...) plus `extra`;
+    # the writer must fit its imports, thread pool and buffers in there
     base = status("VmRSS")
+    mem = base + extra
     import resource
     ru_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     coll = create_anndata_collection(paths, out, max_memory=mem, progress=False)
     ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"base": base, "hwm": status("VmHWM"), "ru_before": ru_before,
-                      "ru_after": ru_after, "n_obs": coll.n_obs, "shards": len(coll.shards)}))
+    print(json.dumps({"base": base, "mem": mem, "work": work[0], "hwm": status("VmHWM"),
+                      "ru_before": ru_before, "ru_after": ru_after, "n_obs": coll.n_obs,
+                      "shards": len(coll.shards)}))
 """)
 
 
@@ -490,30 +559,31 @@ _LAUNCH = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_peak_memory_bounded(tmp_path: Path) -> None:
-    """Inputs 4x larger than max_memory: peak RSS grows by less than max_memory.
+    """Inputs larger than the working memory: the process' peak RSS stays under max_memory.
 
-    The writer runs in a fresh process, warmed up by a run on half the data (the fixed
-    overhead: imports, zarr's thread pool); the full run may then raise the peak RSS
-    (``getrusage().ru_maxrss``, cross-checked with ``VmHWM``) by at most max_memory plus
-    the permutation (4 bytes per cell).
+    The writer runs in a fresh process with ``max_memory`` set 160 MB above the RSS it has
+    after importing annbatch_torch (torch included); the writer's own imports, zarr's thread
+    pool, the open inputs and its buffers must fit in those 160 MB (about 80 MB of working
+    memory once its imports and the 48 MB reserve are counted). The peak of the whole
+    process (``getrusage().ru_maxrss``, cross-checked with ``VmHWM``) must stay under it.
     """
-    mem = 32_000_000
+    extra = 160_000_000
     n_obs = 44_000
     paths = write_synthetic_h5ads(tmp_path / "in", 2, n_obs // 2, 2000, layers=("counts",),
                                   seed=2)
     size = sum(p.stat().st_size for p in paths)
-    assert size > 4 * mem
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = json.dumps([[str(p) for p in paths], str(tmp_path / "out"), mem])
+    args = json.dumps([[str(p) for p in paths], str(tmp_path / "out"), extra])
     r = subprocess.run([sys.executable, "-c", _LAUNCH, sys.executable, "-c", _CHILD, args],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     print(res)
     assert res["n_obs"] == n_obs
-    assert res["shards"] > 4
-    bound = mem + 4 * n_obs
+    assert res["shards"] > 2
+    assert 64e6 <= res["work"] < size / 1.5  # the inputs do not fit in the working memory
     assert res["ru_before"] < res["base"] + 50e6  # not inherited from pytest's process
     for peak in ("ru_after", "hwm"):
-        grew = res[peak] - res["base"]
-        assert grew < bound, f"{peak}: RSS grew {grew / 1e6:.0f} MB, max_memory {mem / 1e6:.0f} MB"
+        assert res[peak] <= res["mem"], (
+            f"{peak}: peak RSS {res[peak] / 1e6:.0f} MB above max_memory {res['mem'] / 1e6:.0f} "
+            f"MB (baseline {res['base'] / 1e6:.0f} MB)")

@@ -1,0 +1,162 @@
+"""The writer's memory budget: parse ``max_memory``, measure what the process already uses,
+and size the pass-1 blocks, the pass-2 shards and the CSC limit from what is left.
+
+``max_memory`` bounds the peak RSS of the whole process. The writer's buffers get
+``max_memory`` minus the RSS measured once the inputs are opened and the schema resolved
+(interpreter, torch, zarr, anndata, open files, anything the caller holds), minus the
+permutation and a fixed reserve for zarr's thread pool and allocator slack. Pass-1 blocks
+use half of that working memory, a CSC input held whole at most a quarter, a pass-2 shard
+about 80%.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import numpy as np
+
+from ._schema import Schema
+from .errors import InputError
+from .inputs import InputSource
+
+__all__ = ["parse_memory", "current_rss", "working_memory", "shard_size", "MIN_WORK_MEMORY",
+           "RESERVE", "DEFAULT_WORK_MEMORY"]
+
+logger = logging.getLogger("annbatch_torch.writer")
+
+MAX_SHARD_OBS = 1 << 20
+MIN_WORK_MEMORY = 64 * 10**6  # below this the writer refuses to start
+RESERVE = 48 * 10**6  # zarr's thread pool, its malloc arenas, allocator slack
+#: working memory when max_memory is None: a fresh interpreter with torch (~300 MB) then
+#: peaks at ~1 GB
+DEFAULT_WORK_MEMORY = 640 * 10**6
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int or a string like ``"512MB"``, ``"2GiB"`` or ``"1.5G"``.
+
+    ``K/M/G/T`` (with or without ``B``) are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    if not m or float(m.group(1)) <= 0:
+        raise InputError(
+            f"max_memory={value!r} cannot be parsed; pass bytes (an int) or a string such as "
+            "'512MB' or '2GiB'."
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def current_rss() -> int | None:
+    """Resident set size of this process in bytes; ``None`` where it cannot be measured.
+
+    Linux: ``/proc/self/statm``; elsewhere ``psutil`` when installed.
+    """
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # not installed, or no access on this platform
+        return None
+
+
+def _preload() -> None:
+    """Import what the passes use, so the baseline counts it (not the working memory)."""
+    import anndata.io  # noqa: F401
+    import tqdm.auto  # noqa: F401
+    import zarr
+    import zarr.codecs  # noqa: F401
+
+
+def working_memory(max_memory: int | None, n_cells: int) -> int:
+    """Bytes the writer's buffers may use (its working memory).
+
+    ``max_memory`` minus the RSS in use now, the permutation of ``n_cells`` and
+    :data:`RESERVE`. Raises :class:`InputError` when under :data:`MIN_WORK_MEMORY` is left.
+    ``None`` (the writer's default): :data:`DEFAULT_WORK_MEMORY`, on top of whatever the
+    process already uses (never refused).
+    """
+    from ._shardio import release_memory
+
+    _preload()
+    release_memory()
+    rss = current_rss()
+    if rss is None:
+        logger.warning("Cannot measure this process' memory (no /proc, no psutil): "
+                       "max_memory then bounds the writer's buffers, not the process.")
+        rss = 0
+    perm = n_cells * (4 if n_cells < 2**32 else 8)
+    if max_memory is None:
+        logger.info("max_memory=None: %.0f MB for the writer's buffers on top of the %.0f MB "
+                    "this process uses.", DEFAULT_WORK_MEMORY / 1e6, rss / 1e6)
+        return DEFAULT_WORK_MEMORY
+    work = max_memory - rss - perm - RESERVE
+    if work < MIN_WORK_MEMORY:
+        need = -(-(rss + perm + RESERVE + MIN_WORK_MEMORY) // 10**6)
+        raise InputError(
+            f"max_memory={max_memory / 1e6:.0f} MB is too small: this process already uses "
+            f"{rss / 1e6:.0f} MB (measured RSS: interpreter, libraries, open inputs, data in "
+            f"memory), the permutation of {n_cells} cells takes {perm / 1e6:.0f} MB and "
+            f"{RESERVE / 1e6:.0f} MB are reserved for zarr's threads, leaving "
+            f"{max(work, 0) / 1e6:.0f} MB for the writer's buffers (at least "
+            f"{MIN_WORK_MEMORY / 1e6:.0f} MB needed). Raise max_memory to at least "
+            f"max_memory='{need}MB' (peak RSS of the whole process stays under it)."
+        )
+    logger.info("max_memory %.0f MB: baseline RSS %.0f MB, permutation %.0f MB, reserve "
+                "%.0f MB, %.0f MB for the writer's buffers.", max_memory / 1e6, rss / 1e6,
+                perm / 1e6, RESERVE / 1e6, work / 1e6)
+    return work
+
+
+# -- shard size ------------------------------------------------------------------------
+def _avg_name_len(src: InputSource) -> float:
+    n = min(src.n_obs, 1000)
+    return float(np.mean([len(str(x).encode()) for x in src.names(0, n)])) if n else 16.0
+
+
+def _nnz_per_row(src: InputSource, key: str) -> float:
+    p = src.matrices[key]
+    if p.nnz is not None:
+        return p.nnz / max(src.n_obs, 1)
+    n = min(src.n_obs, 1000)  # dense matrix: sample the first rows
+    return float(np.count_nonzero(src.matrix_reader(key, 0).read(0, n))) / max(n, 1)
+
+
+def _bucket_row_bytes(src: InputSource, schema: Schema) -> float:
+    """Bytes one row of ``src`` takes in a bucket (and in memory in pass 2)."""
+    b = 12 + _avg_name_len(src)
+    for f in schema.fields:
+        if f.kind == "csr":
+            b += 4 + _nnz_per_row(src, f.key) * (4 + f.dtype.itemsize)
+        elif f.kind == "dense":
+            b += int(f.width) * f.dtype.itemsize
+        else:
+            b += max(4, f.dtype.itemsize)
+    return b
+
+
+def shard_size(sources: list[InputSource], schema: Schema, work: int, shuffle: bool) -> int:
+    """Rows per shard such that pass 2 holds a shard in about 80% of ``work`` bytes."""
+    per_src = [_bucket_row_bytes(s, schema) for s in sources]
+    n = np.array([s.n_obs for s in sources], dtype=np.float64)
+    row = (float(np.dot(per_src, n) / n.sum()) * 1.1) if shuffle else max(per_src) * 1.5
+    # pass 2 holds the bucket, one sorted field copy and python str obs_names (~120 B each)
+    per_row = 2 * row + 120
+    size = int(0.8 * work / per_row)
+    if size < 256:
+        logger.warning("%d bytes of working memory hold only %d rows per shard (%.0f "
+                       "bytes/row); using 256. Raise max_memory.", work, size, per_row)
+        size = 256
+    size = min(size, MAX_SHARD_OBS)
+    return size - size % 1024 if size >= 2048 else size
+
