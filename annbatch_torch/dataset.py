@@ -25,7 +25,7 @@ from .collection import Source
 from .convert import batch_dict_converter, densify_csr
 from .errors import BatchError, SchemaError
 from .fields import Field, normalize_selector
-from .reader import PoolReader, describe_ranges
+from .reader import PoolReader, csr_view, describe_ranges
 from .sources import as_source
 
 __all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
@@ -58,10 +58,8 @@ def _row_slice(value: Any, lo: int, hi: int) -> Any:
         return value[lo:hi]
     start, stop = int(value.indptr[lo]), int(value.indptr[hi])
     indptr = value.indptr[lo : hi + 1] - value.indptr[lo]
-    return sp.csr_matrix(
-        (value.data[start:stop], value.indices[start:stop], indptr),
-        shape=(hi - lo, value.shape[1]), copy=False,
-    )
+    return csr_view(value.data[start:stop], value.indices[start:stop], indptr,
+                    (hi - lo, value.shape[1]))
 
 
 class AnnBatchDataset(IterableDataset):

@@ -29,7 +29,7 @@ from .collection import Source
 from .elements import CSCElement, CSRElement
 from .errors import AnnBatchError, ReadError
 
-__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache"]
+__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache", "csr_view"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,21 @@ def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
     return text + (f"; and {len(pieces) - limit} more ranges" if len(pieces) > limit else "")
 
 
+def csr_view(
+    data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, shape: tuple[int, int]
+) -> sp.csr_matrix:
+    """A ``csr_matrix`` over the given arrays, never copying them.
+
+    ``sp.csr_matrix((data, indices, indptr), copy=False)`` copies ``data`` and ``indices``
+    when they are views of an array more than twice their size (scipy's ``prune``), which
+    is exactly what pool buffers and batch slices are. The arrays must form a valid CSR
+    matrix (the reader builds them so).
+    """
+    m = sp.csr_matrix(shape, dtype=data.dtype)  # empty: O(rows) to build, nothing checked
+    m.indptr, m.indices, m.data = indptr, indices, data
+    return m
+
+
 class BufferCache:
     """Reusable pool buffers, never handed out while anything still uses them.
 
@@ -96,6 +111,7 @@ class BufferCache:
 
     def __init__(self, keep: int = 6) -> None:
         self.keep = keep
+        self.allocations = 0  # buffers allocated (not reused) so far
         self._owners: list[np.ndarray] = []
         self._lock = threading.Lock()
 
@@ -119,6 +135,7 @@ class BufferCache:
             if fits:
                 return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
             owner = np.empty(nbytes + nbytes // 8 + 64, dtype=np.uint8)  # room to grow
+            self.allocations += 1
             if len(self._owners) >= self.keep and free:
                 self._owners = [o for o in self._owners if o is not free[0]]
             if len(self._owners) < self.keep:
@@ -329,7 +346,7 @@ class PoolReader:
             )
         if indptr[-1] < np.iinfo(np.int32).max:
             indptr = indptr.astype(np.int32)  # scipy would otherwise copy indices to int64
-        return sp.csr_matrix((data, indices, indptr), shape=(n_rows, n_cols), copy=False)
+        return csr_view(data, indices, indptr, (n_rows, n_cols))
 
     def _ranges_of(self, pieces: list[Piece]) -> np.ndarray:
         offsets = self.source.shard_offsets

@@ -109,3 +109,54 @@ def test_device_pool_path_equals_host_path(small_collection: Collection, densify
 def test_cuda_device_without_cuda_says_why(small_collection: Collection) -> None:
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         abt.AnnBatchDataset(small_collection, device="cuda")
+
+
+def test_batches_are_views_and_kept_batches_stay_intact(small_collection: Collection) -> None:
+    """In-process sparse batches share the pool's buffers (no copy); the buffers are reused
+    once batches are dropped, and never while a batch is still held."""
+    from annbatch_torch.reader import PoolReader
+
+    kw = dict(batch_size=128, chunk_size=64, preload_nchunks=4, return_index=True, seed=1)
+    ref = {int(i): r for b in abt.AnnBatchDataset(small_collection, densify=True, **kw)
+           for i, r in zip(b["index"].numpy(), b["X"].numpy())}
+    ds = abt.AnnBatchDataset(small_collection, **kw)
+    held = list(ds)  # every batch kept alive: no buffer may be reused under them
+    for b in held:
+        for i, row in zip(b["index"].numpy(), b["X"].to_dense().numpy()):
+            np.testing.assert_array_equal(row, ref[int(i)])
+    # dropped batches: buffers come back (bounded), values still right
+    ds2 = abt.AnnBatchDataset(small_collection, **kw)
+    seen_ptrs: set[int] = set()
+    it = iter(ds2)
+    for b in it:
+        reader = ds2._reader
+        assert isinstance(reader, PoolReader)
+        x = b["X"]
+        # the batch's values are a view of one of the reader's buffers
+        owners = reader.buffers._owners
+        ptr = x.values().data_ptr()
+        assert any(o.ctypes.data <= ptr < o.ctypes.data + o.nbytes for o in owners)
+        seen_ptrs.update(o.ctypes.data for o in owners)
+        for i, row in zip(b["index"].numpy(), x.to_dense().numpy()):
+            np.testing.assert_array_equal(row, ref[int(i)])
+        del b, x
+    n_pools = len(ds2.plan(0))
+    assert n_pools >= 8
+    # reused: two pools' buffers at a time (the one read ahead), not two fresh per pool
+    assert reader.buffers.allocations <= 4 < 2 * n_pools
+    assert len(seen_ptrs) <= reader.buffers.keep
+
+
+def test_csr_view_never_copies() -> None:
+    import scipy.sparse as sp
+
+    from annbatch_torch.reader import csr_view
+
+    big = np.arange(1000, dtype=np.float32)
+    idx = np.tile(np.arange(10, dtype=np.int32), 100)
+    m = csr_view(big[:30], idx[:30], np.array([0, 10, 30], dtype=np.int32), (2, 20))
+    assert np.shares_memory(m.data, big)
+    assert np.shares_memory(m.indices, idx)
+    assert m.nnz == 30
+    ref = sp.csr_matrix((big[:30].copy(), idx[:30].copy(), [0, 10, 30]), shape=(2, 20))
+    np.testing.assert_array_equal(m.toarray(), ref.toarray())
