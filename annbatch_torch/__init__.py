@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._zarrs import set_codec_pipeline
 from .collection import Collection, Source, open_collection
 from .convert import batch_dict_converter, to_device
 from .dataset import AnnBatchDataset
@@ -53,6 +54,7 @@ __all__ = [
     "create_anndata_collection",
     "datasets",
     "open_collection",
+    "set_codec_pipeline",
     "to_device",
 ]
 

@@ -297,11 +297,13 @@ class Collection(Source):
                 )
 
     def _open_shard(self, shard: int) -> Any:
+        from ._zarrs import read_group
         from .rawzarr import open_fast_group
 
         p = self.shard_path(shard)
         try:
-            return open_fast_group(p)  # raw chunks are read directly, others through zarr
+            # raw chunks are read directly, others through zarr (zarrs' pipeline if installed)
+            return read_group(open_fast_group(p))
         except Exception as e:
             raise CollectionError(
                 f"{p}: cannot open shard {shard} ({type(e).__name__}: {e}); the collection is "

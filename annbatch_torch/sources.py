@@ -46,10 +46,13 @@ def _open_anndata_group(path: Path) -> Any:
     if path.is_dir():
         import zarr
 
+        from ._zarrs import read_group
+
         try:
-            return zarr.open_group(str(path), mode="r")
+            group = zarr.open_group(str(path), mode="r")
         except Exception as e:
             raise InputError(f"{path}: not an AnnData zarr store ({e}).") from e
+        return read_group(group)  # arrays decode through zarrs' pipeline if installed
     import h5py
 
     try:
