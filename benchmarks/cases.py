@@ -546,15 +546,21 @@ def _variant_store(cfg: Config, name: str, **writer_kw: Any) -> str:
 
 
 def _zarrs_pipeline(on: bool) -> Any:
-    """Context in which zarr decodes with the zarrs codec pipeline (no-op when ``on`` is
-    false); forked DataLoader workers inherit it."""
+    """Context in which annbatch_torch decodes compressed chunks with the zarrs codec
+    pipeline (``on``) or with zarr-python (the library's default is zarrs when installed)."""
     import contextlib
 
-    if not on:
-        return contextlib.nullcontext()
-    import zarr
+    import annbatch_torch as abt
 
-    return zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
+    @contextlib.contextmanager
+    def ctx() -> Any:
+        abt.set_codec_pipeline("zarrs" if on else "zarr")
+        try:
+            yield
+        finally:
+            abt.set_codec_pipeline("auto")
+
+    return ctx()
 
 
 def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bool = False,
