@@ -369,15 +369,11 @@ class AnnBatchDataset(IterableDataset):
                 else:
                     pool, order = self._read_pool(reader, item, epoch)
                 nxt = None
-                more = bg is not None and i + 1 < len(items)
-                for out in self._batches(item, pool, order):
-                    yield out
-                    if more and nxt is None:
-                        # submitted once the first batch is taken: by then the caller has
-                        # let go of the previous pool's batches, whose buffers get reused
-                        nxt = bg.submit(self._read_pool, reader, items[i + 1], epoch)
-                if more and nxt is None:
+                if bg is not None and i + 1 < len(items):
+                    # buffers of the previous pool are reused when the caller let go of its
+                    # batches (always for dense batches), else fresh ones are taken
                     nxt = bg.submit(self._read_pool, reader, items[i + 1], epoch)
+                yield from self._batches(item, pool, order)
                 if isinstance(pool, gpu.DevicePool):
                     pool.close()
                 del pool  # without prefetch: free this pool before the next is read

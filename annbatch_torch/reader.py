@@ -171,7 +171,9 @@ class PoolReader:
         self.threads = max(1, int(threads))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid: int | None = None
-        self.buffers = BufferCache(keep=4 * len(self.fields))  # 2 pools x data, indices
+        # 3 pools x (data, indices): the one read ahead, the current one and the previous one
+        # while the caller still holds its last batch
+        self.buffers = BufferCache(keep=6 * len(self.fields))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

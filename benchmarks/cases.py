@@ -246,13 +246,12 @@ def case_memory(cfg: Config) -> Result:
     persistent workers): a first epoch, then ``memory_epochs`` more; growth = end of the
     last epoch vs end of the first (and, for the record, vs end of the second)."""
     import psutil
-    import torch
+
+    from annbatch_torch import AnnBatchDataLoader
 
     ds = _ours_dataset(cfg, cfg["store"], True)
     workers = 2
-    loader = torch.utils.data.DataLoader(
-        ds, batch_size=None, num_workers=workers, persistent_workers=True
-    )
+    loader = AnnBatchDataLoader(ds, num_workers=workers, persistent_workers=True)
     me = psutil.Process(os.getpid())
     per_epoch: list[dict[str, Any]] = []
     t0 = time.perf_counter()
