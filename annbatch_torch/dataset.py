@@ -28,7 +28,8 @@ from .fields import Field, normalize_selector
 from .reader import PoolReader, csr_view, describe_ranges
 from .sources import as_source
 
-__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
+__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS",
+           "default_read_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,19 @@ DEFAULT_CHUNK_SIZE = 512
 #: Chunks per pool: 32 x 512 = 16,384 rows shuffled together (~250 MB of CSR at 20k genes
 #: and ~1.8k non-zeros per cell; two pools are alive with background prefetch).
 DEFAULT_PRELOAD_NCHUNKS = 32
+
+
+def default_read_threads() -> int:
+    """Concurrent pool reads per process: the usable CPUs, at most 4.
+
+    Measured on 2 CPUs (benchmarks, 3 interleaved rounds): 2 threads read 1.15-1.2x faster
+    than 4 (less contention with the consumer), 1 thread 0.75x.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 def _dist_rank_world() -> tuple[int, int] | None:
@@ -111,7 +125,8 @@ class AnnBatchDataset(IterableDataset):
     mask_key
         Key of the boolean "real row" mask, present when ``even_batches="pad"``.
     read_threads
-        Concurrent reads per process.
+        Concurrent reads per process. Default: the usable CPUs, at most 4
+        (:func:`default_read_threads`).
     prefetch
         Read the next pool in a background thread while the current one is consumed.
         Default ``None``: on in the main process (``num_workers=0``: 1.6x faster here),
@@ -145,7 +160,7 @@ class AnnBatchDataset(IterableDataset):
         world_size: int | None = None,
         chunk_ids: Sequence[int] | np.ndarray | None = None,
         mask_key: str = "mask",
-        read_threads: int = 4,
+        read_threads: int | None = None,
         prefetch: bool | None = None,
         device: str | torch.device | None = None,
     ) -> None:
@@ -154,7 +169,8 @@ class AnnBatchDataset(IterableDataset):
         self.chunk_size = _check_int("chunk_size", chunk_size, 1)
         self.preload_nchunks = _check_int("preload_nchunks", preload_nchunks, 1)
         self.seed = _check_int("seed", seed, 0)
-        self.read_threads = _check_int("read_threads", read_threads, 1)
+        self.read_threads = (default_read_threads() if read_threads is None
+                             else _check_int("read_threads", read_threads, 1))
         if even_batches not in ("drop", "pad"):
             raise ValueError(f"even_batches must be 'drop' or 'pad', got {even_batches!r}.")
         if batch_converter is not None and not callable(batch_converter):

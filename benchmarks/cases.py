@@ -595,6 +595,7 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
     "exp_sparse_w0_chunkel17": _experiment(False, 0, store={"zarr_chunk_elems": 1 << 17}),
     "exp_sparse_w0_threads1": _experiment(False, 0, read_threads=1),
     "exp_sparse_w0_threads2": _experiment(False, 0, read_threads=2),
+    "exp_dense_w0_threads2": _experiment(True, 0, read_threads=2),
     "exp_sparse_w0_noprefetch": _experiment(False, 0, prefetch=False),
     "exp_dense_w0_noprefetch": _experiment(True, 0, prefetch=False),
     "exp_sparse_w0_chunk256": _experiment(False, 0, chunk_size=256, preload_nchunks=64),

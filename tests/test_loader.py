@@ -160,3 +160,16 @@ def test_csr_view_never_copies() -> None:
     assert m.nnz == 30
     ref = sp.csr_matrix((big[:30].copy(), idx[:30].copy(), [0, 10, 30]), shape=(2, 20))
     np.testing.assert_array_equal(m.toarray(), ref.toarray())
+
+
+def test_default_read_threads_follow_the_cpus(small_collection: Collection,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from annbatch_torch.dataset import default_read_threads
+
+    for cpus, want in ((1, 1), (2, 2), (3, 3), (16, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert default_read_threads() == want
+        assert abt.AnnBatchDataset(small_collection).read_threads == want
+    assert abt.AnnBatchDataset(small_collection, read_threads=7).read_threads == 7
