@@ -199,7 +199,9 @@ def to_device(
                 parts = [p.pin_memory() for p in parts]
             crow, col, vals = (p.to(device, non_blocking=non_blocking) for p in parts)
             t = torch.sparse_csr_tensor(crow, col, vals, size=v.shape, check_invariants=False)
-            out[k] = t.to_dense() if densify else t
+            if densify:  # on the CPU by scipy: torch's CPU to_dense is ~9x slower
+                t = csr_tensor_to_dense(t) if device.type == "cpu" else t.to_dense()
+            out[k] = t
         else:
             if pin and not v.is_pinned():
                 v = v.pin_memory()

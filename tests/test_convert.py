@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 import torch
 
 from annbatch_torch import batch_dict_converter, to_device
-from annbatch_torch.convert import densify_csr
+from annbatch_torch.convert import densify_csr, to_tensor
 
 
 def test_converter_types_and_values() -> None:
@@ -59,3 +60,19 @@ def test_cpu_path_never_imports_cupy(tmp_path) -> None:  # type: ignore[no-untyp
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (1, 5), (2, 3), (7, 11), (300, 40)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shared", [False, True])
+def test_densify_split_and_shared_equal_scipy(shape: tuple[int, int], threads: int,
+                                               shared: bool) -> None:
+    m = sp.random(*shape, density=0.3, format="csr", dtype=np.float32, random_state=3)
+    m.sum_duplicates()
+    out = densify_csr(m, threads=threads, shared=shared)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, m.toarray())
+    if shared and out.size:  # (an empty batch may be copied: nothing to save)
+        t = to_tensor(out)
+        assert t.is_shared()
+        assert t.data_ptr() == out.ctypes.data  # handed on without a copy
