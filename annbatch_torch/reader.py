@@ -16,6 +16,7 @@ the field and the row range.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -114,6 +115,7 @@ class BufferCache:
         self.allocations = 0  # buffers allocated (not reused) so far
         self._owners: list[np.ndarray] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"keep": self.keep}
@@ -129,6 +131,8 @@ class BufferCache:
         """An uninitialised 1-D array of ``n`` items of ``dtype``."""
         dtype = np.dtype(dtype)
         nbytes = n * dtype.itemsize
+        if self._pid != os.getpid():  # a forked child: the lock may have been copied held
+            self.__init__(self.keep)  # type: ignore[misc]
         with self._lock:
             free = self._free_owners()
             fits = [o for o in free if o.nbytes >= nbytes]
@@ -182,8 +186,6 @@ class PoolReader:
         return state
 
     def _executor(self) -> ThreadPoolExecutor:
-        import os
-
         if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="annbatch-read")
             self._pool_pid = os.getpid()

@@ -173,3 +173,29 @@ def test_default_read_threads_follow_the_cpus(small_collection: Collection,
         assert default_read_threads() == want
         assert abt.AnnBatchDataset(small_collection).read_threads == want
     assert abt.AnnBatchDataset(small_collection, read_threads=7).read_threads == 7
+
+
+def test_buffer_cache_is_fresh_in_a_forked_child() -> None:
+    import multiprocessing as mp
+
+    from annbatch_torch.reader import BufferCache
+
+    cache = BufferCache(keep=2)
+    held = cache.take(100, np.float32)
+    cache._lock.acquire()  # as if another thread were inside take() when the fork happens
+    try:
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+
+        def child() -> None:
+            a = cache.take(10, np.float32)  # would deadlock on the copied lock
+            q.put((len(cache._owners), a.size))
+
+        p = ctx.Process(target=child)
+        p.start()
+        p.join(30)
+        assert p.exitcode == 0
+        assert q.get(timeout=5) == (1, 10)
+    finally:
+        cache._lock.release()
+    assert held.size == 100
