@@ -3,37 +3,47 @@
 Usage::
 
     python benchmarks/profile_stages.py [--store PATH] [--pools 4] [--batch-size 4096]
+                                        [--repeat 7] [--out DIR | --no-save]
 
 Takes pools of epoch 0 of a collection (default: the one ``run.py`` wrote for
-100,000 x 20,000) and times each stage of the loader in isolation:
+100,000 x 20,000) and times each stage of the loader's data path (docs/architecture.md,
+"The data path of one pool") in isolation:
 
 per pool (``chunk_size * preload_nchunks`` rows)
 
-* ``PoolReader.read`` with 4, 2 and 1 read threads (a warm reader);
-* its parts: allocating and first touching the pool's ``data``/``indices`` buffers, reading
-  the pieces into reused buffers (file reads and CRC checks), the column-index range check
-  (``min``/``max``, and a single unsigned ``max``), a CRC-32C pass over the pool's bytes;
+* the pool's row order: ``sampling.item_permutation`` + ``sampling.pool_order``;
+* ``PoolReader.read(ranges)`` (canonical row order) and ``PoolReader.read(ranges, order)``
+  (every CSR row read straight into its shuffled place: one ``preadv`` per chunk file,
+  CRC-32C over the same buffers), each with 4, 2 and 1 read threads, on a warm reader whose
+  ``BufferCache`` hands the previous pool's buffers out again;
+* the same scattered read with fresh buffers (a new ``BufferCache`` before every read: the
+  page faults of first touching new 100-MB buffers, what a caller keeping batches costs);
 
-per batch (``--batch-size`` rows)
+per batch (``--batch-size`` rows, a middle batch of the scattered pool)
 
-* the row gather ``pool[sorted_rows]`` (scipy);
-* densifying: ``toarray()`` into fresh memory (what the loader does), into a reused buffer
-  (``memset`` + fill), and torch's ``to_dense`` for comparison;
-* converting to ``torch.sparse_csr_tensor``: the library's ``csr_to_torch``, and with int64
-  indices (widening copies) for comparison;
-* handing a batch from a DataLoader worker to the main process: ``share_memory_()`` of a
-  dense batch and of a sparse batch's parts (int64 / int32), and allocating + touching a
-  dense batch directly in shared memory.
+* ``dataset._row_slice`` + ``convert.csr_to_torch``: a sparse batch, zero copy;
+* ``convert.densify_csr`` with ``threads=1`` and ``threads=2`` (the default from 2**22
+  values on 2+ CPUs), and with ``shared=True`` (a DataLoader worker's dense batch, written
+  straight into shared memory);
+* ``convert.csr_tensor_to_dense``: the main process densifying a CSR batch a worker sent
+  (``AnnBatchDataLoader`` with workers and ``densify=True``);
+* for comparison, the previous path's per-batch gather ``pool[sorted_rows]`` (scipy, from a
+  canonical pool) and torch's own CPU ``to_dense``.
 
-Prints the median and the minimum over repeats, and the cells/s each stage alone would
-allow. Run it on a quiet machine: stages that fault pages in (fresh buffers, shared memory)
-slow down several-fold when other processes compete for the CPUs.
+Configurations of one group run interleaved, round after round, so drifting machine load
+hits them alike. Prints the median and the minimum over the rounds, and the cells/s each
+stage alone would allow, and writes the figures to ``DIR/profile_stages.txt`` and
+``DIR/profile_stages.json`` (default: ``benchmarks/results``). Run it on a quiet machine:
+stages that fault pages in (fresh buffers, shared memory) slow down several-fold when
+other processes compete for the CPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import sys
 import time
@@ -47,128 +57,163 @@ HERE = Path(__file__).resolve().parent
 __all__ = ["main", "profile"]
 
 
-def _t(fn: Callable[[], Any], repeat: int = 5) -> tuple[float, float]:
-    """Median and minimum wall seconds of ``fn()`` over ``repeat`` calls."""
-    walls = []
-    for _ in range(repeat):
-        w0 = time.perf_counter()
+def _time_group(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median and minimum wall seconds of each ``fn()``, the functions run interleaved
+    (one call of each per round, after one untimed warm-up call)."""
+    for fn in fns.values():
         fn()
-        walls.append(time.perf_counter() - w0)
-    return statistics.median(walls), min(walls)
+    walls: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            w0 = time.perf_counter()
+            fn()
+            walls[name].append(time.perf_counter() - w0)
+    return {name: (statistics.median(w), min(w)) for name, w in walls.items()}
 
 
-def _shared_zeros(shape: tuple[int, int]) -> Any:
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not Unix
+        return None
+
+
+def profile(store: Path, pools: int, batch_size: int, repeat: int = 7) -> dict[str, Any]:
+    """Time each stage; returns ``{"stages": {name: {median_s, min_s, per, cells_per_s}}}``
+    plus the pool's size and checks that the measured path is the one the loader takes."""
     import torch
 
-    st = torch.UntypedStorage._new_shared(shape[0] * shape[1] * 4)
-    return torch.empty(0, dtype=torch.float32).set_(st, 0, shape, (shape[1], 1))
-
-
-def profile(store: Path, pools: int, batch_size: int) -> dict[str, Any]:
-    """Time each stage; returns ``{"stages": {name: {median_s, min_s, per, cells_per_s}}}``."""
-    import google_crc32c
-    import scipy.sparse as sp
-    import torch
-
-    from annbatch_torch import A, AnnBatchDataset, open_collection
-    from annbatch_torch.convert import csr_to_torch
-    from annbatch_torch.reader import PoolReader, split_ranges
+    from annbatch_torch import A, AnnBatchDataset, open_collection, sampling
+    from annbatch_torch.convert import csr_tensor_to_dense, csr_to_torch, densify_csr
+    from annbatch_torch.dataset import _row_slice
+    from annbatch_torch.reader import BufferCache, PoolReader, split_ranges
 
     coll = open_collection(store)
     ds = AnnBatchDataset(coll, selector={"x": A.X}, batch_size=batch_size)
-    items = list(ds.plan(epoch=0))[: pools + 1]
+    items = [it for it in ds.plan(epoch=0) if not it.padding][: pools + 1]
+    if len(items) < 2:
+        raise SystemExit(f"{store}: needs at least 2 pools of epoch 0, found {len(items)}")
+    timed = items[1:]
+    perms = [sampling.item_permutation(it, seed=ds.seed, epoch=0, shuffle=True) for it in items]
+    orders = [sampling.pool_order(p, batch_size) for p in perms]
+    rows = timed[0].n_rows
+    n_pools = len(timed)
+    pieces = split_ranges(timed[0].ranges, coll.shard_offsets)
+    scatter = all(coll.element(p.shard, "X").can_scatter for p in pieces)
     stages: dict[str, dict[str, Any]] = {}
 
-    def add(name: str, med_min: tuple[float, float], per: int) -> None:
-        med, mn = med_min
+    def add(name: str, med_min: tuple[float, float], per: int, scale: float = 1.0) -> None:
+        med, mn = med_min[0] * scale, med_min[1] * scale
         stages[name] = {"median_s": med, "min_s": mn, "per": per,
                         "cells_per_s": per / med if med > 0 else None}
 
-    rows = items[1].n_rows
-    for threads in (4, 2, 1):
-        reader = PoolReader(coll, ["X"], threads=threads)
-        reader.read(items[0].ranges)  # opens the elements
+    # -- per pool --------------------------------------------------------------------------
+    def order_all() -> None:
+        for it in timed:
+            sampling.pool_order(
+                sampling.item_permutation(it, seed=ds.seed, epoch=0, shuffle=True), batch_size)
 
-        def read_all(r: PoolReader = reader) -> None:
-            for it in items[1:]:
-                r.read(it.ranges)
+    add("pool: row order (item_permutation + pool_order)",
+        _time_group({"o": order_all}, repeat)["o"], rows, 1 / n_pools)
 
-        med, mn = _t(read_all, repeat=3)
-        add(f"pool: PoolReader.read, {threads} threads", (med / pools, mn / pools), rows)
-        reader.close()
+    readers = {t: PoolReader(coll, ["X"], threads=t) for t in (4, 2, 1)}
+    for r in readers.values():
+        for it, order in zip(items, orders):  # opens the elements, warms the page cache
+            r.read(it.ranges, order)
 
-    pieces = split_ranges(items[1].ranges, coll.shard_offsets)
-    els = [coll.element(p.shard, "X") for p in pieces]
-    spans = [el.nnz_range(p.start, p.stop) for p, el in zip(pieces, els)]
-    nnz = sum(b - a for a, b in spans)
-    data, indices = np.empty(nnz, np.float32), np.empty(nnz, np.int32)
+    def reads(r: PoolReader, shuffled: bool, fresh: bool) -> Callable[[], None]:
+        def run() -> None:
+            for it, order in zip(timed, orders[1:]):
+                if fresh:
+                    r.buffers = BufferCache(keep=r.buffers.keep)
+                r.read(it.ranges, order if shuffled else None)  # dropped: buffers free again
+        return run
 
-    def alloc() -> None:
-        np.empty(nnz, np.float32).fill(0)
-        np.empty(nnz, np.int32).fill(0)
+    fns: dict[str, Callable[[], None]] = {}
+    for t, r in readers.items():
+        fns[f"pool: PoolReader.read(ranges), canonical, {t} threads"] = reads(r, False, False)
+    for t, r in readers.items():
+        fns[f"pool: PoolReader.read(ranges, order), scatter, {t} threads"] = reads(r, True, False)
+    warm_allocs = {t: r.buffers.allocations for t, r in readers.items()}
+    warm_group = _time_group(fns, repeat)
+    warm_allocs = {t: r.buffers.allocations - warm_allocs[t] for t, r in readers.items()}
+    fresh_fns = {f"pool: read(ranges, order), fresh buffers, {t} threads": reads(r, True, True)
+                 for t, r in readers.items()}
+    fresh_group = _time_group(fresh_fns, repeat)
+    for name, mm in {**warm_group, **fresh_group}.items():
+        add(name, mm, rows, 1 / n_pools)
 
-    def read_into() -> None:
-        off = 0
-        for p, el, (a, b) in zip(pieces, els, spans):
-            if hasattr(el, "read_into"):
-                el.read_into(p.start, p.stop, data[off : off + b - a], indices[off : off + b - a])
-            else:
-                d, i, _ = el.read_raw(p.start, p.stop)
-                data[off : off + b - a], indices[off : off + b - a] = d, i
-            off += b - a
-
-    add("pool: allocate + first touch of data/indices buffers", _t(alloc), rows)
-    add("pool: read pieces into reused buffers (I/O + CRC)", _t(read_into), rows)
-    add("pool: index check, min() and max()", _t(lambda: (indices.min(), indices.max())), rows)
-    add("pool: index check, one unsigned max()", _t(lambda: indices.view(np.uint32).max()),
-        rows)
-    add("pool: CRC-32C of data + indices", _t(lambda: (
-        google_crc32c.value(data.view(np.uint8)), google_crc32c.value(indices.view(np.uint8)))),
-        rows)
-
-    pool = sp.csr_matrix((data, indices, np.concatenate(
-        [[0], np.cumsum(np.concatenate([np.diff(el.indptr[p.start : p.stop + 1])
-                                        for p, el in zip(pieces, els)]))])),
-        shape=(rows, coll.n_vars))
-    pos = np.sort(np.random.default_rng(0).permutation(rows)[:batch_size])
-    xb = pool[pos]
-    buf = np.zeros(xb.shape, np.float32)
-    dense = xb.toarray()
-    t64 = torch.sparse_csr_tensor(
-        torch.from_numpy(xb.indptr.astype(np.int64)), torch.from_numpy(xb.indices.astype(np.int64)),
-        torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)
-    t32 = torch.sparse_csr_tensor(
-        torch.from_numpy(xb.indptr.astype(np.int32)), torch.from_numpy(xb.indices),
-        torch.from_numpy(xb.data), size=xb.shape, check_invariants=False)
-
-    def share_parts(t: torch.Tensor) -> None:
-        for part in (t.crow_indices(), t.col_indices(), t.values()):
-            part.clone().share_memory_()
-
-    add("batch: gather rows pool[sorted_rows] (scipy)", _t(lambda: pool[pos]), batch_size)
-    add("batch: toarray() into fresh memory", _t(xb.toarray), batch_size)
-    add("batch: toarray() into a reused buffer (memset + fill)",
-        _t(lambda: (buf.fill(0), xb.toarray(out=buf))), batch_size)
-    add("batch: torch sparse CSR to_dense()", _t(lambda: t64.to_dense(), repeat=3), batch_size)
-    add("batch: csr_to_torch (the library's converter)", _t(lambda: csr_to_torch(xb)),
-        batch_size)
-    add("batch: torch sparse CSR with int64 indices (widening copies)",
-        _t(lambda: torch.sparse_csr_tensor(
-            torch.from_numpy(xb.indptr.astype(np.int64)),
-            torch.from_numpy(xb.indices.astype(np.int64)), torch.from_numpy(xb.data),
-            size=xb.shape, check_invariants=False)), batch_size)
-    add("hand-off: clone + share_memory_() of a dense batch",
-        _t(lambda: torch.from_numpy(dense).clone().share_memory_(), repeat=3), batch_size)
-    add("hand-off: clone of a dense batch (anonymous memory)",
-        _t(lambda: torch.from_numpy(dense).clone(), repeat=3), batch_size)
-    add("hand-off: allocate + touch a dense batch in shared memory",
-        _t(lambda: _shared_zeros(xb.shape).numpy().fill(0), repeat=3), batch_size)
-    add("hand-off: clone + share_memory_() of a CSR batch, int64 indices",
-        _t(lambda: share_parts(t64)), batch_size)
-    add("hand-off: clone + share_memory_() of a CSR batch, int32 indices",
-        _t(lambda: share_parts(t32)), batch_size)
-    return {"pool_rows": rows, "pool_mib": nnz * 8 / 2**20, "batch_size": batch_size,
+    # -- per batch -------------------------------------------------------------------------
+    reader = readers[2]
+    item, order = timed[0], orders[1]
+    pool = reader.read(item.ranges, order)["X"]
+    canonical = readers[1].read(item.ranges)["X"]
+    for r in readers.values():
+        r.close()
+    b = (item.batch_start + item.batch_stop) // 2
+    lo, hi = b * batch_size, min((b + 1) * batch_size, rows)
+    batch = _row_slice(pool, lo, hi)
+    sorted_rows = order[lo:hi]  # ascending canonical positions of batch b
+    old = canonical[sorted_rows]
+    same = bool(np.array_equal(old.indptr, batch.indptr)
+                and np.array_equal(old.indices, batch.indices)
+                and np.array_equal(old.data, batch.data))
+    if not same:
+        raise SystemExit("the scattered pool's batch differs from the old gather's batch")
+    shares = bool(np.shares_memory(batch.data, pool.data))
+    tensor = csr_to_torch(batch)
+    bfns: dict[str, Callable[[], Any]] = {
+        "batch: _row_slice + csr_to_torch (sparse batch, zero copy)":
+            lambda: csr_to_torch(_row_slice(pool, lo, hi)),
+        "batch: densify_csr, threads=1": lambda: densify_csr(batch, threads=1),
+        "batch: densify_csr, threads=2": lambda: densify_csr(batch, threads=2),
+        "batch: densify_csr(shared=True) (worker, into shared memory)":
+            lambda: densify_csr(batch, shared=True),
+        "batch: csr_tensor_to_dense (main process, CSR from a worker)":
+            lambda: csr_tensor_to_dense(tensor),
+        "old: gather pool[sorted_rows] (scipy, canonical pool)":
+            lambda: canonical[sorted_rows],
+    }
+    for name, mm in _time_group(bfns, repeat).items():
+        add(name, mm, hi - lo)
+    add("old: torch sparse CSR to_dense()",
+        _time_group({"t": tensor.to_dense}, max(1, min(repeat, 3)))["t"], hi - lo)
+    ref = torch.from_numpy(old.toarray())
+    dense_same = all(torch.equal(ref, torch.as_tensor(d)) for d in (
+        densify_csr(batch, threads=1), densify_csr(batch, threads=2),
+        densify_csr(batch, shared=True), csr_tensor_to_dense(tensor)))
+    if not dense_same:
+        raise SystemExit("densify_csr / csr_tensor_to_dense disagree with scipy's toarray()")
+    try:
+        where = str(Path(store).resolve().relative_to(HERE.parent))
+    except ValueError:
+        where = str(store)
+    return {"store": where, "pool_rows": rows, "pools": n_pools,
+            "pool_mib": pool.nnz * (pool.data.itemsize + pool.indices.itemsize) / 2**20,
+            "batch_size": batch_size, "batch_nnz": int(batch.nnz), "repeat": repeat,
+            "scatter_read": scatter, "batch_is_view_of_pool": shares,
+            "batch_equals_old_gather": same,
+            "dense_equals_toarray": dense_same, "warm_buffer_allocations": warm_allocs,
             "stages": stages}
+
+
+def _report(out: dict[str, Any], env: dict[str, Any]) -> str:
+    lines = [
+        f"pool: {out['pool_rows']:,} rows ({out['pool_mib']:,.0f} MiB of CSR), "
+        f"{out['pools']} pools; batch: {out['batch_size']:,} rows ({out['batch_nnz']:,} "
+        f"non-zeros). Median / min ms over {out['repeat']} rounds, and cells/s at the median.",
+        f"checks: scattered reads from chunk files: {out['scatter_read']}; batch is a view "
+        f"of the pool: {out['batch_is_view_of_pool']}; equals the old gather: "
+        f"{out['batch_equals_old_gather']}; dense batches equal toarray(): "
+        f"{out['dense_equals_toarray']}; buffers allocated during warm reads: "
+        f"{sum(out['warm_buffer_allocations'].values())}.",
+        f"machine: {env['cpus']} CPUs, load average {env['load_before']} before, "
+        f"{env['load_after']} after; {env['seconds']:.0f} s.",
+    ]
+    for name, s in out["stages"].items():
+        lines.append(f"  {name:<62} {s['median_s'] * 1e3:8.2f} {s['min_s'] * 1e3:8.2f} ms "
+                     f"{s['cells_per_s'] or 0:>14,.0f} cells/s")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,16 +224,23 @@ def main(argv: list[str] | None = None) -> int:
                    default=HERE / "data" / "grouped_100000x20000_seed0" / "collection")
     p.add_argument("--pools", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=4096)
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--repeat", type=int, default=7, help="timed rounds per stage")
+    p.add_argument("--out", type=Path, default=HERE / "results",
+                   help="write profile_stages.txt and profile_stages.json here")
+    p.add_argument("--no-save", action="store_true", help="only print the figures")
     args = p.parse_args(argv)
-    out = profile(args.store, args.pools, args.batch_size)
-    print(f"pool: {out['pool_rows']:,} rows ({out['pool_mib']:,.0f} MiB of CSR); batch: "
-          f"{args.batch_size:,} rows. Median / min ms, and cells/s at the median.")
-    for name, s in out["stages"].items():
-        print(f"  {name:<62} {s['median_s'] * 1e3:8.1f} {s['min_s'] * 1e3:8.1f} ms "
-              f"{s['cells_per_s'] or 0:>12,.0f} cells/s")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+    t0, load_before = time.perf_counter(), _loadavg()
+    out = profile(args.store, args.pools, args.batch_size, args.repeat)
+    env = {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+           else os.cpu_count(), "load_before": load_before, "load_after": _loadavg(),
+           "seconds": time.perf_counter() - t0, "python": platform.python_version()}
+    text = _report(out, env)
+    print(text, end="")
+    if not args.no_save:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_stages.txt").write_text(text)
+        (args.out / "profile_stages.json").write_text(json.dumps({**out, "machine": env},
+                                                                 indent=1) + "\n")
     return 0
 
 
