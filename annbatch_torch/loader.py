@@ -24,6 +24,7 @@ value Lightning passes to ``set_epoch``; ``trainer.current_epoch`` can lag it th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,10 @@ from .convert import csr_tensor_to_dense
 from .dataset import AnnBatchDataset
 
 __all__ = ["AnnBatchDataLoader", "EpochForwardingSampler"]
+
+# torchdata 0.11 calls torch.set_vital, which torch >= 2.9 deprecates, at every epoch
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning,
+                        module=r"torchdata\.")
 
 
 class EpochForwardingSampler(Sampler[None]):
