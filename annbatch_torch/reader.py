@@ -136,6 +136,11 @@ class BufferCache:
         with self._lock:
             free = self._free_owners()
             fits = [o for o in free if o.nbytes >= nbytes]
+            # a free buffer too small for this request (e.g. from an epoch's short last
+            # pool) is not kept around: it would hold memory and rarely fit again
+            small = {id(o) for o in free if o.nbytes < nbytes}
+            if small:
+                self._owners = [o for o in self._owners if id(o) not in small]
             if fits:
                 return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
             owner = np.empty(nbytes + nbytes // 8 + 64, dtype=np.uint8)  # room to grow

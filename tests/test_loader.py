@@ -199,3 +199,66 @@ def test_buffer_cache_is_fresh_in_a_forked_child() -> None:
     finally:
         cache._lock.release()
     assert held.size == 100
+
+
+def _epoch_batches(ds: abt.AnnBatchDataset) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(b["index"].numpy().copy(), b["X"].to_dense().numpy().copy()) for b in ds]
+
+
+def test_next_epoch_first_pool_is_read_ahead(small_collection: Collection,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    kw = dict(batch_size=100, chunk_size=64, preload_nchunks=4, return_index=True, seed=2)
+    reads: list[tuple[int, int]] = []
+    real = abt.AnnBatchDataset._read_pool
+
+    def spy(self, reader, item, epoch):  # type: ignore[no-untyped-def]
+        reads.append((epoch, item.pool_index))
+        return real(self, reader, item, epoch)
+
+    monkeypatch.setattr(abt.AnnBatchDataset, "_read_pool", spy)
+    ds = abt.AnnBatchDataset(small_collection, **kw)
+    n_pools = len(ds.plan(0))
+    e0 = _epoch_batches(ds)
+    assert ds._ahead is not None  # epoch 1's first pool was read during epoch 0's last
+    assert reads[-1] == (1, ds.plan(1)[0].pool_index)
+    pickle.loads(pickle.dumps(ds))  # pickles without the pending read
+    ds.set_epoch(1)
+    reads.clear()
+    e1 = _epoch_batches(ds)
+    # epoch 1 did not read its first pool again; epoch 2's was read ahead instead
+    assert [e for e, _ in reads] == [1] * (n_pools - 1) + [2]
+    fresh = abt.AnnBatchDataset(small_collection, **kw)
+    fresh.set_epoch(1)
+    want = _epoch_batches(fresh)
+    assert len(e1) == len(want)
+    for (i, x), (j, y) in zip(e1, want):
+        np.testing.assert_array_equal(i, j)
+        np.testing.assert_array_equal(x, y)
+    # a different epoch than the one read ahead: dropped, the epoch is still exact
+    ds.set_epoch(0)
+    again = _epoch_batches(ds)
+    for (i, x), (j, y) in zip(again, e0):
+        np.testing.assert_array_equal(i, j)
+        np.testing.assert_array_equal(x, y)
+    ds.drop_read_ahead()
+    assert ds._ahead is None
+
+
+def test_no_read_ahead_without_prefetch(small_collection: Collection) -> None:
+    ds = abt.AnnBatchDataset(small_collection, batch_size=100, prefetch=False)
+    assert len(list(ds)) == len(ds)
+    assert ds._ahead is None
+
+
+def test_dense_epochs_reuse_two_pools_of_buffers(small_collection: Collection) -> None:
+    # dense batches never reference the pool: the pool being read and the one being
+    # consumed are all that is ever allocated, across epochs and read-ahead included
+    ds = abt.AnnBatchDataset(small_collection, batch_size=100, chunk_size=64,
+                             preload_nchunks=4, densify=True)
+    for e in range(4):
+        ds.set_epoch(e)
+        assert len(list(ds)) == len(ds)
+    assert ds._reader is not None
+    assert ds._reader.buffers.allocations <= 4
