@@ -1,10 +1,12 @@
 """`AnnBatchDataset`: a chunk-shuffled, rank- and worker-sharded ``IterableDataset``.
 
 Per epoch, each DataLoader worker computes its share of the epoch plan
-(:mod:`annbatch_torch.sampling`, pure functions), reads one pool at a time with
-:class:`~annbatch_torch.reader.PoolReader` (the next pool is read in the background
-while the current one is consumed), shuffles rows inside the pool, gathers one batch at a
-time, applies per-field transforms and the ``batch_converter`` and yields the result.
+(:mod:`annbatch_torch.sampling`, pure functions) and reads one pool at a time with
+:class:`~annbatch_torch.reader.PoolReader`, straight into the pool's shuffled batch-by-batch
+layout (the next pool is read in the background while the current one is consumed). A
+batch is then a contiguous row slice of the pool (zero copy), densified if asked, passed
+through the per-field transforms and the ``batch_converter``, and yielded. See
+``docs/architecture.md``, "The data path of one pool".
 """
 
 from __future__ import annotations
