@@ -143,7 +143,8 @@ class BufferCache:
                 self._owners = [o for o in self._owners if id(o) not in small]
             if fits:
                 return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
-            owner = np.empty(nbytes + nbytes // 8 + 64, dtype=np.uint8)  # room to grow
+            # room to grow: pools' sizes vary; pages never touched cost no memory (RSS)
+            owner = np.empty(nbytes + nbytes // 2 + 64, dtype=np.uint8)
             self.allocations += 1
             if len(self._owners) >= self.keep and free:
                 self._owners = [o for o in self._owners if o is not free[0]]
