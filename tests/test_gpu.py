@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from annbatch_torch import gpu
+from annbatch_torch import _gpu_backends, gpu
 from annbatch_torch.convert import to_tensor
 from annbatch_torch.gpu import DevicePool, check_device
 
@@ -208,7 +208,7 @@ def test_other_dtypes_pass_through_on_the_host() -> None:
 def test_index_dtype_falls_back_to_int64(monkeypatch: pytest.MonkeyPatch) -> None:
     m = _csr(10, 5, 0.8, np.random.default_rng(2))
     assert m.nnz >= 6
-    monkeypatch.setattr(gpu, "_INT32_MAX", 6)  # as if the batch had 2**31 entries
+    monkeypatch.setattr(_gpu_backends, "_INT32_MAX", 6)  # as if the batch had 2**31 entries
     dpool = DevicePool({"X": m}, "cpu")
     sparse = dpool.batch(0, 10, densify=False)["X"]
     assert sparse.crow_indices().dtype == sparse.col_indices().dtype == torch.int64
@@ -289,7 +289,7 @@ def test_cupy_backend_launch_with_an_emulated_kernel(monkeypatch: pytest.MonkeyP
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    sig = re.search(r"annbatch_csr_densify_\{name\}\((.*?)\)", gpu._KERNEL_SOURCE, re.S)
+    sig = re.search(r"annbatch_csr_densify_\{name\}\((.*?)\)", _gpu_backends._KERNEL_SOURCE, re.S)
     assert sig is not None
     params = [p.split()[-1].strip("*") for p in sig.group(1).split(",")]
     assert params == ["data", "indices", "row_lo", "row_hi", "n_rows", "n_cols", "out"]
@@ -309,8 +309,8 @@ def test_cupy_backend_launch_with_an_emulated_kernel(monkeypatch: pytest.MonkeyP
             assert isinstance(n_cols, np.int64)
             assert out.shape == (n_rows, n_cols)
             assert out.dtype == np.float32
-            assert 1 <= grid[0] <= gpu._MAX_BLOCKS
-            assert block == (gpu._THREADS,)
+            assert 1 <= grid[0] <= _gpu_backends._MAX_BLOCKS
+            assert block == (_gpu_backends._THREADS,)
             for r in range(n_rows):
                 for j in range(row_lo[r], row_hi[r]):
                     if 0 <= indices[j] < n_cols:
@@ -322,16 +322,16 @@ def test_cupy_backend_launch_with_an_emulated_kernel(monkeypatch: pytest.MonkeyP
         cuda=SimpleNamespace(Device=lambda i: nullcontext(),
                              ExternalStream=lambda p: nullcontext()),
     )
-    monkeypatch.setattr(gpu, "_KERNELS", {})
+    monkeypatch.setattr(_gpu_backends, "_KERNELS", {})
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda dev=None: SimpleNamespace(cuda_stream=0))
-    backend = object.__new__(gpu._CupyBackend)
+    backend = object.__new__(_gpu_backends._CupyBackend)
     backend.cp = fake_cp
     rng = np.random.default_rng(8)
     for case in range(40):
         n, k = int(rng.integers(0, 30)), int(rng.integers(0, 12))
         if case == 30:
-            monkeypatch.setattr(gpu, "_INT32_MAX", 3)  # int64 column indices from here on
+            monkeypatch.setattr(_gpu_backends, "_INT32_MAX", 3)  # int64 column indices from here on
         m = _csr(n, k, float(rng.choice([0.0, 0.2, 0.7])), rng, empty_rows=0.3)
         order = rng.permutation(n) if case % 2 else None
         dpool = DevicePool({"X": m}, "cpu", order=order, _backend="numpy")
@@ -460,7 +460,8 @@ def test_cuda_streams() -> None:
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")
 def test_cuda_int64_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     m = _csr(50, 40, 0.3, np.random.default_rng(7))
-    monkeypatch.setattr(gpu, "_INT32_MAX", 30)  # columns and batch entries "overflow" int32
+    # columns and batch entries "overflow" int32
+    monkeypatch.setattr(_gpu_backends, "_INT32_MAX", 30)
     dpool = DevicePool({"X": m}, "cuda")
     assert dpool._fields["X"].indices.dtype == torch.int64  # type: ignore[union-attr]
     sparse = dpool.batch(0, 50, densify=False)["X"]
