@@ -23,11 +23,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import gpu, sampling
+from ._readahead import ReadAheadMixin
 from .collection import Source
 from .convert import batch_dict_converter, densify_csr
 from .errors import BatchError, SchemaError
 from .fields import Field, normalize_selector
-from .reader import PoolReader, csr_view, describe_ranges
+from .reader import PoolReader, default_read_threads, describe_ranges, row_slice
 from .sources import as_source
 
 __all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS",
@@ -43,19 +44,6 @@ DEFAULT_CHUNK_SIZE = 512
 DEFAULT_PRELOAD_NCHUNKS = 32
 
 
-def default_read_threads() -> int:
-    """Concurrent pool reads per process: the usable CPUs, at most 4.
-
-    Measured on 2 CPUs (benchmarks, 3 interleaved rounds): 2 threads read 1.15-1.2x faster
-    than 4 (less contention with the consumer), 1 thread 0.75x.
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus))
-
-
 def _dist_rank_world() -> tuple[int, int] | None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -68,17 +56,7 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
-def _row_slice(value: Any, lo: int, hi: int) -> Any:
-    """Rows ``[lo, hi)`` of a pool value without copying (a CSR of views, or a view)."""
-    if not sp.issparse(value):
-        return value[lo:hi]
-    start, stop = int(value.indptr[lo]), int(value.indptr[hi])
-    indptr = value.indptr[lo : hi + 1] - value.indptr[lo]
-    return csr_view(value.data[start:stop], value.indices[start:stop], indptr,
-                    (hi - lo, value.shape[1]))
-
-
-class AnnBatchDataset(IterableDataset):
+class AnnBatchDataset(ReadAheadMixin, IterableDataset):
     """Minibatches of AnnData rows, read chunk-wise and shuffled within pools.
 
     Use it with ``torch.utils.data.DataLoader(ds, batch_size=None, num_workers=N)``: the
@@ -412,49 +390,6 @@ class AnnBatchDataset(IterableDataset):
             if not kept:
                 reader.buffers.clear()
 
-    # -- reading the next epoch's first pool ahead ------------------------------------------
-    def _ahead_key(self, epoch: int, worker: int, num_workers: int,
-                   first: sampling.WorkItem) -> tuple[Any, ...]:
-        # without shuffling the order does not depend on the epoch
-        return (os.getpid(), epoch if self.shuffle else None, worker, num_workers, first.key())
-
-    def _read_ahead(self, bg: ThreadPoolExecutor, reader: PoolReader, epoch: int, worker: int,
-                    num_workers: int) -> bool:
-        """While the last pool of an epoch is consumed, read the first pool of ``epoch``
-        (the next one) for the next ``__iter__``; used only if that asks for the same
-        epoch, worker and pool (else dropped). The gap between epochs was one unhidden pool
-        read (1/6 of an epoch at 100k cells with the defaults)."""
-        try:
-            items = self.plan(epoch, worker, num_workers)
-        except Exception:  # pragma: no cover - defensive: never fail the current epoch
-            return False
-        if not items:
-            return False
-        self.drop_read_ahead()
-        fut = bg.submit(self._read_pool, reader, items[0], epoch)
-        self._ahead = (self._ahead_key(epoch, worker, num_workers, items[0]), fut, bg)
-        return True
-
-    def _take_read_ahead(self, epoch: int, worker: int, num_workers: int,
-                         first: sampling.WorkItem) -> tuple[Future[Any], ThreadPoolExecutor] | None:
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        key, fut, bg = ahead
-        if key == self._ahead_key(epoch, worker, num_workers, first):
-            return fut, bg
-        fut.cancel()
-        bg.shutdown(wait=False, cancel_futures=True)
-        return None
-
-    def drop_read_ahead(self) -> None:
-        """Forget the next epoch's first pool read ahead at the end of an epoch (frees its
-        memory; the next ``__iter__`` then reads it itself)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead[1].cancel()
-            ahead[2].shutdown(wait=False, cancel_futures=True)
-
     def _batches(
         self, item: sampling.WorkItem, pool: dict[str, Any] | gpu.DevicePool, order: np.ndarray
     ) -> Iterator[Any]:
@@ -472,7 +407,7 @@ class AnnBatchDataset(IterableDataset):
                 if on_device is not None:
                     value = on_device[f.path]
                 else:
-                    value = _row_slice(pool[f.path], lo, hi)
+                    value = row_slice(pool[f.path], lo, hi)
                 if self.densify and sp.issparse(value) and key not in deferred:
                     # in a worker: straight into shared memory, no copy on the way out
                     value = densify_csr(value, shared=in_worker)

@@ -30,7 +30,8 @@ from .collection import Source
 from .elements import CSCElement, CSRElement
 from .errors import AnnBatchError, ReadError
 
-__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache", "csr_view"]
+__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache", "csr_view",
+           "row_slice", "default_read_threads"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,29 @@ def csr_view(
     m = sp.csr_matrix(shape, dtype=data.dtype)  # empty: O(rows) to build, nothing checked
     m.indptr, m.indices, m.data = indptr, indices, data
     return m
+
+
+def row_slice(value: Any, lo: int, hi: int) -> Any:
+    """Rows ``[lo, hi)`` of a pool value without copying (a CSR of views, or a view)."""
+    if not sp.issparse(value):
+        return value[lo:hi]
+    start, stop = int(value.indptr[lo]), int(value.indptr[hi])
+    indptr = value.indptr[lo : hi + 1] - value.indptr[lo]
+    return csr_view(value.data[start:stop], value.indices[start:stop], indptr,
+                    (hi - lo, value.shape[1]))
+
+
+def default_read_threads() -> int:
+    """Concurrent pool reads per process: the usable CPUs, at most 4.
+
+    Measured on 2 CPUs (benchmarks, 3 interleaved rounds): 2 threads read 1.15-1.2x faster
+    than 4 (less contention with the consumer), 1 thread 0.6-0.75x.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 class BufferCache:
@@ -364,8 +388,7 @@ class PoolReader:
                          for p in pieces], dtype=np.int64).reshape(-1, 2)
 
     def _read_piece(self, el: Any, p: Piece) -> Any:
-        if isinstance(el, CSRElement):
-            return el.read_raw(p.start, p.stop)
+        # CSR fields never come here: _submit_csr reads them into the pool's buffers
         value = el.read(p.start, p.stop)
         if len(value) != p.stop - p.start:
             raise ReadError(f"expected {p.stop - p.start} rows, got {len(value)}")
@@ -377,30 +400,6 @@ class PoolReader:
             if info.kind == "csr":
                 return sp.csr_matrix((0, int(info.shape[1] or 0)), dtype=np.dtype(info.dtype))
             return np.zeros((0, *[int(s) for s in info.shape[1:]]), dtype=np.dtype(info.dtype))
-        first = self._element(pieces[0], field)
-        if isinstance(first, CSRElement):
-            n_cols = first.n_cols
-            for p, (d, i, n) in zip(pieces, parts):
-                where = (
-                    f"{self.source.shard_name(p.shard)}: field {field!r}, shard rows "
-                    f"[{p.start}, {p.stop}) (shard {p.shard})"
-                )
-                if d.shape[0] != int(n.sum()) or i.shape[0] != d.shape[0]:
-                    raise ReadError(
-                        f"{where}: read {d.shape[0]} values and {i.shape[0]} indices where "
-                        f"indptr promises {int(n.sum())}; the store is damaged, rewrite it."
-                    )
-                if i.size and (int(i.max()) >= n_cols or int(i.min()) < 0):
-                    raise ReadError(
-                        f"{where}: holds column indices outside [0, {n_cols}); the store is "
-                        "damaged, rewrite it."
-                    )
-            data = np.concatenate([d for d, _, _ in parts]) if len(parts) > 1 else parts[0][0]
-            indices = np.concatenate([i for _, i, _ in parts]) if len(parts) > 1 else parts[0][1]
-            lengths = np.concatenate([n for _, _, n in parts])
-            indptr = np.zeros(n_rows + 1, dtype=np.int64)
-            np.cumsum(lengths, out=indptr[1:])
-            return sp.csr_matrix((data, indices, indptr), shape=(n_rows, n_cols))
         values = np.concatenate(parts) if len(parts) > 1 else parts[0]
         info = self.source.fields.get(field)
         if info is None or info.kind != "categorical":
