@@ -9,9 +9,9 @@ number of batches. Pure numpy, no torch, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -23,6 +23,7 @@ __all__ = [
     "dataloader_order",
     "consumed_per_worker",
     "remaining_items",
+    "state_ints",
 ]
 
 
@@ -218,3 +219,15 @@ def remaining_items(items: Sequence[WorkItem], consumed: int) -> Sequence[WorkIt
     if offset:
         rest_list[0] = replace(rest_list[0], batch_start=rest_list[0].batch_start + offset)
     return rest_list
+
+
+def state_ints(state: Mapping[str, Any], keys: Sequence[str], saved_by: str) -> dict[str, int]:
+    """``{key: int(state[key])}`` of a saved resume state, or a ``ValueError`` naming what is
+    missing and where a valid state comes from (``saved_by``)."""
+    try:
+        return {k: int(state[k]) for k in keys}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"load_state_dict: state {dict(state)!r} lacks {e}; pass a state saved by "
+            f"{saved_by}."
+        ) from e

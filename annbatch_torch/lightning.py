@@ -50,6 +50,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from filelock import FileLock, Timeout
 
 from . import sampling
+from ._worklist import state_ints
 from .collection import Collection, open_collection
 from .dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
 from .errors import CollectionError
@@ -451,13 +452,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         are rebuilt when the seed changes (the split depends on it).
         """
         self._pending_loader_state = state_dict.get("train_loader")
-        try:
-            seed, epoch = int(state_dict["seed"]), int(state_dict["epoch"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"load_state_dict: {dict(state_dict)!r} lacks {e}; pass a state saved by "
-                "AnnBatchDataModule.state_dict()."
-            ) from e
+        got = state_ints(state_dict, ("seed", "epoch"), "AnnBatchDataModule.state_dict()")
+        seed, epoch = got["seed"], got["epoch"]
         if seed != self.seed:
             logger.info("Restoring seed %d (was %d).", seed, self.seed)
             self.seed = seed

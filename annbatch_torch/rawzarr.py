@@ -131,12 +131,11 @@ class RawZarrArray:
         dests = np.asarray(dests, dtype=np.int64)
         if starts.size == 0 or stop <= int(starts[0]):
             return
-        ends_all = np.append(starts[1:], stop)
-        if int((dests + (ends_all - starts)).max()) > out.size or int(dests.min()) < 0:
+        ends = np.append(starts[1:], stop)
+        if int((dests + (ends - starts)).max()) > out.size or int(dests.min()) < 0:
             raise ValueError(f"{self.path}: read_runs destinations fall outside the buffer "
                              f"of {out.size} items")
         lo = int(starts[0])
-        ends = ends_all
         keep = ends > starts
         starts, ends, dests = starts[keep], ends[keep], dests[keep]
         if starts.size > 1:  # merge runs that continue each other in the destination too
