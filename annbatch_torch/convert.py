@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
     _csr_todense = None
 
 __all__ = ["batch_dict_converter", "csr_to_torch", "to_tensor", "to_device", "densify_csr",
-           "csr_tensor_to_dense"]
+           "csr_tensor_to_dense", "csr_view"]
 
 # torch warns on every sparse CSR construction (also when one crosses a worker queue).
 for _msg in ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly"):
@@ -104,12 +104,25 @@ def densify_csr(
     return out
 
 
+def csr_view(
+    data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, shape: tuple[int, int]
+) -> sp.csr_matrix:
+    """A ``csr_matrix`` over the given arrays, never copying them.
+
+    ``sp.csr_matrix((data, indices, indptr), copy=False)`` copies ``data`` and ``indices``
+    when they are views of an array more than twice their size (scipy's ``prune``), which
+    is exactly what pool buffers and batch slices are. The arrays must form a valid CSR
+    matrix (the reader builds them so).
+    """
+    m = sp.csr_matrix(shape, dtype=data.dtype)  # empty: O(rows) to build, nothing checked
+    m.indptr, m.indices, m.data = indptr, indices, data
+    return m
+
+
 def csr_tensor_to_dense(t: torch.Tensor) -> torch.Tensor:
     """Densify a CPU ``torch.sparse_csr_tensor`` with scipy (float32 stays float32)."""
-    m = sp.csr_matrix(
-        (t.values().numpy(), t.col_indices().numpy(), t.crow_indices().numpy()),
-        shape=tuple(t.shape), copy=False,
-    )
+    m = csr_view(t.values().numpy(), t.col_indices().numpy(), t.crow_indices().numpy(),
+                 (int(t.shape[0]), int(t.shape[1])))
     return torch.from_numpy(densify_csr(m))
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from .collection import Source
+from .convert import csr_view
 from .elements import CSCElement, CSRElement
 from .errors import AnnBatchError, ReadError
 
@@ -80,21 +81,6 @@ def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
         f"{source.shard_name(p.shard)} rows [{p.start}, {p.stop})" for p in pieces[:limit]
     )
     return text + (f"; and {len(pieces) - limit} more ranges" if len(pieces) > limit else "")
-
-
-def csr_view(
-    data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, shape: tuple[int, int]
-) -> sp.csr_matrix:
-    """A ``csr_matrix`` over the given arrays, never copying them.
-
-    ``sp.csr_matrix((data, indices, indptr), copy=False)`` copies ``data`` and ``indices``
-    when they are views of an array more than twice their size (scipy's ``prune``), which
-    is exactly what pool buffers and batch slices are. The arrays must form a valid CSR
-    matrix (the reader builds them so).
-    """
-    m = sp.csr_matrix(shape, dtype=data.dtype)  # empty: O(rows) to build, nothing checked
-    m.indptr, m.indices, m.data = indptr, indices, data
-    return m
 
 
 def row_slice(value: Any, lo: int, hi: int) -> Any:
