@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from .elements import check_finite
+from .elements import check_csr, check_finite
 from .errors import CollectionError
 
 if TYPE_CHECKING:
@@ -360,6 +360,7 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
         if f.kind in ("csr", "dense"):
             block = readers[f.key].read(a, b, ips.get(f.key))
             check_finite(src.label, f.key, block, first_row=a)  # NaN/inf refused, negatives ok
+            check_csr(src.label, f.key, block, first_row=a)  # indices inside [0, n_cols)
             if value_check is not None:
                 value_check(src.label, f.key, block)
             if f.kind == "csr":

@@ -32,6 +32,8 @@ __all__ = [
     "encoding_type",
     "read_index",
     "check_finite",
+    "check_csr",
+    "bad_column",
     "DEFAULT_CSC_LIMIT",
 ]
 
@@ -404,3 +406,43 @@ def check_finite(source: str, field: str, block: Any, first_row: int = 0) -> Non
         "the input (e.g. `m.data = np.nan_to_num(m.data)` for a sparse matrix, or drop the "
         "affected cells) and write it again."
     )
+
+
+def bad_column(indices: np.ndarray, n_cols: int) -> int | None:
+    """Position of the first column index outside ``[0, n_cols)``, else ``None``.
+
+    One unsigned ``max()`` over the indices (negative values wrap to huge ones); the slow
+    search runs only when something is wrong.
+    """
+    if not indices.size or int(indices.view(f"u{indices.dtype.itemsize}").max()) < n_cols:
+        return None
+    return int(np.flatnonzero((indices < 0) | (indices >= n_cols))[0])
+
+
+def check_csr(source: str, field: str, block: Any, first_row: int = 0) -> None:
+    """Raise :class:`InputError` if a sparse block's structure is invalid: column indices
+    outside ``[0, n_cols)`` or a decreasing ``indptr``.
+
+    scipy builds CSR matrices from stored arrays without these checks, so a damaged input
+    would otherwise be written into the collection and only fail (or worse, densify
+    out of bounds) when read. ``block`` is rows ``[first_row, first_row + n)`` of ``field``
+    in input ``source``; dense blocks pass without a scan.
+    """
+    if not sp.issparse(block) or block.format != "csr":
+        return
+    ip, idx = np.asarray(block.indptr), np.asarray(block.indices)
+    n_cols = int(block.shape[1])
+    fix = ("the input file is damaged: rewrite it from its source (e.g. with anndata) "
+           "and run create_anndata_collection again.")
+    if len(ip) > 1 and (ip[0] != 0 or bool((ip[1:] < ip[:-1]).any()) or ip[-1] > len(idx)):
+        bad = np.flatnonzero(ip[1:] < ip[:-1])
+        where = f"row {first_row + int(bad[0])}" if bad.size else "its first or last entry"
+        raise InputError(f"{source}: field {field!r} has an invalid indptr (at {where}); {fix}")
+    used = idx[: int(ip[-1])] if len(ip) else idx[:0]
+    pos = bad_column(used, n_cols)
+    if pos is not None:
+        row = int(np.searchsorted(ip, pos, side="right")) - 1
+        raise InputError(
+            f"{source}: field {field!r} holds column index {int(used[pos])} at row "
+            f"{first_row + row}, outside [0, {n_cols}) (the input has {n_cols} columns); {fix}"
+        )

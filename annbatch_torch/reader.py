@@ -28,7 +28,7 @@ import scipy.sparse as sp
 
 from .collection import Source
 from .convert import csr_view
-from .elements import CSCElement, CSRElement
+from .elements import CSCElement, CSRElement, bad_column
 from .errors import AnnBatchError, ReadError
 
 __all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache", "csr_view",
@@ -354,9 +354,8 @@ class PoolReader:
     ) -> sp.csr_matrix:
         data, indices, indptr = buffers
         n_cols = self._element(pieces[0], field).n_cols
-        # one unsigned max() catches both ends: negatives wrap to huge values
-        if indices.size and int(indices.view(f"u{indices.dtype.itemsize}").max()) >= n_cols:
-            bad = int(np.flatnonzero((indices < 0) | (indices >= n_cols))[0])
+        bad = bad_column(indices, n_cols)
+        if bad is not None:
             row = int(np.searchsorted(indptr, bad, side="right")) - 1
             raise ReadError(
                 f"{self.source.describe()}: field {field!r} holds column index "

@@ -18,6 +18,8 @@ Policies pinned here (this docstring is their reference until the docs carry the
 * NaN / inf in matrices: the writer refuses them (``InputError`` naming input, field, row);
   negative values are allowed everywhere (log-normalised or scaled data, PCA). In-place
   reading does not scan inputs (that would read everything) and passes values through.
+* Damaged sparse structure in an input (a column index outside ``[0, n_vars)``, a
+  decreasing ``indptr``): the writer refuses it (``InputError`` naming input, field, row).
 * Dense in one input and sparse in another: in-place reading refuses the field with the
   fix; the writer converts (one kind per field). A collection shard that stores a field
   differently from its manifest is damage.
@@ -620,6 +622,45 @@ def test_writer_refuses_non_finite_values(tmp_path: Path, where: str, value: flo
                        f".*row {row}"):
         abt.create_anndata_collection([p], tmp_path / "out", seed=0)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["X", "layers/counts"])
+@pytest.mark.parametrize("bad", [N_VARS, N_VARS + 40, -1])
+def test_writer_refuses_column_indices_outside_the_matrix(tmp_path: Path, where: str,
+                                                          bad: int) -> None:
+    """scipy and anndata read such a file without complaint; written as is, it would fail
+    only when the collection is read (with a message blaming the collection)."""
+    a = _adata(40, 8)
+    p = tmp_path / "idx.h5ad"
+    a.write_h5ad(p)
+    m = a.X if where == "X" else a.layers["counts"]
+    pos = int(m.indptr[17]) + 1  # the second value of row 17
+    with h5py.File(p, "r+") as f:
+        idx = f[where]["indices"]
+        values = idx[...]
+        values[pos] = bad
+        idx[...] = values
+    with pytest.raises(InputError, match=rf"idx\.h5ad: field '{re.escape(where)}' holds column "
+                       rf"index {bad} at row 17, outside \[0, {N_VARS}\).*rewrite it"):
+        abt.create_anndata_collection([p], tmp_path / "out", seed=0)
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_csr_names_input_field_row_and_fix() -> None:
+    from annbatch_torch.elements import check_csr
+
+    m = sp.random(30, 8, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    check_csr("a.h5ad", "X", m, first_row=100)  # a valid matrix passes
+    check_csr("a.h5ad", "X", m.toarray())  # dense blocks: no scan
+    bad = m.copy()
+    bad.indptr[5] = bad.indptr[6] + 1  # row 4 ends after row 5 does
+    with pytest.raises(InputError, match=r"a\.h5ad: field 'X' has an invalid indptr \(at row "
+                       r"105\).*rewrite it"):
+        check_csr("a.h5ad", "X", bad, first_row=100)
+    bad = m.copy()
+    bad.indices[int(bad.indptr[29])] = -3
+    with pytest.raises(InputError, match=r"column index -3 at row 1029, outside \[0, 8\)"):
+        check_csr("a.h5ad", "X", bad, first_row=1000)
 
 
 def test_check_finite_names_input_field_row_and_fix() -> None:
