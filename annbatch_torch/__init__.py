@@ -32,6 +32,7 @@ from .loader import AnnBatchDataLoader
 
 if TYPE_CHECKING:
     from .lightning import AnnBatchDataModule
+    from .prepare import prepare_collection
     from .writer import create_anndata_collection
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "create_anndata_collection",
     "datasets",
     "open_collection",
+    "prepare_collection",
     "set_codec_pipeline",
     "to_device",
 ]
@@ -65,6 +67,10 @@ def __getattr__(name: str) -> Any:
         from .writer import create_anndata_collection
 
         return create_anndata_collection
+    if name == "prepare_collection":
+        from .prepare import prepare_collection
+
+        return prepare_collection
     if name == "AnnBatchDataModule":
         from .lightning import AnnBatchDataModule
 

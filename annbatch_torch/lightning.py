@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,17 +46,15 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "AnnBatchDataModule needs Lightning: pip install 'annbatch-torch[lightning]'."
     ) from e
 
-from filelock import FileLock, Timeout
-
 from . import sampling
 from ._worklist import state_ints
 from .collection import Collection, open_collection
 from .dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
-from .errors import CollectionError
 from .fields import Field
 from .loader import AnnBatchDataLoader, is_mid_epoch
-from .manifest import MANIFEST_NAME, read_manifest
-from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, store_is_current, store_staleness
+from .manifest import read_manifest
+from .prepare import explicit_settings, lock_path, write_if_stale
+from .staleness import store_is_current, store_staleness
 
 __all__ = ["AnnBatchDataModule", "store_is_current", "store_staleness"]
 
@@ -193,32 +190,16 @@ class AnnBatchDataModule(pl.LightningDataModule):
     @property
     def lock_path(self) -> Path:
         """The lock file beside the store that serialises :meth:`prepare_data` calls."""
-        return self.store_path.with_name(self.store_path.name + ".lock")
-
-    def _writer_kwargs(self) -> dict[str, Any]:
-        return {"seed": self.seed, **self.collection_kwargs}
-
-    def _staleness(self) -> str | None:
-        # only settings the user gave explicitly: a new sampling `seed` alone reuses the store
-        kw = self.collection_kwargs
-        settings = {k: kw[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS) if k in kw}
-        return store_staleness(self.store_path, self.adata_paths, settings)
-
-    def _check_overwritable(self) -> None:
-        p = self.store_path
-        if p.exists() and not (p / MANIFEST_NAME).is_file():
-            if p.is_dir() and not any(p.iterdir()):
-                return
-            raise CollectionError(
-                f"{p} exists but is not an annbatch_torch collection (no {MANIFEST_NAME}); "
-                "refusing to overwrite it. Remove it or choose another store_path."
-            )
+        return lock_path(self.store_path)
 
     def prepare_data(self) -> None:
-        """Write the collection unless it is current; safe against racing processes.
+        """Write the collection unless it is current; safe against racing processes
+        (:func:`~annbatch_torch.prepare_collection`).
 
         Lightning calls this on one process per node (``prepare_data_per_node``); calling it
-        yourself is fine too. Sets :attr:`store_written`.
+        yourself is fine too. Sets :attr:`store_written`. Only settings given explicitly
+        in ``collection_kwargs`` are compared: a new DataModule ``seed`` alone reuses the
+        store (it is shuffled already).
 
         Raises
         ------
@@ -230,38 +211,10 @@ class AnnBatchDataModule(pl.LightningDataModule):
             read_manifest(self.store_path)  # raises with the fix if it is not a collection
             self.store_written = False
             return
-        self.store_path.parent.mkdir(parents=True, exist_ok=True)
-        reason = self._staleness()
-        if reason is None:  # fast path: no lock needed to read a finished manifest
-            logger.info("Collection %s is current; not rewriting it.", self.store_path)
-            self.store_written = False
-            return
-        lock = FileLock(str(self.lock_path))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            logger.info("Another process holds %s; waiting for it to finish writing.",
-                        self.lock_path)
-            t0 = time.monotonic()
-            lock.acquire()
-            logger.info("Got %s after %.1f s.", self.lock_path, time.monotonic() - t0)
-        try:
-            reason = self._staleness()  # another process may have written it meanwhile
-            if reason is None:
-                logger.info("Collection %s is current; not rewriting it.", self.store_path)
-                self.store_written = False
-                return
-            self._check_overwritable()
-            from .writer import create_anndata_collection
-
-            logger.info("Writing collection %s from %d inputs (%s).", self.store_path,
-                        len(self.adata_paths), reason)
-            create_anndata_collection(
-                self.adata_paths, self.store_path, **{**self._writer_kwargs(), "overwrite": True}
-            )
-            self.store_written = True
-        finally:
-            lock.release()
+        self.store_written = write_if_stale(
+            self.adata_paths, self.store_path, explicit_settings(self.collection_kwargs),
+            {"seed": self.seed, **self.collection_kwargs},
+        )
 
     # -- datasets ------------------------------------------------------------------------
     def _rank_world(self) -> tuple[int, int]:

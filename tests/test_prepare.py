@@ -1,0 +1,93 @@
+"""prepare_collection: write once, from racing processes too, never over a foreign folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pytest
+
+import annbatch_torch as abt
+from annbatch_torch import CollectionError
+from annbatch_torch.prepare import lock_path
+
+
+def _stamp(store: Path) -> tuple[int, int]:
+    st = (store / "manifest.json").stat()
+    return st.st_mtime_ns, st.st_ino
+
+
+def test_writes_once_then_only_when_stale(synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    assert abt.prepare_collection(synthetic_h5ads, store, layers=[], progress=False) is True
+    assert "layers/counts" not in abt.open_collection(store).fields
+    stamp = _stamp(store)
+    assert abt.prepare_collection(synthetic_h5ads, store, progress=False) is False
+    assert _stamp(store) == stamp
+    # writer options that do not shape the store do not make it stale
+    assert abt.prepare_collection(synthetic_h5ads, store, progress=False,
+                                  max_memory="1GB") is False
+    # a field the store lacks does
+    assert abt.prepare_collection(synthetic_h5ads, store, layers=["counts"],
+                                  progress=False) is True
+    assert "layers/counts" in abt.open_collection(store).fields
+    assert _stamp(store) != stamp
+    # so does an explicit offline-shuffle seed that differs from the recorded one
+    assert abt.prepare_collection(synthetic_h5ads, store, seed=5, progress=False) is True
+    assert abt.open_collection(store).manifest.seed == 5
+    assert abt.prepare_collection(synthetic_h5ads, store, progress=False) is False
+
+
+def test_refuses_a_foreign_folder_and_no_inputs(synthetic_h5ads: list[Path],
+                                                tmp_path: Path) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    with pytest.raises(CollectionError, match=r"mine exists but is not an annbatch_torch "
+                       r"collection .*Remove it or choose another store_path"):
+        abt.prepare_collection(synthetic_h5ads, foreign, progress=False)
+    assert (foreign / "notes.txt").read_text() == "keep"
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty folder is fine to write into
+    assert abt.prepare_collection(synthetic_h5ads[:1], empty, progress=False) is True
+    with pytest.raises(ValueError, match="at least one input"):
+        abt.prepare_collection([], tmp_path / "x")
+
+
+@pytest.mark.slow
+def test_racing_processes_write_once(synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    """Three processes start together (as torchrun ranks would): exactly one writes, the
+    others wait on the lock and find the store current; every row is in the store."""
+    store = tmp_path / "store"
+    go = tmp_path / "go"
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        import annbatch_torch as abt
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        wrote = abt.prepare_collection({[str(p) for p in synthetic_h5ads]!r}, {str(store)!r},
+                                       progress=False)
+        print("WROTE" if wrote else "CURRENT", flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    said = sorted(out.strip() for out, _ in outs)
+    assert said == ["CURRENT", "CURRENT", "WROTE"]
+    coll = abt.open_collection(store)
+    names = np.concatenate([ad.read_h5ad(p, backed="r").obs_names.to_numpy()
+                            for p in synthetic_h5ads])
+    assert coll.n_obs == len(names)
+    got = abt.AnnBatchDataset(coll, batch_size=512, shuffle=False, return_index=True)
+    rows = np.concatenate([b["index"].numpy() for b in got])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(len(names)))
+    assert lock_path(store).name == "store.lock"  # the lock all three took
