@@ -22,8 +22,9 @@ _THREADS = 256
 _MAX_BLOCKS = 65535
 
 _INSTALL_HINT = (
-    "pip install 'annbatch-torch[gpu]' (it installs cupy-cuda13x; on CUDA 12 install "
-    "cupy-cuda12x instead, matching torch.version.cuda)"
+    "pip install 'annbatch-torch[gpu]' (cupy-cuda13x with the CUDA 13 toolkit wheels it "
+    "compiles with); with a CUDA 12 torch (torch.version.cuda) install "
+    "'annbatch-torch[gpu-cuda12]' instead"
 )
 
 
@@ -251,6 +252,14 @@ class _CupyBackend(_Backend):
 
     def __init__(self) -> None:
         self.cp = _import_cupy()
+        try:  # compile now (cached): without NVRTC this fails here, not in mid-epoch
+            for index_dtype in (torch.int32, torch.int64):
+                _kernel(self.cp, index_dtype).compile()
+        except Exception as e:
+            raise ImportError(
+                f"cupy cannot compile annbatch_torch's densify kernel ({type(e).__name__}: "
+                f"{e}); cupy needs the CUDA toolkit's NVRTC. Install it with {_INSTALL_HINT}."
+            ) from e
 
     @classmethod
     def check(cls, device: torch.device) -> None:

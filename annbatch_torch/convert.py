@@ -197,10 +197,14 @@ def to_device(
     """Move a batch to ``device``; sparse CSR tensors travel as CSR (small) and are
     densified there when ``densify``.
 
-    On CUDA the components are pinned first so the copies are asynchronous.
+    On CUDA the CPU components are pinned first so the copies are asynchronous; batches
+    already on a GPU (``AnnBatchDataset(device="cuda")``) move as they are. Copies *to*
+    the CPU are synchronous: a non-blocking device-to-host copy could still be running
+    when the values are read.
     """
     device = torch.device(device)
     pin = device.type == "cuda"
+    non_blocking = non_blocking and device.type != "cpu"
     out: dict[str, Any] = {}
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
@@ -209,14 +213,17 @@ def to_device(
         if v.layout == torch.sparse_csr:
             parts = [v.crow_indices(), v.col_indices(), v.values()]
             if pin:
-                parts = [p.pin_memory() for p in parts]
+                parts = [_pinned(p) for p in parts]
             crow, col, vals = (p.to(device, non_blocking=non_blocking) for p in parts)
             t = torch.sparse_csr_tensor(crow, col, vals, size=v.shape, check_invariants=False)
             if densify:  # on the CPU by scipy: torch's CPU to_dense is ~9x slower
                 t = csr_tensor_to_dense(t) if device.type == "cpu" else t.to_dense()
             out[k] = t
         else:
-            if pin and not v.is_pinned():
-                v = v.pin_memory()
-            out[k] = v.to(device, non_blocking=non_blocking)
+            out[k] = (_pinned(v) if pin else v).to(device, non_blocking=non_blocking)
     return out
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in page-locked memory when it is a CPU tensor (GPU tensors cannot be pinned)."""
+    return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t

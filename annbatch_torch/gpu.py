@@ -161,8 +161,10 @@ class DevicePool:
     -----
     Batches are fresh tensors (they never alias the pool), so :meth:`close` frees the pool
     even while batches are alive. Values (float32 after upload) equal the CPU path's
-    (``scipy.sparse.csr_matrix.toarray`` + ``astype(float32)``) exactly; duplicate CSR
-    entries are summed, as scipy sums them. Create and use pools in the main process only:
+    (``scipy.sparse.csr_matrix.toarray`` + ``astype(float32)``) exactly for CSR without
+    duplicate entries (what the writer stores). Duplicates are summed, as scipy sums them,
+    but in float32 and, on CUDA, in no fixed order: three or more of one cell may differ
+    from scipy by rounding. Create and use pools in the main process only:
     CUDA cannot be used in forked DataLoader workers.
 
     Examples

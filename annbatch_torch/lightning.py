@@ -301,9 +301,11 @@ class AnnBatchDataModule(pl.LightningDataModule):
         on_cuda = False
         if trainer is not None:
             on_cuda = getattr(trainer.strategy.root_device, "type", "cpu") == "cuda"
+        dev = getattr(ds, "device", None)
         kwargs: dict[str, Any] = {
             "num_workers": self.num_workers,
-            "pin_memory": on_cuda,
+            # batches of a dataset with device="cuda" are on the GPU already: not pinnable
+            "pin_memory": on_cuda and (dev is None or dev.type != "cuda"),
             "persistent_workers": self.num_workers > 0,
         }
         kwargs.update(self.dataloader_kwargs)

@@ -119,6 +119,12 @@ class AnnBatchDataLoader(StatefulDataLoader):
                 "AnnBatchDataset yields whole batches: leave DataLoader batch_size=None and set "
                 "batch_size on the dataset."
             )
+        dev = getattr(dataset, "device", None)
+        if kwargs.get("pin_memory") and dev is not None and dev.type == "cuda":
+            raise ValueError(
+                f"pin_memory=True: the dataset's batches are on {dev} already (device="
+                f"{str(dev)!r}) and GPU tensors cannot be pinned; leave pin_memory off."
+            )
         keys: frozenset[str] = frozenset()
         if kwargs.get("num_workers", 0) > 0 and not kwargs.get("pin_memory", False):
             keys = frozenset(dataset.deferred_dense_keys())

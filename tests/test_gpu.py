@@ -506,3 +506,22 @@ def test_gpu_check_dry_run_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-
     assert "to_device: 10 batches checked: OK" in out.stdout
     assert "DevicePool: 500 rows" in out.stdout
     assert "values equal: yes" in out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and cupy")
+def test_to_device_with_batches_already_on_the_gpu() -> None:
+    """to_device on a device pool's batches: CUDA -> CUDA moves as is (GPU tensors cannot
+    be pinned), CUDA -> CPU copies synchronously (values are read right away)."""
+    from annbatch_torch.convert import to_device
+
+    rng = np.random.default_rng(4)
+    m = _csr(64, 11, 0.3, rng)
+    dpool = DevicePool({"X": m}, "cuda")
+    batch = dpool.batch(0, 64, densify=False)
+    again = to_device(batch, "cuda")
+    np.testing.assert_array_equal(again["X"].cpu().numpy(), m.toarray())
+    back = to_device(batch, "cpu")
+    np.testing.assert_array_equal(back["X"].numpy(), m.toarray())
+    dense = dpool.batch(0, 64)
+    np.testing.assert_array_equal(to_device(dense, "cpu")["X"].numpy(), m.toarray())

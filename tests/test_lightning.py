@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -126,6 +127,17 @@ def test_prepare_data_never_overwrites_a_foreign_folder(h5ads: list[Path], tmp_p
     with pytest.raises(CollectionError, match="not an annbatch_torch collection"):
         _dm(h5ads, store).prepare_data()
     assert (store / "precious.txt").read_text() == "keep me"
+
+
+def test_loaders_pin_memory_on_cuda_unless_batches_are_on_the_gpu(store: Path) -> None:
+    dm = AnnBatchDataModule(None, store, batch_size=100, dataset_kwargs={"device": "cpu"})
+    dm.setup("fit")
+    assert dm.train_dataset is not None
+    dm.trainer = SimpleNamespace(  # type: ignore[assignment]
+        strategy=SimpleNamespace(root_device=torch.device("cuda")))
+    assert dm._loader(dm.train_dataset, "train").pin_memory  # CPU batches: pinned
+    dm.train_dataset.device = torch.device("cuda")  # as device="cuda" sets it (no CUDA here)
+    assert not dm._loader(dm.train_dataset, "train").pin_memory
 
 
 def test_without_inputs_the_store_is_used_as_is(store: Path, tmp_path: Path) -> None:

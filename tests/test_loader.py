@@ -111,6 +111,16 @@ def test_cuda_device_without_cuda_says_why(small_collection: Collection) -> None
         abt.AnnBatchDataset(small_collection, device="cuda")
 
 
+def test_pin_memory_is_refused_for_batches_on_the_gpu(small_collection: Collection) -> None:
+    ds = abt.AnnBatchDataset(small_collection, selector=SEL, batch_size=300, device="cpu")
+    abt.AnnBatchDataLoader(ds, pin_memory=True)  # CPU device pools can be pinned
+    ds.device = torch.device("cuda")  # as device="cuda" sets it (no CUDA here)
+    with pytest.raises(ValueError, match=r"pin_memory=True: the dataset's batches are on "
+                       r"cuda already .*leave pin_memory off"):
+        abt.AnnBatchDataLoader(ds, pin_memory=True)
+    assert not abt.AnnBatchDataLoader(ds).pin_memory
+
+
 def test_batches_are_views_and_kept_batches_stay_intact(small_collection: Collection) -> None:
     """In-process sparse batches share the pool's buffers (no copy); the buffers are reused
     once batches are dropped, and never while a batch is still held."""
