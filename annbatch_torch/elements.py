@@ -98,6 +98,8 @@ class CSRElement(Element):
         self.shape = (int(self.shape[0]), int(self.shape[1]))
         self.n_rows = self.shape[0]
         self.dtype = np.dtype(self.data.dtype)
+        #: indices chunks whose every value was checked inside [0, n_cols): {chunk: CRC}
+        self.checked_chunks: dict[int, int] = {}
         fix = "the sparse matrix is damaged; rewrite it (or the collection) from its inputs."
         if self.indptr.ndim != 1 or self.indptr.shape[0] != self.n_rows + 1:
             raise InputError(
@@ -154,22 +156,48 @@ class CSRElement(Element):
     def read_rows_scatter(
         self, start: int, stop: int, data_out: np.ndarray, indices_out: np.ndarray,
         dests: np.ndarray,
-    ) -> None:
+    ) -> dict[int, int] | None:
         """Copy row ``start + i``'s values and column indices to ``data_out[dests[i]:]``
         and ``indices_out[dests[i]:]`` for ``i < stop - start`` (rows land wherever the
-        caller wants them, e.g. at their shuffled positions in a pool)."""
+        caller wants them, e.g. at their shuffled positions in a pool).
+
+        Returns ``{chunk: CRC-32C}`` of the indices chunks read when they carry checksums
+        (else ``None``). Their parts read but not delivered were checked inside
+        ``[0, n_cols)`` already; a caller that checks the delivered indices may record the
+        chunks with :meth:`mark_checked` and skip its check when
+        :meth:`all_checked` says every chunk of a later read is one it checked before.
+        """
         if stop <= start:
-            return
+            return {}
         runs = self.indptr[start:stop]
         end = int(self.indptr[stop])
+        crcs: dict[int, int] | None = None
         for src, out in ((self.data, data_out), (self.indices, indices_out)):
             if hasattr(src, "read_runs"):
-                src.read_runs(runs, end, dests, out)
+                is_indices = src is self.indices
+                got = src.read_runs(runs, end, dests, out,
+                                    below=self.n_cols if is_indices else None)
+                if is_indices and getattr(src, "crc", False):
+                    crcs = got
             else:
                 values = np.asarray(src[int(runs[0]) : end])
                 lengths = np.diff(self.indptr[start : stop + 1])
                 pos = np.repeat(dests - (runs - runs[0]), lengths) + np.arange(values.size)
                 out[pos] = values
+        return crcs
+
+    def all_checked(self, crcs: dict[int, int] | None) -> bool:
+        """Whether every indices chunk in ``crcs`` (from :meth:`read_rows_scatter`) holds
+        exactly the values checked before (same CRC-32C)."""
+        if crcs is None:
+            return False
+        known = self.checked_chunks
+        return all(known.get(c) == crc for c, crc in crcs.items())
+
+    def mark_checked(self, crcs: dict[int, int] | None) -> None:
+        """Record that the indices chunks in ``crcs`` hold only valid column indices."""
+        if crcs:
+            self.checked_chunks.update(crcs)
 
     def read(self, start: int, stop: int) -> sp.csr_matrix:
         data, indices, lengths = self.read_raw(start, stop)

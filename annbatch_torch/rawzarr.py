@@ -113,14 +113,22 @@ class RawZarrArray:
             self._read_chunk_part(c, (a - c0) * row_bytes, dst)
 
     def read_runs(
-        self, starts: np.ndarray, stop: int, dests: np.ndarray, out: np.ndarray
-    ) -> None:
+        self, starts: np.ndarray, stop: int, dests: np.ndarray, out: np.ndarray,
+        below: int | None = None,
+    ) -> dict[int, int]:
         """Scatter elements ``[starts[0], stop)`` of this 1-D array into ``out``.
 
         The run ``[starts[i], starts[i + 1])`` (the last one ends at ``stop``) lands at
         ``out[dests[i]:]``. Each chunk file is read with one ``preadv`` call straight into
         the destinations (no intermediate copy) and, with ``crc32c``, verified in place:
         the pool reader uses this to put CSR rows directly at their shuffled positions.
+
+        Returns the CRC-32C of every chunk read (``{chunk: crc}``; empty without the
+        ``crc32c`` codec): a chunk read again with the same CRC holds the same values.
+        With ``below``, the parts of those chunks read but *not* delivered (before the
+        first and after the last element asked for) must hold values ``< below`` (compared
+        unsigned, so negatives fail too), else :class:`ChunkError`: together with a check
+        of what was delivered, every value of each returned chunk has been checked.
         """
         if self.ndim != 1:
             raise TypeError("read_runs needs a 1-D array")
@@ -130,7 +138,7 @@ class RawZarrArray:
         starts = np.asarray(starts, dtype=np.int64)
         dests = np.asarray(dests, dtype=np.int64)
         if starts.size == 0 or stop <= int(starts[0]):
-            return
+            return {}
         ends = np.append(starts[1:], stop)
         if int((dests + (ends - starts)).max()) > out.size or int(dests.min()) < 0:
             raise ValueError(f"{self.path}: read_runs destinations fall outside the buffer "
@@ -160,29 +168,35 @@ class RawZarrArray:
         d_b = (seg_dests * item).tolist()
         begin = [0, *cuts.tolist()]
         finish = [*cuts.tolist(), len(lo_b)]
+        crcs: dict[int, int] = {}
         for i0, i1 in zip(begin, finish):
             c = lo_b[i0] // (size * item)
             segs = [flat[d : d + (e - s)] for s, e, d in zip(lo_b[i0:i1], hi_b[i0:i1],
                                                              d_b[i0:i1])]
-            self._read_chunk_segments(c, lo_b[i0] - c * size * item,
-                                      hi_b[i1 - 1] - c * size * item, segs)
+            crc = self._read_chunk_segments(c, lo_b[i0] - c * size * item,
+                                            hi_b[i1 - 1] - c * size * item, segs, below)
+            if crc is not None:
+                crcs[c] = crc
+        return crcs
 
-    def _read_chunk_segments(self, c: int, first: int, last: int, segs: list[np.ndarray]) -> None:
-        """Read bytes ``[first, last)`` of chunk ``c`` into ``segs`` (consecutive pieces)."""
+    def _read_chunk_segments(self, c: int, first: int, last: int, segs: list[np.ndarray],
+                             below: int | None = None) -> int | None:
+        """Read bytes ``[first, last)`` of chunk ``c`` into ``segs`` (consecutive pieces);
+        returns the chunk's CRC-32C (``None`` without the codec or for an absent chunk)."""
         path = self._chunk_name(c)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             for seg in segs:  # absent chunk: fill value (zarr spec)
                 seg.view(self.dtype)[...] = self.fill_value
-            return
+            return None
         try:
             if not self.crc:
                 n = _preadv_full(fd, segs, first, last - first)
                 if n != last - first:
                     raise ChunkError(f"{path}: chunk file is truncated ({first + n} of "
                                      f"{last} bytes)")
-                return
+                return None
             import google_crc32c
 
             want = self.chunk_nbytes + 4
@@ -198,8 +212,20 @@ class RawZarrArray:
                 crc = google_crc32c.extend(crc, b)
             if crc != int.from_bytes(check[:4].tobytes(), "little"):
                 raise ChunkError(f"{path}: chunk checksum mismatch (the file is corrupted)")
+            if below is not None:
+                self._check_below(path, below, scratch[:first], tail)
+            return crc
         finally:
             os.close(fd)
+
+    def _check_below(self, path: str, below: int, *parts: np.ndarray) -> None:
+        unsigned = f"u{self.dtype.itemsize}"
+        for part in parts:
+            if len(part) and int(part.view(self.dtype).view(unsigned).max()) >= below:
+                bad = part.view(self.dtype)
+                value = int(bad[(bad < 0) | (bad >= below)][0])
+                raise ChunkError(f"{path}: chunk holds {value}, outside [0, {below}) (a "
+                                 "column index out of range: the store is damaged)")
 
     def _read_chunk_part(self, c: int, offset: int, dst: np.ndarray) -> None:
         self._read_chunk_segments(c, offset, offset + dst.nbytes, [dst.reshape(-1).view(np.uint8)])

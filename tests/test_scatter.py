@@ -30,7 +30,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 from annbatch_torch import rawzarr
 from annbatch_torch.collection import open_collection
 from annbatch_torch.datasets import write_synthetic_h5ads
-from annbatch_torch.elements import CSRElement
+from annbatch_torch.elements import CSRElement, bad_column
 from annbatch_torch.errors import ReadError
 from annbatch_torch.rawzarr import ChunkError, RawZarrArray, open_raw
 from annbatch_torch.reader import PoolReader
@@ -530,3 +530,63 @@ def test_corrupted_chunk_raises_read_error(tiny_raw_store: Path) -> None:
     order = np.arange(c.n_obs)[::-1].copy()
     with pytest.raises(ReadError, match=r"'X'.*checksum"):
         PoolReader(c, ["X"]).read(np.array([[0, c.n_obs]]), order)
+
+
+def _damage_index(indices: RawZarrArray, pos: int, bad: int) -> None:
+    """Set element ``pos`` of a raw indices array to ``bad``, with a valid CRC."""
+    c, off = divmod(pos, indices.chunk_rows)
+    p = chunk_path(indices, c)
+    values = np.frombuffer(p.read_bytes()[:-4], dtype=indices.dtype).copy()
+    values[off] = bad
+    payload = values.tobytes()
+    p.write_bytes(payload + google_crc32c.value(payload).to_bytes(4, "little"))
+
+
+def test_column_indices_are_scanned_once_per_chunk_content(
+    tiny_raw_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool whose indices chunks were all checked before (same CRC-32C) skips the scan;
+    a chunk rewritten since (another CRC) is scanned again and its damage caught."""
+    import annbatch_torch.reader as reader_mod
+
+    scans: list[int] = []
+
+    def counting(indices: np.ndarray, n_cols: int) -> int | None:
+        scans.append(len(indices))
+        return bad_column(indices, n_cols)
+
+    monkeypatch.setattr(reader_mod, "bad_column", counting)
+    c = open_collection(tiny_raw_store)
+    n = c.n_obs
+    reader = PoolReader(c, ["X"])
+    order = np.random.default_rng(1).permutation(n)
+    first = reader.read(np.array([[0, n]]), order)["X"].toarray()
+    assert len(scans) == 1
+    again = reader.read(np.array([[0, n]]), order)["X"].toarray()
+    np.testing.assert_array_equal(again, first)
+    part = reader.read(np.array([[10, 75]]))["X"].toarray()  # chunks checked above
+    np.testing.assert_array_equal(part, first[np.argsort(order)][10:75])
+    assert len(scans) == 1
+    indices = c.element(1, "X").indices
+    _damage_index(indices, 3, 1000)  # same open collection: the chunk's CRC changes
+    with pytest.raises(ReadError, match=r"column index 1000 outside \[0, 30\)"):
+        reader.read(np.array([[0, n]]), order)
+    assert len(scans) == 2
+
+
+def test_damage_in_the_unread_part_of_a_chunk_is_caught(tiny_raw_store: Path) -> None:
+    """Chunks are read (and checksummed) whole: the parts before and after the rows asked
+    for are range-checked too, so a chunk recorded as checked really is."""
+    c = open_collection(tiny_raw_store)
+    el = c.element(1, "X")
+    size = el.indices.chunk_rows
+    r = next(r for r in range(1, el.n_rows) if el.indptr[r] % size
+             and el.indptr[r] // size == el.indptr[r - 1] // size)
+    end = int(el.indptr[r])  # rows [0, r) end inside a chunk
+    _damage_index(el.indices, end, -7)  # the first value after them, same chunk
+    c = open_collection(tiny_raw_store)
+    off = int(c.shard_offsets[1])
+    with pytest.raises(ReadError, match=r"chunk holds -7, outside \[0, 30\) \(a column "
+                       r"index out of range"):
+        PoolReader(c, ["X"]).read(np.array([[off, off + r]]), np.arange(r)[::-1].copy())
+    PoolReader(c, ["X"]).read(np.array([[0, off]]))  # other shards read fine
