@@ -299,6 +299,11 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
             self._shared[1] = epoch
         skip = 0
         resume, self._resume = self._resume, None
+        if resume is not None and resume["epoch"] != epoch:
+            logger.warning(
+                "AnnBatchDataset: the loaded state resumes epoch %d, but epoch %d was set "
+                "since; epoch %d starts from its first batch.", resume["epoch"], epoch, epoch)
+            resume = None
         if resume is not None:
             if resume["num_workers"] != num_workers or resume["worker"] != worker:
                 raise ValueError(
@@ -320,20 +325,35 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Small JSON-serialisable progress of this copy: seed, epoch, worker, batches done.
 
-        Called by ``torchdata.stateful_dataloader.StatefulDataLoader`` in each worker.
+        Called by ``torchdata.stateful_dataloader.StatefulDataLoader`` in each worker. After
+        :meth:`set_epoch` moved to another epoch than the last one iterated, the state is
+        the start of that epoch.
         """
-        return {"version": 1, "seed": self.seed, **self._progress}
+        progress = self._progress
+        if progress["epoch"] != self.epoch:
+            progress = {**progress, "epoch": self.epoch, "batches": 0}
+        return {"version": 1, "seed": self.seed, **progress}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration skips the batches done."""
+        """Resume from :meth:`state_dict`: the next iteration skips the batches done.
+
+        The saved epoch becomes the dataset's epoch, unless a later epoch is set already:
+        then the state is stale and that epoch runs from its start. A state saved after an
+        epoch's last batch resumes that epoch with nothing left.
+        """
         resume = state_ints(state_dict, ("seed", "epoch", "worker", "num_workers", "batches"),
                             "AnnBatchDataset.state_dict()")
-        seed, epoch = resume.pop("seed"), resume.pop("epoch")
+        seed, epoch = resume.pop("seed"), resume["epoch"]
         if seed != self.seed:
             raise ValueError(
                 f"load_state_dict: the state was saved with seed={seed} but this dataset has "
                 f"seed={self.seed}; construct the dataset with seed={seed} to resume."
             )
+        self._resume = None
+        if self.epoch > epoch:
+            logger.info("AnnBatchDataset: epoch %d is set, later than the loaded state's "
+                        "(%d); it runs from its start.", self.epoch, epoch)
+            return
         self.set_epoch(epoch)
         self._shared[1] = -1  # resuming the same epoch is intended, not a forgotten set_epoch
         self._resume = resume

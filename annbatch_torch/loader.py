@@ -140,6 +140,25 @@ class AnnBatchDataLoader(StatefulDataLoader):
         it = super().__iter__()
         return _Densifying(it, self._deferred_keys) if self._deferred_keys else it
 
+    def state_dict(self) -> dict[str, Any]:
+        """torchdata's state plus the dataset's epoch: with workers the dataset states
+        are snapshots taken when batches were made, so a ``set_epoch`` after the last
+        batch (a checkpoint between epochs) would otherwise be lost."""
+        state = dict(super().state_dict())
+        state[_EPOCH_KEY] = self.dataset.epoch
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (also plain ``StatefulDataLoader`` states)."""
+        state = dict(state_dict)
+        epoch = state.pop(_EPOCH_KEY, None)
+        if epoch is not None and int(epoch) > self.dataset.epoch:
+            self.dataset.set_epoch(int(epoch))  # a later epoch than the snapshots' wins
+        super().load_state_dict(state)
+
+
+_EPOCH_KEY = "annbatch_torch_epoch"
+
 
 def is_mid_epoch(state: dict[str, Any], n_batches: int) -> bool:
     """Whether a ``StatefulDataLoader`` state was taken inside an epoch (neither before

@@ -12,7 +12,7 @@ import pytest
 import scipy.sparse as sp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from annbatch_torch import A, AnnBatchDataset
+from annbatch_torch import A, AnnBatchDataLoader, AnnBatchDataset
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,62 @@ def test_resume_with_other_worker_count_is_refused(h5ad: Path) -> None:
         list(other)
     with pytest.raises(ValueError, match="seed=9"):
         AnnBatchDataset(h5ad, seed=1).load_state_dict(state)
+
+
+def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def _epoch(h5ad: Path, epoch: int, num_workers: int) -> list[np.ndarray]:
+    ds = _ds(h5ad)
+    ds.set_epoch(epoch)
+    return _run(AnnBatchDataLoader(ds, num_workers=num_workers))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_checkpoint_between_epochs_resumes_the_next_epoch(h5ad: Path, num_workers: int) -> None:
+    """Epoch 2 done, set_epoch(3), checkpoint: the resumed run is epoch 3, whole. With
+    workers the dataset states inside the loader's state are snapshots from epoch 2."""
+    ds = _ds(h5ad)
+    loader = AnnBatchDataLoader(ds, num_workers=num_workers)
+    ds.set_epoch(2)
+    _run(loader)
+    ds.set_epoch(3)
+    state = loader.state_dict()
+    assert ds.state_dict()["epoch"] == 3
+    assert ds.state_dict()["batches"] == 0
+    fresh = _ds(h5ad)
+    resumed = AnnBatchDataLoader(fresh, num_workers=num_workers)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert _same(_run(resumed), _epoch(h5ad, 3, num_workers))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("k", ["mid", "all"])
+def test_a_later_set_epoch_wins_over_a_loaded_state(h5ad: Path, num_workers: int,
+                                                    k: str) -> None:
+    """State saved in (or at the end of) epoch 1, then the loop moves on: set_epoch(2)
+    after load_state_dict runs epoch 2 from its start, not the rest of epoch 1."""
+    full = _epoch(h5ad, 1, num_workers)
+    ds = _ds(h5ad)
+    ds.set_epoch(1)
+    loader = AnnBatchDataLoader(ds, num_workers=num_workers)
+    it = iter(loader)
+    for _ in range(len(full) // 2 if k == "mid" else len(full)):
+        next(it)
+    state = loader.state_dict()
+    del it
+    fresh = _ds(h5ad)
+    resumed = AnnBatchDataLoader(fresh, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    fresh.set_epoch(2)
+    assert _same(_run(resumed), _epoch(h5ad, 2, num_workers))
+    assert fresh.epoch == 2
+    # the same state resumed in its own epoch still yields exactly the rest
+    again = _ds(h5ad)
+    loader2 = AnnBatchDataLoader(again, num_workers=num_workers)
+    loader2.load_state_dict(state)
+    again.set_epoch(1)
+    rest = _run(loader2)
+    assert _same(rest, full[len(full) - len(rest):])
+    assert len(rest) == (len(full) - len(full) // 2 if k == "mid" else 0)
