@@ -59,6 +59,22 @@ class ObsProbe:
     why: str = ""
 
 
+def backed_file(adata: Any, label: str) -> Path | None:
+    """The file of a backed AnnData (read from there: the file's rows, the file's obs), or
+    ``None`` for an in-memory one. A backed *view* is refused: reading its file would
+    silently take every cell of it, not the view's."""
+    if not getattr(adata, "isbacked", False) or adata.filename is None:
+        return None
+    if getattr(adata, "is_view", False):
+        raise InputError(
+            f"{label}: a view of the backed AnnData {adata.filename} ({adata.n_obs} cells); "
+            "backed inputs are read from their file, which would take all of its cells. "
+            "Pass view.to_memory() (loads just these cells) or write the subset first "
+            "(view.write_h5ad(path)) and pass the path."
+        )
+    return Path(adata.filename)
+
+
 def _is_group(node: Any) -> bool:
     return hasattr(node, "keys") and not hasattr(node, "dtype")
 
@@ -204,8 +220,8 @@ class InputSource:
         self.index = index
         self._h5: Any = None
         self.adata: Any = None
-        if isinstance(obj, ad.AnnData) and obj.isbacked:
-            obj = obj.filename
+        if isinstance(obj, ad.AnnData):
+            obj = backed_file(obj, f"input #{index}") or obj
         if isinstance(obj, ad.AnnData):
             self.adata, self.path, self.kind = obj, None, "memory"
             self.label = f"<AnnData #{index}>"

@@ -30,6 +30,7 @@ from .elements import (
     read_index,
 )
 from .errors import CollectionError, InputError
+from .inputs import backed_file
 from .manifest import MANIFEST_NAME, FieldInfo
 
 
@@ -79,7 +80,8 @@ class InPlaceSource(Source):
     ----------
     inputs
         ``.h5ad`` paths, AnnData zarr store paths, or ``AnnData`` objects (backed ones are
-        reopened from their file).
+        reopened from their file, so obs edits made in memory are not seen; views of backed
+        objects are refused with the fix).
     """
 
     def __init__(self, inputs: Sequence[Any]) -> None:
@@ -88,13 +90,14 @@ class InPlaceSource(Source):
             raise InputError("No inputs given; pass at least one .h5ad/.zarr path or AnnData.")
         self._paths: list[Path | None] = []
         self._memory: list[Any] = []
-        for x in inputs:
+        for i, x in enumerate(inputs):
             if isinstance(x, str | os.PathLike):
                 self._paths.append(Path(x))
                 self._memory.append(None)
             elif hasattr(x, "obs") and hasattr(x, "var_names"):
-                if getattr(x, "isbacked", False) and x.filename is not None:
-                    self._paths.append(Path(x.filename))
+                path = backed_file(x, f"input #{i}")
+                if path is not None:
+                    self._paths.append(path)
                     self._memory.append(None)
                 else:
                     self._paths.append(None)

@@ -663,6 +663,29 @@ def test_check_csr_names_input_field_row_and_fix() -> None:
         check_csr("a.h5ad", "X", bad, first_row=1000)
 
 
+def test_backed_views_are_refused_with_the_fix(tmp_path: Path) -> None:
+    """Backed inputs are read from their file: a backed view would silently become the
+    whole file (all 40 cells instead of the view's)."""
+    a = _adata(40, 9)
+    p = tmp_path / "b.h5ad"
+    a.write_h5ad(p)
+    backed = ad.read_h5ad(p, backed="r")
+    view = backed[backed.obs["cell_type"] == "T"]
+    n_view = int((a.obs["cell_type"] == "T").sum())
+    assert 0 < n_view < 40
+    fix = (rf"a view of the backed AnnData .*b\.h5ad \({n_view} cells\).*view\.to_memory\(\)"
+           r".*view\.write_h5ad\(path\)")
+    with pytest.raises(InputError, match=fix):
+        AnnBatchDataset(view)
+    with pytest.raises(InputError, match=fix):
+        abt.create_anndata_collection([view], tmp_path / "out", progress=False)
+    # the fixes it names work; the whole backed object is read from its file
+    ds = AnnBatchDataset(view.to_memory(), batch_size=16, return_index=True)
+    assert sum(len(b["index"]) for b in ds) == n_view
+    assert sum(len(b["X"]) for b in AnnBatchDataset(backed, batch_size=16)) == 40
+    backed.file.close()
+
+
 def test_check_finite_names_input_field_row_and_fix() -> None:
     """The check the writer runs on every block of X / layers / obsm it reads."""
     from annbatch_torch.elements import check_finite
