@@ -134,24 +134,34 @@ class InPlaceSource(Source):
     def code_map(self, shard: int, field: str) -> np.ndarray | None:
         return self._code_maps.get((shard, field))
 
-    def _input_fields(self, shard: int) -> tuple[dict[str, FieldInfo], pd.Index]:
+    def _input_fields(self, shard: int) -> tuple[dict[str, FieldInfo], pd.Index, int]:
         where = self.shard_name(shard)
         adata = self._memory[shard]
         if adata is not None:
-            names = ["X"] + [f"layers/{k}" for k in adata.layers]
+            has_x = adata.X is not None
+            names = [f"layers/{k}" for k in adata.layers]
             names += [f"obsm/{k}" for k in adata.obsm] + [f"obs/{k}" for k in adata.obs.columns]
             var_names = pd.Index(adata.var_names.astype(str))
+            n_rows = int(adata.n_obs)
         else:
             group = self._open_shard(shard)
             self._handles[shard] = group
-            names = ["X"]
+            has_x = "X" in group
+            names = []
             for kind in ("layers", "obsm"):
                 if kind in group:
                     names += [f"{kind}/{k}" for k in group[kind]]
-            names += [f"obs/{k}" for k in group["obs"] if k != group["obs"].attrs.get("_index")]
+            obs = group["obs"]
+            index_key = obs.attrs.get("_index", "_index")
+            names += [f"obs/{k}" for k in obs if k != index_key]
             var_names = pd.Index(read_index(group["var"]))
+            n_rows = int(obs[index_key].shape[0])
+        if has_x:
+            names.insert(0, "X")
+        else:  # e.g. embeddings only: obsm / obs stay selectable
+            self._unavailable.setdefault(
+                "X", f"{where} has no X (it is None); select obsm, layers or obs fields.")
         out: dict[str, FieldInfo] = {}
-        n_rows = self.element(shard, "X").n_rows
         for name in names:
             try:
                 el = self.element(shard, name)
@@ -185,16 +195,17 @@ class InPlaceSource(Source):
                     out[name] = FieldInfo("dense", str(el.dtype), (None, *shape[1:]))
             if el.n_rows != n_rows:
                 raise InputError(
-                    f"{where}: field {name!r} has {el.n_rows} rows but X has {n_rows}; the "
+                    f"{where}: field {name!r} has {el.n_rows} rows but obs has {n_rows}; the "
                     "AnnData is inconsistent, fix or rewrite it."
                 )
-        return out, var_names
+        return out, var_names, n_rows
 
     def _inspect(self) -> None:
         self._pid = os.getpid()
         self._code_maps: dict[tuple[int, str], np.ndarray] = {}
         self._unavailable: dict[str, str] = {}
-        per_input = [self._input_fields(i) for i in range(len(self._paths))]
+        probed = [self._input_fields(i) for i in range(len(self._paths))]
+        per_input = [(f, vn) for f, vn, _ in probed]
         var_names = per_input[0][1]
         for i, (_, vn) in enumerate(per_input):
             if not vn.equals(var_names):
@@ -251,7 +262,7 @@ class InPlaceSource(Source):
             fields[name] = info
         self.fields = fields
         self.var_names = pd.Index(var_names, name="var_names")
-        self.shard_sizes = [self.element(i, "X").n_rows for i in range(len(self._paths))]
+        self.shard_sizes = [n for _, _, n in probed]
         self.close()
 
     def __repr__(self) -> str:

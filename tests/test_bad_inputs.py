@@ -686,6 +686,25 @@ def test_backed_views_are_refused_with_the_fix(tmp_path: Path) -> None:
     backed.file.close()
 
 
+def test_inputs_without_x_read_in_place(tmp_path: Path) -> None:
+    """An AnnData holding only embeddings (X is None): obsm and obs are selectable in
+    place; asking for X says why it is not there."""
+    emb = np.random.default_rng(0).random((30, 4)).astype(np.float32)
+    a = ad.AnnData(obs=pd.DataFrame({"ct": pd.Categorical(["a", "b", "c"] * 10)},
+                                    index=[f"c{i}" for i in range(30)]), obsm={"emb": emb})
+    p = tmp_path / "nox.h5ad"
+    a.write_h5ad(p)
+    for src in (a, p):
+        ds = AnnBatchDataset(src, selector={"e": A.obsm["emb"], "y": A.obs["ct"]},
+                             batch_size=8, shuffle=False, return_index=True)
+        got = list(ds)
+        rows = np.concatenate([b["index"].numpy() for b in got])
+        np.testing.assert_array_equal(rows, np.arange(30))
+        np.testing.assert_array_equal(torch.cat([b["e"] for b in got]).numpy(), emb)
+        with pytest.raises(SchemaError, match=r"has no X \(it is None\); select obsm"):
+            AnnBatchDataset(src, selector={"x": A.X})
+
+
 def test_check_finite_names_input_field_row_and_fix() -> None:
     """The check the writer runs on every block of X / layers / obsm it reads."""
     from annbatch_torch.elements import check_finite
@@ -772,9 +791,12 @@ def test_in_place_large_csc_is_refused(tmp_path: Path, monkeypatch: pytest.Monke
     p = tmp_path / "csc.h5ad"
     _adata(50, 4, fmt="csc").write_h5ad(p)
     monkeypatch.setattr(elements_mod, "DEFAULT_CSC_LIMIT", 100)
-    with pytest.raises(InputError, match=r"csc\.h5ad: field 'X' is stored as CSC .*"
+    with pytest.raises(SchemaError, match=r"csc\.h5ad: field 'X' is stored as CSC .*"
                        r"adata\.X = adata\.X\.tocsr\(\).*create_anndata_collection"):
         AnnBatchDataset(p)
+    # the file's other fields stay readable in place
+    ds = AnnBatchDataset(p, selector={"y": A.obs["cell_type"]}, batch_size=64)
+    assert sum(len(b["y"]) for b in ds) == 50
 
 
 def test_writer_accepts_csc(tmp_path: Path) -> None:
