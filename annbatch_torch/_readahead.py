@@ -68,6 +68,8 @@ class ReadAheadMixin:
         """Forget the next epoch's first pool read ahead at the end of an epoch (frees its
         memory; the next ``__iter__`` then reads it itself)."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None:
+        # in a forked child (a DataLoader worker) the future and executor are copies whose
+        # locks a parent thread may have held at fork time: just let them go
+        if ahead is not None and ahead[0][0] == os.getpid():
             ahead[1].cancel()
             ahead[2].shutdown(wait=False, cancel_futures=True)

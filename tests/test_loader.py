@@ -256,6 +256,32 @@ def test_next_epoch_first_pool_is_read_ahead(small_collection: Collection,
     assert ds._ahead is None
 
 
+def test_a_forked_copy_never_touches_the_parents_read_ahead(
+        small_collection: Collection) -> None:
+    """A DataLoader worker forked while a read-ahead was pending holds copies of the
+    parent's future and executor, whose locks a parent thread may have held at fork time:
+    the copy drops them without calling into them."""
+    import os
+
+    calls: list[str] = []
+
+    class Touch:
+        def cancel(self) -> None:
+            calls.append("cancel")
+
+        def shutdown(self, **kw: object) -> None:
+            calls.append("shutdown")
+
+    ds = abt.AnnBatchDataset(small_collection, batch_size=100)
+    ds._ahead = ((os.getpid() + 1, 0, 0, 1, None), Touch(), Touch())  # type: ignore[assignment]
+    ds.drop_read_ahead()
+    assert ds._ahead is None
+    assert calls == []
+    ds._ahead = ((os.getpid(), 0, 0, 1, None), Touch(), Touch())  # type: ignore[assignment]
+    ds.drop_read_ahead()  # its own: cancelled and shut down
+    assert calls == ["cancel", "shutdown"]
+
+
 def test_no_read_ahead_without_prefetch(small_collection: Collection) -> None:
     ds = abt.AnnBatchDataset(small_collection, batch_size=100, prefetch=False)
     assert len(list(ds)) == len(ds)
