@@ -332,7 +332,7 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
         progress = self._progress
         if progress["epoch"] != self.epoch:
             progress = {**progress, "epoch": self.epoch, "batches": 0}
-        return {"version": 1, "seed": self.seed, **progress}
+        return {"version": 1, "seed": self.seed, "world_size": self.world_size, **progress}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration skips the batches done.
@@ -348,6 +348,14 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
             raise ValueError(
                 f"load_state_dict: the state was saved with seed={seed} but this dataset has "
                 f"seed={self.seed}; construct the dataset with seed={seed} to resume."
+            )
+        saved_world = state_dict.get("world_size")  # absent from states of 0.1.0
+        if saved_world is not None and int(saved_world) != self.world_size:
+            raise ValueError(
+                f"load_state_dict: the state was saved with world_size={int(saved_world)} "
+                f"but this dataset runs with world_size={self.world_size}: every rank's "
+                "share of the epoch differs, so the batches done cannot be skipped. Resume "
+                "with the same number of ranks (or start the epoch afresh without the state)."
             )
         self._resume = None
         if self.epoch > epoch:

@@ -82,6 +82,14 @@ def test_resume_with_other_worker_count_is_refused(h5ad: Path) -> None:
         list(other)
     with pytest.raises(ValueError, match="seed=9"):
         AnnBatchDataset(h5ad, seed=1).load_state_dict(state)
+    assert state["world_size"] == 1
+    two = AnnBatchDataset(h5ad, selector={"x": A.X}, batch_size=32, chunk_size=16,
+                          preload_nchunks=4, seed=9, rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"saved with world_size=1 but this dataset runs "
+                       r"with world_size=2.*same number of ranks"):
+        two.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "world_size"}  # a 0.1.0 state: accepted
+    _ds(h5ad).load_state_dict(old)
 
 
 def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
