@@ -129,10 +129,20 @@ def _check_pool(case: dict[str, Any], device: str, backend: str | None) -> None:
 # --------------------------------------------------------------------------- CPU
 
 
-def test_module_and_cpu_pool_never_import_cupy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_paths_never_import_cupy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The loader, to_device to the CPU, the gpu module and CPU device pools (both CPU
+    backends) run without ever importing cupy."""
     code = (
-        "import sys, numpy as np, scipy.sparse as sp\n"
+        "import sys, anndata as ad, numpy as np, scipy.sparse as sp\n"
+        "import annbatch_torch as abt\n"
         "import annbatch_torch.gpu as g\n"
+        "a = ad.AnnData(sp.random(50, 7, density=0.5, format='csr', dtype=np.float32))\n"
+        "ds = abt.AnnBatchDataset(a, batch_size=16, densify=True)\n"
+        "assert sum(len(b['X']) for b in ds) == 50\n"
+        "moved = abt.to_device(abt.batch_dict_converter({'x': a.X}), 'cpu')\n"
+        "assert (moved['x'].numpy() == a.X.toarray()).all()\n"
+        "ds = abt.AnnBatchDataset(a, batch_size=16, densify=True, device='cpu')\n"
+        "assert sum(len(b['X']) for b in ds) == 50\n"
         "m = sp.random(20, 5, density=0.5, format='csr', dtype=np.float32)\n"
         "p = g.DevicePool({'X': m}, 'cpu')\n"
         "assert (p.batch(0, 20)['X'].numpy() == m.toarray()).all()\n"
