@@ -379,6 +379,7 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
     def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int, worker: int,
                     num_workers: int) -> Iterator[Any]:
         if not items:
+            self.drop_read_ahead()  # nothing to read: free a pool read ahead for this epoch
             return
         reader = self._get_reader()
         prefetch = self.prefetch if self.prefetch is not None else get_worker_info() is None
