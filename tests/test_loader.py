@@ -282,6 +282,17 @@ def test_a_forked_copy_never_touches_the_parents_read_ahead(
     assert calls == ["cancel", "shutdown"]
 
 
+def test_an_epoch_with_nothing_left_frees_the_read_ahead(small_collection: Collection) -> None:
+    ds = abt.AnnBatchDataset(small_collection, batch_size=100, seed=4)
+    ds.set_epoch(1)
+    n = sum(1 for _ in ds)
+    assert ds._ahead is not None  # epoch 2's first pool, read during epoch 1's last
+    state = {**ds.state_dict(), "epoch": 1, "batches": n}  # epoch 1 finished
+    ds.load_state_dict(state)
+    assert list(ds) == []
+    assert ds._ahead is None
+
+
 def test_no_read_ahead_without_prefetch(small_collection: Collection) -> None:
     ds = abt.AnnBatchDataset(small_collection, batch_size=100, prefetch=False)
     assert len(list(ds)) == len(ds)
