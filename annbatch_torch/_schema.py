@@ -17,6 +17,7 @@ import pandas as pd
 
 from .errors import InputError
 from .inputs import InputSource
+from .manifest import field_name_problem
 
 __all__ = ["OutField", "Schema", "resolve_schema"]
 
@@ -52,10 +53,17 @@ def _select(sources: list[InputSource], attr: str, prefix: str, wanted: list[str
     With ``wanted=None``, keys left out are recorded in ``unavailable`` with the reason.
     """
     if wanted is None:
-        keys = dict.fromkeys(k for s in sources for k in getattr(s, attr) if k.startswith(prefix))
+        keys = dict.fromkeys(k for s in sources for k in getattr(s, attr)
+                             if not isinstance(k, str) or k.startswith(prefix))
         out = []
         for k in keys:
             field = k if prefix else f"obs/{k}"
+            why = field_name_problem(field if isinstance(k, str) else k)
+            if why is not None:  # e.g. an obs column "CD4/CD8": it would name a sub-folder
+                unavailable[str(field)] = f"its name cannot be stored ({why})"
+                logger.warning("%s %r is not carried: its name cannot be stored (%s); "
+                               "rename it to carry it.", what, k, why)
+                continue
             probes = [getattr(s, attr).get(k) for s in sources]
             if any(p is None for p in probes):
                 lacking = sources[probes.index(None)].label
@@ -74,6 +82,13 @@ def _select(sources: list[InputSource], attr: str, prefix: str, wanted: list[str
     out = []
     for name in wanted:
         k = f"{prefix}{name}"
+        why = field_name_problem(k if prefix else f"obs/{name}")
+        if why is not None:
+            raise InputError(
+                f"{sources[0].label}: {what} {name!r} cannot be stored: {why}. Fix: rename it "
+                "in the inputs (e.g. adata.obs.rename(columns={old: new})) or drop it from "
+                "the list."
+            )
         for s in sources:
             p = getattr(s, attr).get(k)
             if p is None:
@@ -161,6 +176,16 @@ def _resolve_obs(sources: list[InputSource], columns: list[str]) -> list[OutFiel
             else:
                 cats = list(p.categories or ())
             local.append(cats)
+        kinds = [_category_kind(cats) for cats in local]
+        a = next((i for i, k in enumerate(kinds) if k is not None), 0)
+        b = next((i for i, k in enumerate(kinds) if k not in (None, kinds[a])), None)
+        if b is not None:
+            raise InputError(
+                f"{sources[a].label}: obs column {c!r} has {kinds[a]} categories there but "
+                f"{kinds[b]} ones in {sources[b].label} (e.g. 1 vs '1'): one label would "
+                f"become two classes. Fix: make them one type in every input, e.g. "
+                f"adata.obs[{c!r}] = adata.obs[{c!r}].astype(str).astype('category')."
+            )
         union = pd.Index(list(dict.fromkeys(v for cats in local for v in cats)))
         ordered = all(p.ordered for p in probes) and all(list(x) == local[0] for x in local)
         luts = [np.append(union.get_indexer(pd.Index(cats)), -1).astype(np.int32)
@@ -170,6 +195,17 @@ def _resolve_obs(sources: list[InputSource], columns: list[str]) -> list[OutFiel
                                categories=[v.item() if hasattr(v, "item") else v
                                            for v in union], ordered=ordered, luts=luts))
     return fields
+
+
+def _category_kind(cats: list[Any]) -> str | None:
+    """``"numeric"``, ``"string"`` or ``"other"`` for a list of categories (``None`` when
+    empty); categories of one column must be of one kind across inputs."""
+    if not len(cats):
+        return None
+    kinds = {"string" if isinstance(v, str) else
+             "numeric" if isinstance(v, int | float | np.number) and not isinstance(v, bool)
+             else "other" for v in cats}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[str] | None,
@@ -187,6 +223,8 @@ def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[
                 raise InputError(f"{s.label}: {key} has shape {p.shape} but the AnnData is "
                                  f"{s.n_obs} x {len(s.var_names)}; the file is damaged.")
         dtype = np.result_type(*[p.dtype for p in probes])
+        if dtype == np.float16:  # scipy.sparse has no float16
+            dtype = np.dtype(np.float32)
         fields.append(OutField(key, "csr", np.dtype(dtype), width=len(var_names)))
     for key in _select(sources, "obsm", "obsm/", obsm, "obsm entry", unavailable):
         probes = [s.obsm[key] for s in sources]

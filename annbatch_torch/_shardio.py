@@ -64,11 +64,13 @@ def release_memory() -> None:
 
 @dataclass(frozen=True)
 class Segment:
-    """One array of a bucket frame: ``per_row`` elements per row (0: variable length)."""
+    """One array of a bucket frame: ``per_row`` elements per row (0: variable length);
+    ``matrix`` ones are 2-D (``(rows, per_row)``, even with one column)."""
 
     name: str
     dtype: np.dtype
     per_row: int
+    matrix: bool = False
 
 
 def bucket_segments(fields: list[Any]) -> list[Segment]:
@@ -81,7 +83,7 @@ def bucket_segments(fields: list[Any]) -> list[Segment]:
                      Segment(f"{f.key}:idx", np.dtype(np.int32), 0),
                      Segment(f"{f.key}:data", f.dtype, 0)]
         elif f.kind == "dense":
-            segs.append(Segment(f.key, f.dtype, int(f.width)))
+            segs.append(Segment(f.key, f.dtype, int(f.width), matrix=True))
         elif f.kind == "categorical":
             segs.append(Segment(f.key, np.dtype(np.int32), 1))
         else:
@@ -189,8 +191,9 @@ def load_bucket(path: Path, segments: list[Segment]) -> dict[str, np.ndarray]:
                     view = view[f.readinto(view):]
                 cursor[j] += n
     arrays = {}
+    n_rows = out[0].size if out else 0  # the first segment is "pos": one per row
     for s, a in zip(segments, out):
-        arrays[s.name] = a.reshape(-1, s.per_row) if s.per_row > 1 else a
+        arrays[s.name] = a.reshape(n_rows, s.per_row) if s.matrix else a
     return arrays
 
 
@@ -313,9 +316,11 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
            dtype: np.dtype) -> sp.csr_matrix:
     """Block rows in the collection's var order and dtype (sparse in, sparse out)."""
     if not sp.issparse(m):
-        m = sp.csr_matrix(m)
-    # a copy when sorting in place below: the block may view an in-memory input's arrays
-    data = np.array(m.data, dtype=dtype, copy=not is_sorted)
+        m = sp.csr_matrix(np.asarray(m, dtype=dtype))  # scipy has no float16: cast first
+    # a copy when sorting in place below (the block may view an in-memory input's arrays);
+    # else one only if the dtype changes (numpy 2's
+    # copy=False would refuse that cast: inputs of different dtypes are promoted)
+    data = np.array(m.data, dtype=dtype) if not is_sorted else np.asarray(m.data, dtype=dtype)
     indices, indptr = m.indices, m.indptr
     if col_map is not None:
         indices = col_map[indices]

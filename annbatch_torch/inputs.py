@@ -307,7 +307,7 @@ class InputSource:
         self.matrices = {"X": _probe_memory_matrix(a.X)}
         self.matrices.update({f"layers/{k}": _probe_memory_matrix(v) for k, v in a.layers.items()})
         self.obsm = {f"obsm/{k}": _probe_memory_matrix(v) for k, v in a.obsm.items()}
-        self.obs = {str(c): _probe_memory_obs(a.obs[c]) for c in a.obs.columns}
+        self.obs = {c: _probe_memory_obs(a.obs[c]) for c in a.obs.columns}  # names as they are
 
     # -- readers --------------------------------------------------------------------
     def _value(self, key: str) -> Any:

@@ -44,6 +44,8 @@ from typing import Any
 from .errors import CollectionError
 
 __all__ = [
+    "field_name_problem",
+    "looks_like_collection",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -187,15 +189,27 @@ def _safe_child(root: Path, rel: Any, what: str, where: str) -> Path:
     return resolved
 
 
+def field_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be a field, or ``None``. A field is ``X`` or
+    ``layers|obsm|obs/<key>``; the key names one store node (no ``/``, ``\\``, NUL,
+    ``.``/``..``, not empty): field names become paths inside shards."""
+    if not isinstance(name, str):
+        return f"{name!r} is not a string"
+    kind, sep, key = name.partition("/")
+    if name == "X":
+        return None
+    if not sep or kind not in ("layers", "obsm", "obs"):
+        return "it is not 'X', 'layers/NAME', 'obsm/NAME' or 'obs/NAME'"
+    if key in ("", ".", ".."):
+        return f"the name {key!r} cannot name a folder"
+    bad = [c for c in ("/", "\\", "\0") if c in key]
+    if bad:
+        return f"the name {key!r} holds {bad[0]!r}, which cannot be part of a folder name"
+    return None
+
+
 def _check_field_name(name: Any, where: str) -> None:
-    """A field is ``X`` or ``layers|obsm|obs/<key>``; the key names one store node (no
-    ``/``, ``\\``, ``..``): field names become paths inside shards."""
-    kind, sep, key = name.partition("/") if isinstance(name, str) else ("", "", "")
-    ok = name == "X" or (
-        sep and kind in ("layers", "obsm", "obs") and key not in ("", ".", "..")
-        and "/" not in key and "\\" not in key and "\0" not in key
-    )
-    if not ok:
+    if field_name_problem(name) is not None:
         raise CollectionError(
             f"{where}: field name {name!r} is not 'X' or 'layers/NAME', 'obsm/NAME', "
             "'obs/NAME' with a plain NAME; the manifest is damaged or hostile, rewrite the "
@@ -219,6 +233,18 @@ def write_manifest(root: str | os.PathLike[str], manifest: Manifest) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, root / name)
+
+
+def looks_like_collection(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` holds a ``manifest.json`` whose ``format`` is this package's (it
+    may still be damaged): the test before a folder may be replaced with
+    ``overwrite=True``, so a foreign folder that merely has a ``manifest.json`` is kept."""
+    try:
+        with open(Path(root) / MANIFEST_NAME, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get("format") == FORMAT
 
 
 def read_manifest(root: str | os.PathLike[str]) -> Manifest:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CollectionError
-from .manifest import MANIFEST_NAME
+from .manifest import FORMAT, MANIFEST_NAME, looks_like_collection
 from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, store_staleness
 
 __all__ = ["prepare_collection", "lock_path", "explicit_settings"]
@@ -42,11 +42,12 @@ def explicit_settings(collection_kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _check_overwritable(p: Path) -> None:
-    if p.exists() and not (p / MANIFEST_NAME).is_file():
+    if p.exists() and not looks_like_collection(p):
         if p.is_dir() and not any(p.iterdir()):
             return
         raise CollectionError(
-            f"{p} exists but is not an annbatch_torch collection (no {MANIFEST_NAME}); "
+            f"{p} exists but is not an annbatch_torch collection (no {MANIFEST_NAME} with "
+            f"format {FORMAT!r}); "
             "refusing to overwrite it. Remove it or choose another store_path."
         )
 

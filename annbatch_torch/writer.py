@@ -81,7 +81,15 @@ from ._writer_budget import parse_memory
 from .collection import Collection, open_collection
 from .errors import InputError
 from .inputs import InputSource
-from .manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, write_manifest
+from .manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    FieldInfo,
+    Manifest,
+    ShardInfo,
+    looks_like_collection,
+    write_manifest,
+)
 
 __all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",
            "DEFAULT_CHUNK_ELEMS", "VAR_JOINS"]
@@ -109,9 +117,10 @@ def _check_output(out: Path, overwrite: bool, sources_paths: list[Path]) -> None
             "store is removed only after the new one is complete), or choose another "
             "output_path."
         )
-    if out.is_dir() and not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+    if out.is_dir() and not looks_like_collection(out) and any(out.iterdir()):
         raise InputError(
-            f"{out}: exists and is not an annbatch_torch collection (no {MANIFEST_NAME}); "
+            f"{out}: exists and is not an annbatch_torch collection (no {MANIFEST_NAME} "
+            f"with format {FORMAT!r}); "
             "refusing to delete it with overwrite=True. Remove it yourself or choose another "
             "output_path."
         )

@@ -587,3 +587,85 @@ def test_peak_memory_bounded(tmp_path: Path) -> None:
         assert res[peak] <= res["mem"], (
             f"{peak}: peak RSS {res[peak] / 1e6:.0f} MB above max_memory {res['mem'] / 1e6:.0f} "
             f"MB (baseline {res['base'] / 1e6:.0f} MB)")
+
+
+# -- input shapes and names found by review --------------------------------------------------
+def _by_name(out: ad.AnnData, names: list[str]) -> np.ndarray:
+    return pd.Index(names).get_indexer(out.obs_names)
+
+
+def test_dtypes_promote_across_inputs_and_float16_and_one_column_obsm(tmp_path: Path) -> None:
+    """float32 + float64 inputs (numpy 2 refused the cast), dense float16 X (scipy has no
+    float16) and an n x 1 obsm entry are written with every value equal."""
+    rng = np.random.default_rng(3)
+    x = sp.random(30, 6, density=0.5, format="csr", random_state=rng) * 10
+    a = ad.AnnData(x.astype(np.float32), obs=pd.DataFrame(index=[f"a{i}" for i in range(30)]))
+    b = ad.AnnData(x.astype(np.float64), obs=pd.DataFrame(index=[f"b{i}" for i in range(30)]))
+    for m in (a, b):
+        m.var_names = [f"g{k}" for k in range(6)]
+        m.obsm["score"] = rng.random((30, 1)).astype(np.float32)
+    coll = create_anndata_collection([a, b], tmp_path / "mixed", progress=False)
+    assert coll.fields["X"].dtype == "float64"
+    assert tuple(coll.fields["obsm/score"].shape) == (None, 1)
+    out = load_all(tmp_path / "mixed")
+    order = _by_name(out, [*a.obs_names, *b.obs_names])
+    np.testing.assert_array_equal(dense(out.X), np.concatenate([dense(a.X), dense(b.X)])[order])
+    ref = np.concatenate([a.obsm["score"], b.obsm["score"]])
+    np.testing.assert_array_equal(out.obsm["score"], ref[order])
+    half = ad.AnnData(x.toarray().astype(np.float16),
+                      obs=pd.DataFrame(index=[f"h{i}" for i in range(30)]))
+    coll = create_anndata_collection([half], tmp_path / "half", progress=False)
+    assert coll.fields["X"].dtype == "float32"
+    out = load_all(tmp_path / "half")
+    np.testing.assert_array_equal(dense(out.X), half.X.astype(np.float32)[_by_name(
+        out, list(half.obs_names))])
+
+
+def test_a_foreign_folder_with_a_manifest_json_is_never_replaced(
+        synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    from annbatch_torch import CollectionError, prepare_collection
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / MANIFEST_NAME).write_text(json.dumps({"name": "my experiment"}))
+    (mine / "results.csv").write_text("keep")
+    with pytest.raises(InputError, match="is not an annbatch_torch collection"):
+        create_anndata_collection(synthetic_h5ads[:1], mine, overwrite=True, progress=False)
+    with pytest.raises(CollectionError, match="is not an annbatch_torch collection"):
+        prepare_collection(synthetic_h5ads[:1], mine, progress=False)
+    assert (mine / "results.csv").read_text() == "keep"
+
+
+def test_field_names_that_cannot_be_stored(tmp_path: Path) -> None:
+    """Names that would be paths (or not strings) are left out with the reason by default,
+    refused with the fix when asked for, and the store always opens afterwards."""
+    a = synthetic(40, 8, seed=1)
+    a.obs["CD4/CD8"] = 1.0
+    a.obs["a\\b"] = 2.0
+    a.obs[7] = 3.0
+    a.obs["fine"] = 4.0
+    coll = create_anndata_collection([a], tmp_path / "s", progress=False)
+    unavailable = coll.manifest.extra["unavailable"]
+    assert "obs/fine" in coll.fields
+    for name in ("obs/CD4/CD8", "obs/a\\b", "obs/7"):
+        assert name not in coll.fields
+        assert "its name cannot be stored" in unavailable[name]
+    assert open_collection(tmp_path / "s").n_obs == 40
+    with pytest.raises(InputError, match=r"obs column 'CD4/CD8' cannot be stored: .*'/'.*"
+                       r"Fix: rename it"):
+        create_anndata_collection([a], tmp_path / "t", obs_columns=["CD4/CD8"],
+                                  progress=False)
+    assert not (tmp_path / "t").exists()
+
+
+def test_categories_of_different_types_across_inputs_are_refused(tmp_path: Path) -> None:
+    a = synthetic(20, 5, seed=1)
+    b = synthetic(20, 5, seed=2, obs_prefix="b_")
+    a.obs["batch"] = pd.Categorical([1, 2] * 10)
+    b.obs["batch"] = pd.Categorical(["1", "2"] * 10)
+    with pytest.raises(InputError, match=r"obs column 'batch' has numeric categories there "
+                       r"but string ones in <AnnData #1>.*astype\(str\)"):
+        create_anndata_collection([a, b], tmp_path / "s", progress=False)
+    b.obs["batch"] = pd.Categorical([3, 1] * 10)  # one type: unioned as usual
+    coll = create_anndata_collection([a, b], tmp_path / "s", progress=False)
+    assert list(coll.fields["obs/batch"].categories) == [1, 2, 3]
