@@ -28,7 +28,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from .elements import check_csr, check_finite
-from .errors import CollectionError
+from .errors import CollectionError, InputError
 
 if TYPE_CHECKING:
     from ._schema import Schema
@@ -217,7 +217,7 @@ def compressors_for(compressor: Any, zarr_format: int) -> Any:
 
         return [Crc32cCodec()]
     if name not in ("lz4", "zstd", "lz4hc", "blosclz", "zlib"):
-        raise ValueError(
+        raise InputError(
             f"compressor {compressor!r} unknown; use 'raw', 'lz4', 'zstd' or 'none'."
         )
     clevel = 3 if name == "zstd" else 5

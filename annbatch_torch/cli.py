@@ -34,8 +34,8 @@ def _shuffle(args: argparse.Namespace) -> int:
         var_join=args.var_join, obs_columns=args.obs, layers=args.layers, obsm=args.obsm,
         n_obs_per_shard=args.shard_size, max_memory=args.max_memory,
         overwrite=args.overwrite, progress=not args.no_progress,
-        zarr_format=args.zarr_format, zarr_chunk_elems=args.chunk_elems,
-        compressor=args.compressor,
+        zarr_format=args.zarr_format, compressor=args.compressor,
+        **({} if args.chunk_elems is None else {"zarr_chunk_elems": args.chunk_elems}),
     )
     print(f"wrote {coll.path}: {coll.n_obs:,} cells x {coll.n_vars:,} genes in "
           f"{len(coll.shards)} shards")
@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace an existing collection")
     s.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     s.add_argument("--zarr-format", type=int, choices=[2, 3], default=3)
-    s.add_argument("--chunk-elems", type=int, default=1 << 17,
-                   help="elements per zarr chunk (default 131072)")
+    s.add_argument("--chunk-elems", type=int, default=None,
+                   help="elements per zarr chunk (default 65536, the writer's default)")
     s.add_argument("--compressor", default="raw",
                    help="raw (default: uncompressed + CRC-32C, fastest reads), lz4, zstd or none")
     s.set_defaults(func=_shuffle)

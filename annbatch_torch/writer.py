@@ -297,6 +297,14 @@ def create_anndata_collection(
         raise InputError(f"n_obs_per_shard={n_obs_per_shard!r} must be a positive integer.")
     if zarr_format not in (2, 3):
         raise InputError(f"zarr_format={zarr_format!r} must be 2 or 3.")
+    for name, value, low in (("zarr_chunk_elems", zarr_chunk_elems, 1),
+                             ("seed", 0 if seed is None else seed, 0)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+            raise InputError(f"{name}={value!r} must be an integer >= {low}"
+                             + (" (or None for a fresh random seed)." if name == "seed"
+                                else f" (default {DEFAULT_CHUNK_ELEMS})."))
+    if isinstance(n_obs_per_shard, bool):
+        raise InputError(f"n_obs_per_shard={n_obs_per_shard!r} must be a positive integer.")
     opts = {"zarr_format": zarr_format, "chunk_elems": int(zarr_chunk_elems),
             "shard_elems": zarr_shard_elems,
             "compressors": compressors_for(compressor, zarr_format)}

@@ -72,6 +72,14 @@ def test_errors_are_reported_not_raised(synthetic_h5ads: list[Path], tmp_path: P
     assert f"{out}: the output already exists" in err
     assert "overwrite" in err
     assert main([*args, "--overwrite"]) == 0
+    # the writer's default chunking (the CLI once defaulted to another)
+    from annbatch_torch.writer import DEFAULT_CHUNK_ELEMS
+
+    assert open_collection(out).manifest.extra["writer"]["zarr_chunk_elems"] == \
+        DEFAULT_CHUNK_ELEMS
+    capsys.readouterr()
+    assert main([*args, "--overwrite", "--compressor", "foo"]) == 2  # reported, no traceback
+    assert "error: compressor 'foo' unknown" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["shuffle", str(synthetic_h5ads[0]), "-o", str(out), "--var-join", "left"])
     assert e.value.code == 2
