@@ -86,8 +86,11 @@ def _info(args: argparse.Namespace) -> int:
     print("inputs")
     for rec in m.inputs:
         where = rec.get("path") or rec.get("name") or "?"
-        size = f", {_human(rec['size'])}" if rec.get("size") is not None else ""
-        print(f"  {where} ({rec.get('n_obs', '?'):,} cells{size})")
+        size = rec.get("size")
+        size_txt = f", {_human(size)}" if isinstance(size, int | float) else ""
+        n = rec.get("n_obs")
+        cells = f"{n:,}" if isinstance(n, int) else "?"
+        print(f"  {where} ({cells} cells{size_txt})")
     return 0
 
 

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import CollectionError
 
 __all__ = [
@@ -102,13 +104,34 @@ class FieldInfo:
                 f"{where}: field {name!r} has no valid 'kind' (one of {list(FIELD_KINDS)}); "
                 "the manifest is damaged, rewrite the collection."
             )
+        def bad(what: str) -> CollectionError:
+            return CollectionError(f"{where}: field {name!r} has {what}; the manifest is "
+                                   "damaged, rewrite the collection.")
+
         cats = obj.get("categories")
+        if cats is not None and not isinstance(cats, list):
+            raise bad(f"'categories' {cats!r}, not a JSON list")
+        shape = obj.get("shape", [None])
+        if not isinstance(shape, list) or not shape or not all(
+                v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+                for v in shape):
+            raise bad(f"'shape' {shape!r}, not a list of sizes (null for the rows)")
+        ordered = obj.get("ordered", False)
+        if not isinstance(ordered, bool):
+            raise bad(f"'ordered' {ordered!r}, not true or false")
+        dtype = obj.get("dtype", "float32")
+        try:
+            ok = isinstance(dtype, str) and np.dtype(dtype).kind in "biuf"
+        except TypeError:
+            ok = False
+        if not ok:
+            raise bad(f"'dtype' {dtype!r}, not a numeric numpy dtype")
         return cls(
             kind=obj["kind"],
-            dtype=str(obj.get("dtype", "float32")),
-            shape=tuple(obj.get("shape", [None])),
+            dtype=dtype,
+            shape=tuple(shape),
             categories=tuple(cats) if cats is not None else None,
-            ordered=bool(obj.get("ordered", False)),
+            ordered=ordered,
         )
 
 
@@ -294,16 +317,16 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
         n_obs, n_vars = _json_int(obj["n_obs"], "n_obs"), _json_int(obj["n_vars"], "n_vars")
         if not isinstance(raw_shards, list) or not isinstance(raw_fields, dict):
             raise TypeError("'shards' must be a list and 'fields' an object")
-        shards = []
+        shards, where_to = [], []
         for s in raw_shards:
-            _safe_child(root, s["path"], "shard", str(mpath))
+            where_to.append(_safe_child(root, s["path"], "shard", str(mpath)))
             shards.append(ShardInfo(s["path"], _json_int(s["n_obs"], "n_obs")))
     except (KeyError, TypeError, ValueError) as e:
         raise CollectionError(
             f"{mpath}: missing or malformed entry {e}; the manifest is damaged, rewrite the "
             "collection."
         ) from e
-    if len({s.path for s in shards}) != len(shards):
+    if len(set(where_to)) != len(shards):  # also "./shard_0" beside "shard_0"
         raise CollectionError(
             f"{mpath}: a shard is listed twice; the manifest is damaged, rewrite the collection."
         )
@@ -341,6 +364,17 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
         "var_names_sha256", "shards", "fields", "shuffle", "seed", "var_join", "inputs", "extra",
         "all_chunks_written",
     }
+    for key, kind, ok in (("extra", "a JSON object", isinstance(obj.get("extra", {}), dict)),
+                          ("inputs", "a JSON list of objects",
+                           isinstance(obj.get("inputs", []), list)
+                           and all(isinstance(r, dict) for r in obj.get("inputs", []))),
+                          ("seed", "an integer or null", obj.get("seed") is None or (
+                              isinstance(obj.get("seed"), int)
+                              and not isinstance(obj.get("seed"), bool))),
+                          ("shuffle", "true or false", isinstance(obj.get("shuffle", True), bool))):
+        if not ok:
+            raise CollectionError(f"{mpath}: {key!r} must be {kind}, got {obj.get(key)!r}; the "
+                                  "manifest is damaged, rewrite the collection.")
     extra = dict(obj.get("extra", {}))
     extra.update({k: v for k, v in obj.items() if k not in known})
     return Manifest(

@@ -211,6 +211,45 @@ def test_manifest_field_without_kind(coll: Path) -> None:
         open_collection(coll)
 
 
+@pytest.mark.parametrize(
+    ("field", "key", "value", "match"),
+    [
+        ("X", "shape", 5, r"field 'X' has 'shape' 5, not a list of sizes"),
+        ("X", "dtype", "object", r"field 'X' has 'dtype' 'object', not a numeric"),
+        ("X", "dtype", ["f4"], r"field 'X' has 'dtype' \['f4'\]"),
+        ("obs/cell_type", "categories", "xy", r"'categories' 'xy', not a JSON list"),
+        ("obs/cell_type", "ordered", "false", r"'ordered' 'false', not true or false"),
+    ],
+)
+def test_manifest_field_entries_of_the_wrong_type(coll: Path, field: str, key: str,
+                                                  value: Any, match: str) -> None:
+    """Wrong JSON types are refused by name (no bare TypeError; a string is never split
+    into categories, "false" is never true)."""
+    obj = _manifest(coll)
+    obj["fields"][field][key] = value
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    with pytest.raises(CollectionError, match=match + ".*rewrite the collection"):
+        open_collection(coll)
+
+
+@pytest.mark.parametrize(("key", "value"), [("inputs", 5), ("inputs", [1]), ("extra", [1]),
+                                            ("seed", "0"), ("shuffle", "yes")])
+def test_manifest_entries_of_the_wrong_type(coll: Path, key: str, value: Any) -> None:
+    _edit_manifest(coll, **{key: value})
+    with pytest.raises(CollectionError, match=rf"'{key}' must be .*, got .*rewrite"):
+        open_collection(coll)
+
+
+def test_a_shard_listed_twice_under_two_spellings(coll: Path) -> None:
+    obj = _manifest(coll)
+    first = dict(obj["shards"][0])
+    obj["shards"].append({**first, "path": "./" + first["path"]})
+    obj["n_obs"] += first["n_obs"]
+    (coll / MANIFEST_NAME).write_text(json.dumps(obj))
+    with pytest.raises(CollectionError, match="a shard is listed twice"):
+        open_collection(coll)
+
+
 # --------------------------------------------------------------------------------------
 # paths confined to the store (security)
 # --------------------------------------------------------------------------------------
