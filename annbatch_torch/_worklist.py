@@ -23,6 +23,7 @@ __all__ = [
     "dataloader_order",
     "consumed_per_worker",
     "remaining_items",
+    "total_batches",
     "state_ints",
 ]
 
@@ -195,6 +196,13 @@ def consumed_per_worker(per_worker_counts: Sequence[int], n_consumed: int) -> li
             done[w] += rounds
         left -= rounds * len(active)
     return done
+
+
+def total_batches(items: Sequence[WorkItem]) -> int:
+    """Batches in ``items`` (one worker's plan of an epoch)."""
+    if isinstance(items, WorkList):
+        return int(items.batch_counts.sum())
+    return int(sum(it.n_batches for it in items))
 
 
 def remaining_items(items: Sequence[WorkItem], consumed: int) -> Sequence[WorkItem]:

@@ -311,7 +311,10 @@ class AnnBatchDataModule(pl.LightningDataModule):
         kwargs.update(self.dataloader_kwargs)
         if not kwargs.get("num_workers"):
             kwargs["persistent_workers"] = False  # DataLoader refuses it without workers
-        return AnnBatchDataLoader(ds, **kwargs)
+        loader = AnnBatchDataLoader(ds, **kwargs)
+        # Lightning applies a state saved at an epoch's last step to the next epoch
+        loader._finished_starts_next_epoch = True
+        return loader
 
     def train_dataloader(self) -> AnnBatchDataLoader:
         """Shuffled training batches of this rank; Lightning advances the epoch.
@@ -395,9 +398,18 @@ class AnnBatchDataModule(pl.LightningDataModule):
             # trainer.estimated_stepping_batches, Lightning builds the loader before it
             # restores its loops and never applies its own saved loader state
             state = loader.state_dict()
-            if is_mid_epoch(state, len(loader)):
+            if is_mid_epoch(state, self._epoch_batches(loader)):
                 out["train_loader"] = state
         return out
+
+    def _epoch_batches(self, loader: AnnBatchDataLoader) -> int:
+        """Batches of a training epoch: the loader's, or fewer under the trainer's
+        ``limit_train_batches`` (a state at that limit is an epoch's end, not its middle)."""
+        n = len(loader)
+        limit = getattr(getattr(self, "trainer", None), "num_training_batches", None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < n:
+            return limit
+        return n
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the seed (split and epoch orders) and the epoch of :meth:`state_dict`.

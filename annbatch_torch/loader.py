@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import Sampler, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from . import sampling
 from .convert import csr_tensor_to_dense
 from .dataset import AnnBatchDataset
 
@@ -131,6 +132,9 @@ class AnnBatchDataLoader(StatefulDataLoader):
         if keys:
             kwargs["worker_init_fn"] = _DeferDensify(kwargs.get("worker_init_fn"))
         super().__init__(dataset, **kwargs)
+        # AnnBatchDataModule's loaders: a state saved after an epoch's last batch starts the
+        # next epoch (Lightning applies it to the next epoch's iterator)
+        self._finished_starts_next_epoch = False
         # DataLoader forbids assigning `sampler` after __init__; iterable-style loaders only
         # use it as an infinite source of None, which this sampler still is.
         object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))
@@ -149,15 +153,78 @@ class AnnBatchDataLoader(StatefulDataLoader):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (also plain ``StatefulDataLoader`` states)."""
+        """Resume from :meth:`state_dict` (also plain ``StatefulDataLoader`` states).
+
+        With workers, each worker's progress is recomputed for *this* rank from the number
+        of batches the loader had yielded: ranks yield the same number of batches, but
+        their workers need not (the last round of pools is split by batches), and Lightning
+        checkpoints rank 0's state only.
+        """
         state = dict(state_dict)
         epoch = state.pop(_EPOCH_KEY, None)
         if epoch is not None and int(epoch) > self.dataset.epoch:
             self.dataset.set_epoch(int(epoch))  # a later epoch than the snapshots' wins
+        snap = state.get("_snapshot")
+        multi = isinstance(snap, dict) and bool(snap.get("_worker_snapshots"))
+        if self._finished_starts_next_epoch:
+            epoch, step, workers = _progress_of(state)
+            if (epoch is not None and step is not None
+                    and step >= sum(self._worker_counts(epoch, workers))):
+                # the epoch was done (Lightning: a checkpoint at its last step, applied to
+                # the next epoch's iterator): start the next epoch afresh
+                if epoch + 1 > self.dataset.epoch:
+                    self.dataset.set_epoch(epoch + 1)
+                super().load_state_dict({})
+                return
+        if multi:
+            state["_snapshot"] = self._for_this_rank(snap)
         super().load_state_dict(state)
+
+    def _worker_counts(self, epoch: int, num_workers: int) -> list[int]:
+        return [sampling.total_batches(self.dataset.plan(epoch, w, num_workers))
+                for w in range(num_workers)]
+
+    def _for_this_rank(self, snap: dict[str, Any]) -> dict[str, Any]:
+        """The snapshot with every worker's batch count (and the worker that yielded last)
+        recomputed from the loader's step for this rank's plan."""
+        epoch, step, _ = _progress_of({"_snapshot": snap})
+        workers = snap["_worker_snapshots"]
+        if epoch is None or step is None:
+            return snap
+        counts = self._worker_counts(epoch, len(workers))
+        if not 0 <= step <= sum(counts):
+            return snap  # not this dataset's state: load_state_dict will say why
+        done = sampling.consumed_per_worker(counts, step)
+        out = dict(snap)
+        out["_worker_snapshots"] = {}
+        for key, w in workers.items():
+            w = dict(w)
+            ds_state = w.get("dataset_state")
+            wid = ds_state.get("worker") if isinstance(ds_state, dict) else None
+            if isinstance(wid, int) and 0 <= wid < len(done):
+                w["dataset_state"] = {**ds_state, "batches": done[wid]}
+            out["_worker_snapshots"][key] = w
+        if step > 0:
+            out["_last_yielded_worker_id"] = sampling.dataloader_order(counts)[step - 1][0]
+        return out
 
 
 _EPOCH_KEY = "annbatch_torch_epoch"
+
+
+def _progress_of(state: dict[str, Any]) -> tuple[int | None, int | None, int]:
+    """``(epoch, batches yielded, workers)`` of a ``StatefulDataLoader`` state of an
+    :class:`AnnBatchDataset` (``None`` where the state does not say)."""
+    snap = state.get("_snapshot")
+    if isinstance(snap, dict) and snap.get("_worker_snapshots"):
+        ds_states = [w.get("dataset_state") for w in snap["_worker_snapshots"].values()
+                     if isinstance(w, dict)]
+        step, workers = snap.get("_snapshot_step"), len(snap["_worker_snapshots"])
+    else:
+        ds_states, step, workers = [state.get("dataset_state")], state.get("_num_yielded"), 1
+    epoch = next((d["epoch"] for d in ds_states
+                  if isinstance(d, dict) and isinstance(d.get("epoch"), int)), None)
+    return epoch, step if isinstance(step, int) else None, workers
 
 
 def is_mid_epoch(state: dict[str, Any], n_batches: int) -> bool:

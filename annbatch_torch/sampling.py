@@ -43,6 +43,7 @@ from ._worklist import (
     consumed_per_worker,
     dataloader_order,
     remaining_items,
+    total_batches,
 )
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "dataloader_order",
     "consumed_per_worker",
     "remaining_items",
+    "total_batches",
     "split_chunks",
     "global_rows",
 ]

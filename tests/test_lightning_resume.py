@@ -22,7 +22,11 @@ Two things the DataModule does for this (``annbatch_torch/lightning.py``, ``load
    ``trainer.estimated_stepping_batches`` (OneCycleLR and friends), Lightning builds the
    train loader before it restores the loops and then never applies the saved loader state
    (Lightning issue #20550): without this the resumed epoch silently restarts. Only a
-   mid-epoch state is carried (an end-of-epoch state would make the next epoch empty).
+   mid-epoch state is carried (an end-of-epoch state would make the next epoch empty);
+   under ``limit_train_batches`` the epoch ends at the limit.
+3. Its loaders treat a state saved at an epoch's last step (``every_n_train_steps``
+   dividing the epoch) as the start of the next epoch: Lightning applies it to the next
+   epoch's iterator, which would otherwise yield nothing.
 """
 
 from __future__ import annotations
@@ -122,21 +126,24 @@ def _by_epoch(seen: list[tuple[int, np.ndarray]]) -> dict[int, list[np.ndarray]]
     return out
 
 
-def _check_resume(make_dm: Any, tmp_path: Path, num_workers: int, where: str) -> None:
+def _check_resume(make_dm: Any, tmp_path: Path, num_workers: int, where: str,
+                  **trainer_kw: Any) -> None:
     schedule = where.endswith("onecycle")
     ref = Model(schedule=schedule)
-    _trainer().fit(ref, datamodule=make_dm(num_workers))
+    _trainer(**trainer_kw).fit(ref, datamodule=make_dm(num_workers))
     full = _by_epoch(ref.seen)
     n = len(full[0])
-    k = {"one": 1, "mid": n // 2, "last": n - 1, "epoch_end": -1}[where.split("-")[0]]
+    # "end": a checkpoint at the epoch's last step (e.g. every_n_train_steps dividing it)
+    k = {"one": 1, "mid": n // 2, "last": n - 1, "end": n,
+         "epoch_end": -1}[where.split("-")[0]]
 
     ckpt = str(tmp_path / "mid.ckpt")
     first = Model(stop_after=k, ckpt=ckpt, schedule=schedule)
     with pytest.raises(_Preempted):
-        _trainer().fit(first, datamodule=make_dm(num_workers))
+        _trainer(**trainer_kw).fit(first, datamodule=make_dm(num_workers))
 
     resumed = Model(schedule=schedule)
-    _trainer().fit(resumed, datamodule=make_dm(num_workers), ckpt_path=ckpt)
+    _trainer(**trainer_kw).fit(resumed, datamodule=make_dm(num_workers), ckpt_path=ckpt)
     got = _by_epoch(first.seen + resumed.seen)
     assert [len(got[e]) for e in (0, 1)] == [len(full[e]) for e in (0, 1)]
     for e in (0, 1):
@@ -149,11 +156,24 @@ def _check_resume(make_dm: Any, tmp_path: Path, num_workers: int, where: str) ->
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("where", ["one", "mid", "last", "mid-onecycle", "epoch_end"])
+@pytest.mark.parametrize("where", ["one", "mid", "last", "end", "mid-onecycle", "epoch_end"])
 def test_fit_resumes_mid_epoch_with_the_remaining_cells(
     store: Path, tmp_path: Path, num_workers: int, where: str
 ) -> None:
     _check_resume(lambda nw: _dm(store, nw), tmp_path, num_workers, where)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("where", ["mid", "epoch_end"])
+def test_fit_resumes_under_limit_train_batches(
+    store: Path, tmp_path: Path, num_workers: int, where: str
+) -> None:
+    """An epoch cut by limit_train_batches ends at the limit: its end-of-epoch state is not
+    a mid-epoch one, and the next epoch after the resume is the uninterrupted run's."""
+    _check_resume(lambda nw: _dm(store, nw), tmp_path, num_workers, where,
+                  limit_train_batches=5)
 
 
 @pytest.mark.timeout(300)

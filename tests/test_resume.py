@@ -149,3 +149,31 @@ def test_a_later_set_epoch_wins_over_a_loaded_state(h5ad: Path, num_workers: int
     rest = _run(loader2)
     assert _same(rest, full[len(full) - len(rest):])
     assert len(rest) == (len(full) - len(full) // 2 if k == "mid" else 0)
+
+
+@pytest.mark.parametrize("k", [3, 20, 24, 30])
+def test_rank_zeros_state_resumes_every_rank_with_workers(h5ad: Path, k: int) -> None:
+    """Lightning checkpoints rank 0's loader state only. Ranks yield the same number of
+    batches but their workers need not (here rank 0's two workers make 16 + 15 batches,
+    rank 1's 22 + 9): each rank recomputes its workers' progress from the batch count."""
+    def ds(rank: int) -> AnnBatchDataset:
+        return AnnBatchDataset(h5ad, selector={"x": A.X}, batch_size=16, chunk_size=32,
+                               preload_nchunks=4, return_index=True, seed=9, rank=rank,
+                               world_size=2)
+
+    from annbatch_torch import sampling
+
+    counts = [[sampling.total_batches(ds(r).plan(0, w, 2)) for w in range(2)] for r in (0, 1)]
+    assert sum(counts[0]) == sum(counts[1])
+    assert counts[0] != counts[1]
+    rank0 = AnnBatchDataLoader(ds(0), num_workers=2)
+    it = iter(rank0)
+    for _ in range(k):
+        next(it)
+    state = json.loads(json.dumps(rank0.state_dict()))
+    del it
+    for rank in (0, 1):
+        full = _run(AnnBatchDataLoader(ds(rank), num_workers=2))
+        resumed = AnnBatchDataLoader(ds(rank), num_workers=2)
+        resumed.load_state_dict(state)
+        assert _same(_run(resumed), full[k:]), rank
