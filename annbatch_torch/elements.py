@@ -213,7 +213,8 @@ class CSCElement(Element):
 
     kind = "csr"
 
-    def __init__(self, group: Any, name: str, source: str, limit: int | None = None):
+    def __init__(self, group: Any, name: str, source: str, limit: int | None = None,
+                 fix: str | None = None):
         limit = DEFAULT_CSC_LIMIT if limit is None else limit
         shape = tuple(int(s) for s in group.attrs["shape"])
         nbytes = int(np.prod(group["data"].shape)) * (
@@ -224,8 +225,9 @@ class CSCElement(Element):
                 f"{source}: field {name!r} is stored as CSC ({nbytes / 2**30:.2f} GiB of "
                 f"values and indices, above the {limit / 2**30:.2f} GiB that may be loaded "
                 "whole), which cannot be read by rows out of core. Convert it to CSR, e.g. "
-                "`adata.X = adata.X.tocsr(); adata.write_h5ad(...)`, or write a collection "
-                "with create_anndata_collection (it accepts CSC inputs)."
+                "`adata.X = adata.X.tocsr(); adata.write_h5ad(...)`, "
+                + (fix or "or write a collection with create_anndata_collection (it accepts "
+                   "CSC inputs that fit its max_memory).")
             )
         csc = sp.csc_matrix(
             (group["data"][...], group["indices"][...], group["indptr"][...]), shape=shape

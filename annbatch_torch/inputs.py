@@ -329,10 +329,9 @@ class InputSource:
         if probe.kind == "csc":
             if self.adata is not None:
                 return _MemCSR(value.tocsr())
-            try:
-                return _MemCSR(CSCElement(value, key, self.label, limit=csc_limit)._csr)
-            except InputError as e:
-                raise InputError(f"{e} Or raise max_memory to 3x its size.") from None
+            fix = ("or raise max_memory: a CSC input is held whole and converted to CSR, "
+                   "which takes about 4x its size of the writer's working memory.")
+            return _MemCSR(CSCElement(value, key, self.label, limit=csc_limit, fix=fix)._csr)
         return _Dense(value)
 
     def obs_reader(self, column: str) -> Element:

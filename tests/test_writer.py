@@ -675,3 +675,26 @@ def test_categories_of_different_types_across_inputs_are_refused(tmp_path: Path)
     b.obs["batch"] = pd.Categorical([3, 1] * 10)  # one type: unioned as usual
     coll = create_anndata_collection([a, b], tmp_path / "s", progress=False)
     assert list(coll.fields["obs/batch"].categories) == [1, 2, 3]
+
+
+def test_a_csc_file_too_big_to_load_names_the_writer_fixes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from annbatch_torch import inputs as inputs_mod
+
+    a = synthetic(60, 12, seed=4)
+    a.X = sp.csc_matrix(a.X)
+    p = tmp_path / "csc.h5ad"
+    a.write_h5ad(p)
+    real = inputs_mod.InputSource.matrix_reader
+
+    def tiny_limit(self: object, key: str, csc_limit: int) -> object:
+        return real(self, key, 100)  # as if max_memory left room for 100 bytes of CSC
+
+    monkeypatch.setattr(inputs_mod.InputSource, "matrix_reader", tiny_limit)
+    with pytest.raises(InputError, match=r"csc\.h5ad: field 'X' is stored as CSC .*tocsr\(\).*"
+                       r"or raise max_memory: .*about 4x its size") as e:
+        create_anndata_collection([p], tmp_path / "out", progress=False)
+    assert "create_anndata_collection" not in str(e.value)  # not the call that failed
+    monkeypatch.undo()
+    coll = create_anndata_collection([p], tmp_path / "out", progress=False)
+    assert coll.n_obs == 60
