@@ -190,6 +190,11 @@ def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     except BaseException:
         os.replace(old, out)
         raise
+    if old.is_symlink():  # `out` was a link: drop the link, never what it pointed to
+        logger.warning("%s was a symbolic link to %s; the new collection replaces the link, "
+                       "the old collection there is left in place.", out, os.readlink(old))
+        old.unlink()
+        return
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -698,3 +698,18 @@ def test_a_csc_file_too_big_to_load_names_the_writer_fixes(
     monkeypatch.undo()
     coll = create_anndata_collection([p], tmp_path / "out", progress=False)
     assert coll.n_obs == 60
+
+
+def test_overwriting_through_a_symlink_leaves_no_link_behind(
+        synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    target = tmp_path / "real"
+    create_anndata_collection(synthetic_h5ads[:1], target, progress=False)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    coll = create_anndata_collection(synthetic_h5ads[1:2], link, overwrite=True, seed=2,
+                                     progress=False)
+    assert coll.n_obs == 900
+    assert link.is_dir()
+    assert not link.is_symlink()
+    assert open_collection(target).n_obs == 1200  # what the link pointed to is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
