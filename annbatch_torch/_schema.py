@@ -188,6 +188,9 @@ def _resolve_obs(sources: list[InputSource], columns: list[str]) -> list[OutFiel
             )
         union = pd.Index(list(dict.fromkeys(v for cats in local for v in cats)))
         ordered = all(p.ordered for p in probes) and all(list(x) == local[0] for x in local)
+        if all(p.ordered for p in probes) and not ordered:
+            logger.warning("obs column %r is an ordered categorical whose category order "
+                           "differs across inputs; stored unordered (in first-seen order).", c)
         luts = [np.append(union.get_indexer(pd.Index(cats)), -1).astype(np.int32)
                 for cats in local]
         codes_dtype = pd.Categorical.from_codes([], categories=union).codes.dtype

@@ -713,3 +713,21 @@ def test_overwriting_through_a_symlink_leaves_no_link_behind(
     assert not link.is_symlink()
     assert open_collection(target).n_obs == 1200  # what the link pointed to is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_ordered_categories_in_different_orders_are_stored_unordered_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a = synthetic(20, 5, seed=1)
+    b = synthetic(20, 5, seed=2, obs_prefix="b_")
+    a.obs["grade"] = pd.Categorical(["lo", "hi"] * 10, categories=["lo", "hi"], ordered=True)
+    b.obs["grade"] = pd.Categorical(["lo", "hi"] * 10, categories=["hi", "lo"], ordered=True)
+    caplog.set_level(logging.WARNING, logger="annbatch_torch")
+    coll = create_anndata_collection([a, b], tmp_path / "s", progress=False)
+    assert coll.fields["obs/grade"].ordered is False
+    assert list(coll.fields["obs/grade"].categories) == ["lo", "hi"]
+    assert any("ordered categorical whose category order differs" in r.getMessage()
+               for r in caplog.records)
+    b.obs["grade"] = a.obs["grade"].to_numpy()
+    b.obs["grade"] = pd.Categorical(b.obs["grade"], categories=["lo", "hi"], ordered=True)
+    same = create_anndata_collection([a, b], tmp_path / "t", progress=False)
+    assert same.fields["obs/grade"].ordered is True
