@@ -217,7 +217,10 @@ def to_device(
             crow, col, vals = (p.to(device, non_blocking=non_blocking) for p in parts)
             t = torch.sparse_csr_tensor(crow, col, vals, size=v.shape, check_invariants=False)
             if densify:  # on the CPU by scipy: torch's CPU to_dense is ~9x slower
-                t = csr_tensor_to_dense(t) if device.type == "cpu" else t.to_dense()
+                # dense float32 on every device, whatever the stored dtype (int counts,
+                # float64): the CPU and GPU paths give the same batches
+                t = (csr_tensor_to_dense(t) if device.type == "cpu"
+                     else t.to_dense().to(torch.float32))
             out[k] = t
         else:
             out[k] = (_pinned(v) if pin else v).to(device, non_blocking=non_blocking)

@@ -57,6 +57,25 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return int(value)
 
 
+def _own_copy(value: Any) -> Any:
+    """A copy of a batch value (numpy, scipy sparse or torch), so that an in-place
+    transform of one key never changes another key's values."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if sp.issparse(value):
+        return value.copy()
+    return np.array(value, copy=True)
+
+
+def _int_array(name: str, values: Any) -> np.ndarray:
+    """``values`` as int64, refusing fractions and non-numbers (never truncated)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iuf") or (
+            arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.round(arr)))):
+        raise ValueError(f"{name} must be a 1-D list of integers, got {values!r}.")
+    return arr.astype(np.int64)
+
+
 class AnnBatchDataset(ReadAheadMixin, IterableDataset):
     """Minibatches of AnnData rows, read chunk-wise and shuffled within pools.
 
@@ -170,13 +189,18 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
         self.source: Source = as_source(source)
         self.selector = normalize_selector(selector)
         self._validate_selector()
+        if not isinstance(mask_key, str) or not mask_key:
+            raise ValueError(f"mask_key must be a non-empty string, got {mask_key!r}.")
+        if even_batches == "pad" and self.return_index and mask_key == "index":
+            raise ValueError("mask_key='index' clashes with the row ids of return_index=True; "
+                             "choose another mask_key (default 'mask').")
         reserved = {"index"} if self.return_index else set()
         if even_batches == "pad":
             reserved.add(mask_key)
         clash = reserved & set(self.selector)
         if clash:
             raise ValueError(f"selector keys {sorted(clash)} clash with reserved output keys.")
-        self.chunk_ids = None if chunk_ids is None else np.asarray(chunk_ids, dtype=np.int64)
+        self.chunk_ids = None if chunk_ids is None else _int_array("chunk_ids", chunk_ids)
         self._explicit_dist = rank is not None or world_size is not None
         self._rank, self._world_size = 0, 1
         if self._explicit_dist:
@@ -430,6 +454,7 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
             lo, hi = b * bs, min((b + 1) * bs, n)  # batches are contiguous in the pool
             batch: dict[str, Any] = {}
             on_device = dev.batch(lo, hi, self.densify) if dev is not None else None
+            used: set[str] = set()
             for key, f in self.selector.items():
                 if on_device is not None:
                     value = on_device[f.path]
@@ -438,6 +463,9 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
                 if self.densify and sp.issparse(value) and key not in deferred:
                     # in a worker: straight into shared memory, no copy on the way out
                     value = densify_csr(value, shared=in_worker)
+                if f.path in used:  # one field under two keys: never the same memory
+                    value = _own_copy(value)
+                used.add(f.path)
                 if f.transform is not None:
                     try:
                         value = f.transform(value)

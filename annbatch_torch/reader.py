@@ -325,7 +325,8 @@ class PoolReader:
             dests = np.empty(len(canon), dtype=np.int64)
             dests[order] = indptr[:-1]
         nnz = int(indptr[-1])
-        data = self.buffers.take(nnz, els[0].dtype)
+        info = self.source.fields.get(field)  # one dtype for every pool, whatever the shard
+        data = self.buffers.take(nnz, np.dtype(info.dtype) if info is not None else els[0].dtype)
         indices = self.buffers.take(nnz, np.dtype(els[0].indices.dtype))
         buffers[field] = (data, indices, indptr)
         return [
@@ -399,8 +400,10 @@ class PoolReader:
             return np.zeros((0, *[int(s) for s in info.shape[1:]]), dtype=np.dtype(info.dtype))
         values = np.concatenate(parts) if len(parts) > 1 else parts[0]
         info = self.source.fields.get(field)
-        if info is None or info.kind != "categorical":
+        if info is None:
             return values
+        if info.kind != "categorical":  # one dtype for every pool, whatever the shard
+            return np.asarray(values).astype(np.dtype(info.dtype), copy=False)
         tables = [(p, self.source.code_map(p.shard, field)) for p in pieces]
         n_global = len(info.categories or ())
         for p, table in tables:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,11 @@ class InPlaceSource(Source):
                 )
                 continue
             info = infos[0]
+            if info.kind != "categorical":
+                # one dtype for every pool (int32 counts in one file, float32 in another:
+                # float64; a nullable int with missing values in one file: float64)
+                dtype = np.result_type(*[np.dtype(i.dtype) for i in infos])
+                info = replace(info, dtype=str(dtype))
             if info.kind == "categorical":
                 union: list[Any] = []
                 seen: set[Any] = set()
