@@ -203,7 +203,8 @@ def compressors_for(compressor: Any, zarr_format: int) -> Any:
     ``"raw"`` (default): no compression, a CRC-32C per chunk (zarr v3 ``crc32c`` codec);
     read directly by :mod:`annbatch_torch.rawzarr`, the fastest path, and corruption is
     detected. ``"lz4"`` / ``"zstd"``: Blosc, 3-5x smaller on disk, decoded by zarr (slower
-    reads). ``"none"``: raw chunks without checksums.
+    reads), *without* a checksum (Blosc does not verify its payload: a damaged chunk can
+    decode to wrong values). ``"none"``: raw chunks without checksums.
     """
     if not isinstance(compressor, str):
         return compressor
