@@ -202,9 +202,10 @@ def compressors_for(compressor: Any, zarr_format: int) -> Any:
 
     ``"raw"`` (default): no compression, a CRC-32C per chunk (zarr v3 ``crc32c`` codec);
     read directly by :mod:`annbatch_torch.rawzarr`, the fastest path, and corruption is
-    detected. ``"lz4"`` / ``"zstd"``: Blosc, 3-5x smaller on disk, decoded by zarr (slower
-    reads), *without* a checksum (Blosc does not verify its payload: a damaged chunk can
-    decode to wrong values). ``"none"``: raw chunks without checksums.
+    detected. ``"lz4"`` / ``"zstd"``: Blosc, 3-5x smaller on disk, decoded by zarr or zarrs
+    (slower reads), followed by a CRC-32C in zarr v3 (Blosc does not verify its payload; in
+    zarr v2 a damaged chunk can decode to wrong values). ``"none"``: raw chunks without
+    checksums.
     """
     if not isinstance(compressor, str):
         return compressor
@@ -226,9 +227,11 @@ def compressors_for(compressor: Any, zarr_format: int) -> Any:
         from numcodecs import Blosc
 
         return Blosc(cname=name, clevel=clevel, shuffle=Blosc.SHUFFLE)
-    from zarr.codecs import BloscCodec
+    from zarr.codecs import BloscCodec, Crc32cCodec
 
-    return BloscCodec(cname=name, clevel=clevel, shuffle="shuffle")
+    # Blosc does not verify its payload: a CRC-32C makes a damaged chunk an error (zarrs
+    # validates it on the whole-chunk reads annbatch_torch makes, see _zarrs.ChunkAligned)
+    return [BloscCodec(cname=name, clevel=clevel, shuffle="shuffle"), Crc32cCodec()]
 
 
 def _kwargs(opts: dict[str, Any], chunks: tuple[int, ...], shape: tuple[int, ...],

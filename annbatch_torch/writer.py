@@ -275,8 +275,8 @@ def create_anndata_collection(
         X/layers arrays (elements per zarr shard), and the codec: ``"raw"`` (default:
         uncompressed + CRC-32C), ``"lz4"`` (Blosc lz4, byte shuffle), ``"zstd"`` (Blosc
         zstd level 3), ``"none"`` (uncompressed, no checksum), or zarr codec objects.
-        lz4 and zstd carry no checksum (a damaged chunk can decode to wrong values; see
-        docs/format.md): add ``zarr.codecs.Crc32cCodec()`` after the compressor for one.
+        lz4 and zstd are followed by a CRC-32C in zarr v3 (Blosc does not verify its
+        payload); in zarr v2 they carry no checksum (see docs/format.md).
     value_check
         Hook called as ``value_check(input_label, field, block)`` on every block of X,
         layers and obsm read (CSR matrix or array); raise to reject an input (e.g. NaN or

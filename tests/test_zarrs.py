@@ -105,8 +105,11 @@ def test_inplace_zarr_store_values(synthetic_h5ads: list[Path], tmp_path: Path) 
 
 
 @needs_zarrs
-def test_checksummed_arrays_keep_zarr_python_validation(tmp_path: Path) -> None:
-    # zarrs skips crc32c when it decodes part of a chunk: such arrays stay on zarr-python
+@pytest.mark.parametrize("where", ["checksum", "middle"])
+def test_checksummed_arrays_are_validated_on_every_read(tmp_path: Path, where: str) -> None:
+    """zarrs skips crc32c when it decodes part of a chunk: row slices of checksummed arrays
+    are read in whole chunks (ChunkAligned: zarrs validates those) and any other part of a
+    chunk goes to zarr-python, which validates it."""
     from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 
     root = zarr.open_group(tmp_path / "g.zarr", mode="w")
@@ -117,13 +120,50 @@ def test_checksummed_arrays_keep_zarr_python_validation(tmp_path: Path) -> None:
         arr[:] = np.arange(1000, dtype=np.float32)
     abt.set_codec_pipeline("zarrs")
     group = _zarrs.read_group(zarr.open_group(tmp_path / "g.zarr", mode="r"))
-    assert group["crc"]._async_array.codec_pipeline.impl is None
-    assert group["plain"]._async_array.codec_pipeline.impl is not None
+    crc = group["crc"]
+    assert isinstance(crc, _zarrs.ChunkAligned)
+    assert crc._array._async_array.codec_pipeline.impl is not None  # zarrs decodes it
+    assert not isinstance(group["plain"], _zarrs.ChunkAligned)
+    for lo, hi in ((10, 20), (95, 310), (0, 1000), (990, 1000), (5, 5)):
+        np.testing.assert_array_equal(crc[lo:hi], np.arange(lo, hi, dtype=np.float32))
+    np.testing.assert_array_equal(crc[...], np.arange(1000, dtype=np.float32))
+    assert crc.shape == (1000,)
     chunk = tmp_path / "g.zarr" / "crc" / "c" / "0"
-    raw = chunk.read_bytes()
-    chunk.write_bytes(raw[:-4] + bytes(b ^ 0x55 for b in raw[-4:]))  # the checksum only
+    raw = bytearray(chunk.read_bytes())
+    at = len(raw) - 4 if where == "checksum" else len(raw) // 2
+    for i in range(4):
+        raw[at + i] ^= 0x55
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises((ValueError, RuntimeError), match="checksum"):
+        crc[10:20]  # a part of the damaged chunk, read whole by zarrs
     with pytest.raises(ValueError, match="checksum"):
-        group["crc"][10:20]  # a part of the damaged chunk
+        crc._array[10:20]  # a part read directly: zarr-python validates it
+    np.testing.assert_array_equal(crc[100:200], np.arange(100, 200, dtype=np.float32))
+
+
+@needs_zarrs
+@pytest.mark.parametrize("pipeline", ["zarrs", "zarr"])
+def test_a_damaged_lz4_chunk_is_an_error_not_wrong_values(
+        lz4_collection: Path, tmp_path: Path, pipeline: str) -> None:
+    """The writer follows Blosc with a CRC-32C (Blosc does not verify its payload: flipped
+    bytes in the middle of a chunk used to decode to wrong numbers without an error)."""
+    import shutil
+
+    from annbatch_torch.errors import ReadError
+
+    store = Path(shutil.copytree(lz4_collection, tmp_path / "lz4"))
+    meta = zarr.open_array(store / "shard_00000.zarr" / "X" / "data", mode="r").metadata
+    assert [c.to_dict()["name"] for c in meta.codecs][-2:] == ["blosc", "crc32c"]
+    chunk = store / "shard_00000.zarr" / "X" / "data" / "c" / "1"
+    raw = bytearray(chunk.read_bytes())
+    for i in range(4):
+        raw[len(raw) // 2 + i] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    abt.set_codec_pipeline(pipeline)
+    ds = abt.AnnBatchDataset(store, batch_size=256, chunk_size=64, shuffle=False)
+    with pytest.raises(ReadError, match=r"shard_00000\.zarr: failed reading field 'X'.*checksum"):
+        for _ in ds:
+            pass
 
 
 def _probe_converter(batch: dict[str, Any]) -> dict[str, Any]:
