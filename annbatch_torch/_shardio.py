@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from .elements import check_csr, check_finite
+from ._checks import check_csr, check_finite
 from .errors import CollectionError, InputError
 
 if TYPE_CHECKING:

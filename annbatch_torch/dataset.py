@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import gpu, sampling
 from ._readahead import ReadAheadMixin
-from ._worklist import state_ints
+from ._resume import ResumeMixin
 from .collection import Source
 from .convert import batch_dict_converter, densify_csr
 from .errors import BatchError, SchemaError
@@ -76,7 +76,7 @@ def _int_array(name: str, values: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-class AnnBatchDataset(ReadAheadMixin, IterableDataset):
+class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
     """Minibatches of AnnData rows, read chunk-wise and shuffled within pools.
 
     Use it with ``torch.utils.data.DataLoader(ds, batch_size=None, num_workers=N)``: the
@@ -321,21 +321,7 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
                     "dataset.set_epoch(epoch) before each epoch.", epoch
                 )
             self._shared[1] = epoch
-        skip = 0
-        resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch"] != epoch:
-            logger.warning(
-                "AnnBatchDataset: the loaded state resumes epoch %d, but epoch %d was set "
-                "since; epoch %d starts from its first batch.", resume["epoch"], epoch, epoch)
-            resume = None
-        if resume is not None:
-            if resume["num_workers"] != num_workers or resume["worker"] != worker:
-                raise ValueError(
-                    f"Cannot resume: the saved state comes from worker {resume['worker']} of "
-                    f"{resume['num_workers']} DataLoader workers, this is worker {worker} of "
-                    f"{num_workers}. Resume with the same num_workers."
-                )
-            skip = resume["batches"]
+        skip = self._take_resume(epoch, worker, num_workers)
         if self.device is not None:
             gpu.check_device(self.device)  # refuses DataLoader workers with the fix
         items = self.plan(epoch, worker, num_workers)
@@ -344,51 +330,6 @@ class AnnBatchDataset(ReadAheadMixin, IterableDataset):
         self._progress = {"worker": worker, "num_workers": num_workers, "epoch": epoch,
                           "batches": skip}
         return self._iter_items(items, epoch, worker, num_workers)
-
-    # -- torchdata Stateful protocol -----------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Small JSON-serialisable progress of this copy: seed, epoch, worker, batches done.
-
-        Called by ``torchdata.stateful_dataloader.StatefulDataLoader`` in each worker. After
-        :meth:`set_epoch` moved to another epoch than the last one iterated, the state is
-        the start of that epoch.
-        """
-        progress = self._progress
-        if progress["epoch"] != self.epoch:
-            progress = {**progress, "epoch": self.epoch, "batches": 0}
-        return {"version": 1, "seed": self.seed, "world_size": self.world_size, **progress}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration skips the batches done.
-
-        The saved epoch becomes the dataset's epoch, unless a later epoch is set already:
-        then the state is stale and that epoch runs from its start. A state saved after an
-        epoch's last batch resumes that epoch with nothing left.
-        """
-        resume = state_ints(state_dict, ("seed", "epoch", "worker", "num_workers", "batches"),
-                            "AnnBatchDataset.state_dict()")
-        seed, epoch = resume.pop("seed"), resume["epoch"]
-        if seed != self.seed:
-            raise ValueError(
-                f"load_state_dict: the state was saved with seed={seed} but this dataset has "
-                f"seed={self.seed}; construct the dataset with seed={seed} to resume."
-            )
-        saved_world = state_dict.get("world_size")  # absent from states of 0.1.0
-        if saved_world is not None and int(saved_world) != self.world_size:
-            raise ValueError(
-                f"load_state_dict: the state was saved with world_size={int(saved_world)} "
-                f"but this dataset runs with world_size={self.world_size}: every rank's "
-                "share of the epoch differs, so the batches done cannot be skipped. Resume "
-                "with the same number of ranks (or start the epoch afresh without the state)."
-            )
-        self._resume = None
-        if self.epoch > epoch:
-            logger.info("AnnBatchDataset: epoch %d is set, later than the loaded state's "
-                        "(%d); it runs from its start.", self.epoch, epoch)
-            return
-        self.set_epoch(epoch)
-        self._shared[1] = -1  # resuming the same epoch is intended, not a forgotten set_epoch
-        self._resume = resume
 
     def _read_pool(self, reader: PoolReader, item: sampling.WorkItem, epoch: int
                    ) -> tuple[dict[str, Any], np.ndarray]:

@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from ._checks import bad_column
 from .collection import Source
 from .convert import csr_view
-from .elements import CSCElement, CSRElement, bad_column
+from .elements import CSCElement, CSRElement
 from .errors import AnnBatchError, ReadError
 
 __all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache", "csr_view",
