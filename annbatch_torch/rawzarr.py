@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import bad_column
+
 __all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError"]
 
 
@@ -219,13 +221,12 @@ class RawZarrArray:
             os.close(fd)
 
     def _check_below(self, path: str, below: int, *parts: np.ndarray) -> None:
-        unsigned = f"u{self.dtype.itemsize}"
         for part in parts:
-            if len(part) and int(part.view(self.dtype).view(unsigned).max()) >= below:
-                bad = part.view(self.dtype)
-                value = int(bad[(bad < 0) | (bad >= below)][0])
-                raise ChunkError(f"{path}: chunk holds {value}, outside [0, {below}) (a "
-                                 "column index out of range: the store is damaged)")
+            values = part.view(self.dtype)
+            pos = bad_column(values, below)
+            if pos is not None:
+                raise ChunkError(f"{path}: chunk holds {int(values[pos])}, outside [0, {below}) "
+                                 "(a column index out of range: the store is damaged)")
 
     def _read_chunk_part(self, c: int, offset: int, dst: np.ndarray) -> None:
         self._read_chunk_segments(c, offset, offset + dst.nbytes, [dst.reshape(-1).view(np.uint8)])

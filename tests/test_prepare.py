@@ -90,4 +90,4 @@ def test_racing_processes_write_once(synthetic_h5ads: list[Path], tmp_path: Path
     got = abt.AnnBatchDataset(coll, batch_size=512, shuffle=False, return_index=True)
     rows = np.concatenate([b["index"].numpy() for b in got])
     np.testing.assert_array_equal(np.sort(rows), np.arange(len(names)))
-    assert lock_path(store).name == "store.lock"  # the lock all three took
+    assert lock_path(store).name == "store.lock"  # the lock file beside the store
