@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._zarrs import set_codec_pipeline
-from .collection import Collection, Source, open_collection
+from .annbatch_dataset import AnnBatchDataset
 from .convert import batch_dict_converter, to_device
-from .dataset import AnnBatchDataset
 from .errors import (
     AnnBatchError,
     BatchError,
@@ -29,11 +27,13 @@ from .errors import (
 )
 from .fields import A, Field
 from .loader import AnnBatchDataLoader
+from .store.collection import Collection, Source, open_collection
+from .store.zarrs import set_codec_pipeline
 
 if TYPE_CHECKING:
     from .lightning import AnnBatchDataModule
-    from .prepare import prepare_collection
-    from .writer import create_anndata_collection
+    from .write.prepare import prepare_collection
+    from .write.writer import create_anndata_collection
 
 __version__ = "0.1.0"
 
@@ -64,11 +64,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # lazy: the writer pulls in anndata's writer stack, the DataModule needs `lightning`
     if name == "create_anndata_collection":
-        from .writer import create_anndata_collection
+        from .write.writer import create_anndata_collection
 
         return create_anndata_collection
     if name == "prepare_collection":
-        from .prepare import prepare_collection
+        from .write.prepare import prepare_collection
 
         return prepare_collection
     if name == "AnnBatchDataModule":

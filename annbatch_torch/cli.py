@@ -27,7 +27,7 @@ _REPO = Path(__file__).resolve().parents[1]
 
 
 def _shuffle(args: argparse.Namespace) -> int:
-    from .writer import create_anndata_collection
+    from .write.writer import create_anndata_collection
 
     coll = create_anndata_collection(
         args.inputs, args.output, shuffle=not args.no_shuffle, seed=args.seed,
@@ -51,8 +51,8 @@ def _human(n: float) -> str:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .collection import open_collection
-    from .inputs import _disk_usage
+    from .store.collection import open_collection
+    from .store.inputs import _disk_usage
 
     coll = open_collection(args.store)
     m = coll.manifest

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from . import sampling
-from .dataset import AnnBatchDataset
+from .annbatch_dataset import AnnBatchDataset
 from .datasets import write_synthetic_h5ads
 from .fields import A
-from .writer import create_anndata_collection
+from .write.writer import create_anndata_collection
 
 __all__ = ["main", "run"]
 

@@ -47,14 +47,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import sampling
-from ._worklist import state_ints
-from .collection import Collection, open_collection
-from .dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
+from .annbatch_dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
 from .fields import Field
 from .loader import AnnBatchDataLoader, is_mid_epoch
-from .manifest import read_manifest
-from .prepare import explicit_settings, lock_path, write_if_stale
-from .staleness import store_is_current, store_staleness
+from .sampling.worklist import state_ints
+from .store.collection import Collection, open_collection
+from .store.manifest import read_manifest
+from .write.prepare import explicit_settings, lock_path, write_if_stale
+from .write.staleness import store_is_current, store_staleness
 
 __all__ = ["AnnBatchDataModule", "store_is_current", "store_staleness"]
 

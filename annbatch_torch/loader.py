@@ -33,8 +33,8 @@ from torch.utils.data import Sampler, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from . import sampling
+from .annbatch_dataset import AnnBatchDataset
 from .convert import csr_tensor_to_dense
-from .dataset import AnnBatchDataset
 
 __all__ = ["AnnBatchDataLoader", "EpochForwardingSampler"]
 

@@ -137,7 +137,7 @@ def _memory_bytes(value: Any) -> int | None:
     if value is None:
         return None
     try:
-        from annbatch_torch.writer import parse_memory
+        from annbatch_torch.write.writer import parse_memory
     except ImportError:
         return int(value) if isinstance(value, int | float) else None
     return parse_memory(value)
@@ -486,11 +486,11 @@ def case_ceiling_seq_zarr(cfg: Config) -> Result:
 
 def case_ceiling_seq_raw(cfg: Config) -> Result:
     """Front-to-back read of our store's X with annbatch_torch's own raw-chunk reader
-    (:mod:`annbatch_torch.rawzarr`: uncompressed chunks read straight into the buffer)."""
+    (:mod:`annbatch_torch.store.rawzarr`: uncompressed chunks read straight into the buffer)."""
     try:
-        from annbatch_torch.rawzarr import open_raw
+        from annbatch_torch.store.rawzarr import open_raw
     except ImportError:
-        return {"status": "skipped", "reason": "annbatch_torch.rawzarr does not exist"}
+        return {"status": "skipped", "reason": "annbatch_torch.store.rawzarr does not exist"}
     from annbatch_torch import open_collection
 
     coll = open_collection(cfg["store"])
@@ -520,7 +520,7 @@ def case_ceiling_seq_raw(cfg: Config) -> Result:
     out = {"cells_per_s": coll.n_obs / times[i], "seconds": times[i], "all_seconds": times,
            "cpu": cpus[i], "cells_per_cpu_s": coll.n_obs / cpus[i]["own_cpu_s"]
            if cpus[i]["own_cpu_s"] else None, "n_cells": coll.n_obs, "nnz": nnz,
-           "mb_per_s": nnz * 8 / 2**20 / times[i], "pipeline": "annbatch_torch.rawzarr"}
+           "mb_per_s": nnz * 8 / 2**20 / times[i], "pipeline": "annbatch_torch.store.rawzarr"}
     out.update(mon.summary())
     return out
 

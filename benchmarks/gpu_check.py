@@ -7,10 +7,11 @@ Paths, each checked row by row against the CPU path and timed:
 * ``to_device``: workers yield sparse CSR batches; ``annbatch_torch.to_device(batch,
   "cuda")`` pins them, copies the CSR components asynchronously and densifies on the GPU.
 * ``pool-on-gpu``: ``AnnBatchDataset(..., device="cuda")`` (``num_workers=0``): each pool
-  is uploaded once and batches are cut and densified on the GPU (``annbatch_torch.gpu``).
+  is uploaded once and batches are cut and densified on the GPU
+  (``annbatch_torch.read.device_pool``).
   Skipped, with a note, where the dataset has no ``device`` parameter yet.
-* ``DevicePool``: ``annbatch_torch.gpu.DevicePool`` on one in-memory pool, against scipy on
-  the same pool: every batch compared exactly, densification alone timed (no reading).
+* ``DevicePool``: ``annbatch_torch.read.device_pool.DevicePool`` on one in-memory pool, against
+  scipy on the same pool: every batch compared exactly, densification alone timed (no reading).
 
 How values are compared: ``return_index=True`` gives each row's position in the
 collection. The reference pass stores, per row, its float64 sum and a float32 weighted sum
@@ -151,7 +152,7 @@ def _loader(ds: Any, workers: int) -> torch.utils.data.DataLoader:
 
 def _device_pool_check(coll: Any, args: argparse.Namespace) -> tuple[list[str], dict]:
     """DevicePool alone on one pool read into memory: exact values, densify-only speed."""
-    from annbatch_torch.gpu import DevicePool
+    from annbatch_torch.read.device_pool import DevicePool
 
     n = min(args.pool_rows, coll.n_obs)
     # one pool's worth of rows, read with the CPU path (sparse, unshuffled)
@@ -303,7 +304,7 @@ def _run(coll: Any, args: argparse.Namespace) -> int:
             raise
         dev_ds = dev_sparse_ds = None
         notes.append("pool-on-gpu SKIPPED: this AnnBatchDataset has no `device` parameter "
-                     f"yet ({e}); wire annbatch_torch.gpu.DevicePool into it first.")
+                     f"yet ({e}); wire annbatch_torch.read.device_pool.DevicePool into it first.")
     except (ImportError, RuntimeError, ValueError) as e:
         dev_ds = dev_sparse_ds = None
         if dev == "cpu":  # the dry run: the dataset may take CUDA devices only

@@ -85,8 +85,8 @@ def profile(store: Path, pools: int, batch_size: int, repeat: int = 7) -> dict[s
 
     from annbatch_torch import A, AnnBatchDataset, open_collection, sampling
     from annbatch_torch.convert import csr_tensor_to_dense, csr_to_torch, densify_csr
-    from annbatch_torch.reader import BufferCache, PoolReader, split_ranges
-    from annbatch_torch.reader import row_slice as _row_slice
+    from annbatch_torch.read.reader import BufferCache, PoolReader, split_ranges
+    from annbatch_torch.read.reader import row_slice as _row_slice
 
     coll = open_collection(store)
     ds = AnnBatchDataset(coll, selector={"x": A.X}, batch_size=batch_size)

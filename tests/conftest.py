@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from annbatch_torch.collection import Collection
 from annbatch_torch.datasets import write_synthetic_h5ads
-from annbatch_torch.writer import create_anndata_collection
+from annbatch_torch.store.collection import Collection
+from annbatch_torch.write.writer import create_anndata_collection
 
 #: cells per file of ``synthetic_h5ads`` and their (shared) number of genes
 SMALL_N_OBS = (1200, 900, 600)

@@ -82,7 +82,7 @@ def race_prepare(paths: list[str], store: str, barrier: Any, queue: Any) -> None
 
     The write is slowed by a second so that the two calls overlap for sure.
     """
-    import annbatch_torch.writer as writer
+    import annbatch_torch.write.writer as writer
 
     real = writer.create_anndata_collection
 

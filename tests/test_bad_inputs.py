@@ -55,9 +55,9 @@ from annbatch_torch import (
     SchemaError,
     open_collection,
 )
-from annbatch_torch import elements as elements_mod
-from annbatch_torch.manifest import FORMAT_VERSION, MANIFEST_NAME, VAR_NAMES_NAME
-from annbatch_torch.sources import InPlaceSource
+from annbatch_torch.store import elements as elements_mod
+from annbatch_torch.store.inplace import InPlaceSource
+from annbatch_torch.store.manifest import FORMAT_VERSION, MANIFEST_NAME, VAR_NAMES_NAME
 
 N_VARS = 12
 PKG = Path(abt.__file__).parent
@@ -462,7 +462,7 @@ def test_checksummed_collection_detects_any_chunk_damage(
     h5ads: list[Path], tmp_path: Path, damage: str, codec: str
 ) -> None:
     """With a crc32c codec last, every damaged chunk raises, compressible or not, Blosc or
-    raw (the raw chunks take annbatch_torch.rawzarr's direct path)."""
+    raw (the raw chunks take annbatch_torch.store.rawzarr's direct path)."""
     from zarr.codecs import BloscCodec, Crc32cCodec
 
     out = tmp_path / "store"
@@ -585,7 +585,7 @@ def test_string_column_is_not_a_label(h5ads: list[Path]) -> None:
 
 def test_too_many_categories_is_not_a_label(tmp_path: Path) -> None:
     """Policy: a categorical with > MAX_LABEL_CATEGORIES categories is refused."""
-    from annbatch_torch.collection import MAX_LABEL_CATEGORIES
+    from annbatch_torch.store.collection import MAX_LABEL_CATEGORIES
 
     a = _adata(20, 3)
     ids = [f"id{i}" for i in range(MAX_LABEL_CATEGORIES + 1)]
@@ -687,7 +687,7 @@ def test_writer_refuses_column_indices_outside_the_matrix(tmp_path: Path, where:
 
 
 def test_check_csr_names_input_field_row_and_fix() -> None:
-    from annbatch_torch.elements import check_csr
+    from annbatch_torch.store.elements import check_csr
 
     m = sp.random(30, 8, density=0.5, format="csr", dtype=np.float32, random_state=0)
     check_csr("a.h5ad", "X", m, first_row=100)  # a valid matrix passes
@@ -747,7 +747,7 @@ def test_inputs_without_x_read_in_place(tmp_path: Path) -> None:
 
 def test_check_finite_names_input_field_row_and_fix() -> None:
     """The check the writer runs on every block of X / layers / obsm it reads."""
-    from annbatch_torch.elements import check_finite
+    from annbatch_torch.store.elements import check_finite
 
     m = sp.random(30, 8, density=0.5, format="csr", dtype=np.float32, random_state=0)
     m.data[9] = np.nan

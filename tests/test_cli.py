@@ -12,7 +12,7 @@ import pytest
 
 import annbatch_torch.cli as cli
 from annbatch_torch.cli import main
-from annbatch_torch.collection import open_collection
+from annbatch_torch.store.collection import open_collection
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_errors_are_reported_not_raised(synthetic_h5ads: list[Path], tmp_path: P
     assert "overwrite" in err
     assert main([*args, "--overwrite"]) == 0
     # the writer's default chunking (the CLI once defaulted to another)
-    from annbatch_torch.writer import DEFAULT_CHUNK_ELEMS
+    from annbatch_torch.write.writer import DEFAULT_CHUNK_ELEMS
 
     assert open_collection(out).manifest.extra["writer"]["zarr_chunk_elems"] == \
         DEFAULT_CHUNK_ELEMS

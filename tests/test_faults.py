@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
 from annbatch_torch import A, AnnBatchDataset, CollectionError, ReadError, open_collection
-from annbatch_torch.manifest import MANIFEST_NAME
+from annbatch_torch.store.manifest import MANIFEST_NAME
 
 N_VARS = 50
 
@@ -102,7 +102,7 @@ _WRITER_SCRIPT = textwrap.dedent(
             return real_open(*a, **k)
         zarr.open_group = open_group
     else:
-        from annbatch_torch import _shardio
+        from annbatch_torch.write import shardio as _shardio
         real_append = _shardio.BucketWriter.append
         def append(self, *a, **k):
             real_append(self, *a, **k)
@@ -219,7 +219,8 @@ def _enospc(*args: Any, **kwargs: Any) -> None:
 def test_disk_full_leaves_no_output(
     tmp_path: Path, h5ads: list[Path], monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    from annbatch_torch import _shardio, writer
+    from annbatch_torch.write import shardio as _shardio
+    from annbatch_torch.write import writer
 
     if where == "bucket":
         monkeypatch.setattr(_shardio.BucketWriter, "append", _enospc)
@@ -249,7 +250,7 @@ def test_disk_full_leaves_no_output(
 def test_disk_full_during_overwrite_keeps_the_old_collection(
     tmp_path: Path, h5ads: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from annbatch_torch import writer
+    from annbatch_torch.write import writer
 
     out = tmp_path / "store"
     abt.create_anndata_collection(h5ads, out, seed=5, n_obs_per_shard=500, progress=False)

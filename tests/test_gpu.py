@@ -18,9 +18,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from annbatch_torch import _gpu_backends, gpu
 from annbatch_torch.convert import to_tensor
-from annbatch_torch.gpu import DevicePool, check_device
+from annbatch_torch.read import device_pool as gpu
+from annbatch_torch.read import gpu_backends as _gpu_backends
+from annbatch_torch.read.device_pool import DevicePool, check_device
 
 
 def _cuda_and_cupy() -> bool:
@@ -135,7 +136,7 @@ def test_cpu_paths_never_import_cupy(tmp_path) -> None:  # type: ignore[no-untyp
     code = (
         "import sys, anndata as ad, numpy as np, scipy.sparse as sp\n"
         "import annbatch_torch as abt\n"
-        "import annbatch_torch.gpu as g\n"
+        "import annbatch_torch.read.device_pool as g\n"
         "a = ad.AnnData(sp.random(50, 7, density=0.5, format='csr', dtype=np.float32))\n"
         "ds = abt.AnnBatchDataset(a, batch_size=16, densify=True)\n"
         "assert sum(len(b['X']) for b in ds) == 50\n"

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
 from annbatch_torch import A
-from annbatch_torch.collection import Collection
+from annbatch_torch.store.collection import Collection
 
 SEL = {"x": A.X, "counts": A.layers["counts"], "pca": A.obsm["X_pca"], "ct": A.obs["cell_type"]}
 
@@ -124,7 +124,7 @@ def test_pin_memory_is_refused_for_batches_on_the_gpu(small_collection: Collecti
 def test_batches_are_views_and_kept_batches_stay_intact(small_collection: Collection) -> None:
     """In-process sparse batches share the pool's buffers (no copy); the buffers are reused
     once batches are dropped, and never while a batch is still held."""
-    from annbatch_torch.reader import PoolReader
+    from annbatch_torch.read.reader import PoolReader
 
     kw = dict(batch_size=128, chunk_size=64, preload_nchunks=4, return_index=True, seed=1)
     ref = {int(i): r for b in abt.AnnBatchDataset(small_collection, densify=True, **kw)
@@ -160,7 +160,7 @@ def test_batches_are_views_and_kept_batches_stay_intact(small_collection: Collec
 def test_csr_view_never_copies() -> None:
     import scipy.sparse as sp
 
-    from annbatch_torch.reader import csr_view
+    from annbatch_torch.read.reader import csr_view
 
     big = np.arange(1000, dtype=np.float32)
     idx = np.tile(np.arange(10, dtype=np.int32), 100)
@@ -176,7 +176,7 @@ def test_default_read_threads_follow_the_cpus(small_collection: Collection,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from annbatch_torch.dataset import default_read_threads
+    from annbatch_torch.annbatch_dataset import default_read_threads
 
     for cpus, want in ((1, 1), (2, 2), (3, 3), (16, 4)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
@@ -188,7 +188,7 @@ def test_default_read_threads_follow_the_cpus(small_collection: Collection,
 def test_buffer_cache_is_fresh_in_a_forked_child() -> None:
     import multiprocessing as mp
 
-    from annbatch_torch.reader import BufferCache
+    from annbatch_torch.read.reader import BufferCache
 
     cache = BufferCache(keep=2)
     held = cache.take(100, np.float32)

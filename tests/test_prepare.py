@@ -14,7 +14,7 @@ import pytest
 
 import annbatch_torch as abt
 from annbatch_torch import CollectionError
-from annbatch_torch.prepare import lock_path
+from annbatch_torch.write.prepare import lock_path
 
 
 def _stamp(store: Path) -> tuple[int, int]:

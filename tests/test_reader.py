@@ -9,8 +9,8 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from annbatch_torch.reader import PoolReader, split_ranges
-from annbatch_torch.sources import InPlaceSource
+from annbatch_torch.read.reader import PoolReader, split_ranges
+from annbatch_torch.store.inplace import InPlaceSource
 
 
 @st.composite

@@ -435,12 +435,12 @@ def test_dataloader_order_matches_torch() -> None:
 def test_documented_generators() -> None:
     ids = np.arange(50)
     got = S.chunk_order(500, 10, shuffle=True, seed=4, epoch=2)
-    assert np.array_equal(got, np.random.default_rng([4, 2, S._TAG_CHUNKS]).permutation(ids))
+    assert np.array_equal(got, np.random.default_rng([4, 2, S.plan._TAG_CHUNKS]).permutation(ids))
     assert np.array_equal(S.chunk_order(500, 10, shuffle=False, seed=4, epoch=2), ids)
     sub = S.chunk_order(500, 10, shuffle=True, seed=4, epoch=2, chunk_ids=np.array([9, 3, 5]))
-    assert np.array_equal(sub, np.random.default_rng([4, 2, S._TAG_CHUNKS]).permutation([3, 5, 9]))
+    assert np.array_equal(sub, np.random.default_rng([4, 2, S.plan._TAG_CHUNKS]).permutation([3, 5, 9]))
     perm = S.pool_permutation(100, seed=4, epoch=2, pool_index=3, shuffle=True)
-    assert np.array_equal(perm, np.random.default_rng([4, 2, 3, S._TAG_ROWS]).permutation(100))
+    assert np.array_equal(perm, np.random.default_rng([4, 2, 3, S.plan._TAG_ROWS]).permutation(100))
     others = [
         S.pool_permutation(100, seed=4, epoch=2, pool_index=4, shuffle=True),
         S.pool_permutation(100, seed=4, epoch=3, pool_index=3, shuffle=True),

@@ -27,16 +27,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.codecs import BytesCodec, Crc32cCodec
 
-from annbatch_torch import rawzarr
-from annbatch_torch.collection import open_collection
 from annbatch_torch.datasets import write_synthetic_h5ads
-from annbatch_torch.elements import CSRElement, bad_column
 from annbatch_torch.errors import ReadError
-from annbatch_torch.rawzarr import ChunkError, RawZarrArray, open_raw
-from annbatch_torch.reader import PoolReader
-from annbatch_torch.sampling import pool_order
-from annbatch_torch.sources import InPlaceSource, as_source
-from annbatch_torch.writer import create_anndata_collection
+from annbatch_torch.read.reader import PoolReader
+from annbatch_torch.sampling.plan import pool_order
+from annbatch_torch.store import rawzarr
+from annbatch_torch.store.collection import open_collection
+from annbatch_torch.store.elements import CSRElement, bad_column
+from annbatch_torch.store.inplace import InPlaceSource, as_source
+from annbatch_torch.store.rawzarr import ChunkError, RawZarrArray, open_raw
+from annbatch_torch.write.writer import create_anndata_collection
 
 DTYPES = ("int32", "int64", "float32")
 
@@ -547,7 +547,7 @@ def test_column_indices_are_scanned_once_per_chunk_content(
 ) -> None:
     """A pool whose indices chunks were all checked before (same CRC-32C) skips the scan;
     a chunk rewritten since (another CRC) is scanned again and its damage caught."""
-    import annbatch_torch.reader as reader_mod
+    import annbatch_torch.read.reader as reader_mod
 
     scans: list[int] = []
 

@@ -19,12 +19,12 @@ import pytest
 import scipy.sparse as sp
 import zarr
 
-from annbatch_torch import _writer_budget
-from annbatch_torch.collection import open_collection
 from annbatch_torch.datasets import synthetic, write_synthetic_h5ads
 from annbatch_torch.errors import InputError
-from annbatch_torch.manifest import MANIFEST_NAME, read_manifest
-from annbatch_torch.writer import create_anndata_collection, parse_memory
+from annbatch_torch.store.collection import open_collection
+from annbatch_torch.store.manifest import MANIFEST_NAME, read_manifest
+from annbatch_torch.write import budget as _writer_budget
+from annbatch_torch.write.writer import create_anndata_collection, parse_memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -495,7 +495,7 @@ def test_non_finite_refused_negative_allowed(tmp_path: Path) -> None:
 def test_stale_temporaries_of_dead_writers_are_removed(
     synthetic_h5ads: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from annbatch_torch.writer import _HOST
+    from annbatch_torch.write.writer import _HOST
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -522,7 +522,7 @@ def test_stale_temporaries_of_dead_writers_are_removed(
 # -- bounded memory ------------------------------------------------------------------------
 _CHILD = textwrap.dedent("""
     import json, logging, sys
-    from annbatch_torch.writer import create_anndata_collection
+    from annbatch_torch.write.writer import create_anndata_collection
 
     work = []  # the writer's working memory, from its log record (MB)
 
@@ -679,7 +679,7 @@ def test_categories_of_different_types_across_inputs_are_refused(tmp_path: Path)
 
 def test_a_csc_file_too_big_to_load_names_the_writer_fixes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from annbatch_torch import inputs as inputs_mod
+    from annbatch_torch.store import inputs as inputs_mod
 
     a = synthetic(60, 12, seed=4)
     a.X = sp.csc_matrix(a.X)

@@ -22,11 +22,11 @@ import zarr
 from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
-from annbatch_torch import _zarrs
-from annbatch_torch.collection import Source, open_collection
 from annbatch_torch.convert import batch_dict_converter
-from annbatch_torch.sources import InPlaceSource
-from annbatch_torch.writer import create_anndata_collection
+from annbatch_torch.store import zarrs as _zarrs
+from annbatch_torch.store.collection import Source, open_collection
+from annbatch_torch.store.inplace import InPlaceSource
+from annbatch_torch.write.writer import create_anndata_collection
 
 needs_zarrs = pytest.mark.skipif(not _zarrs.zarrs_available(), reason="zarrs not installed")
 
@@ -218,7 +218,7 @@ def test_fork_workers_after_parent_read(lz4_collection: Path) -> None:
 
 _CLEAN_PARENT = """
 import sys
-from annbatch_torch import _zarrs
+from annbatch_torch.store import zarrs as _zarrs
 from torch.utils.data import DataLoader
 sys.path.insert(0, sys.argv[2])
 from test_zarrs import _dataset, _epoch

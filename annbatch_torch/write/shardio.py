@@ -27,12 +27,12 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from ._checks import check_csr, check_finite
-from .errors import CollectionError, InputError
+from ..errors import CollectionError, InputError
+from ..store.checks import check_csr, check_finite
 
 if TYPE_CHECKING:
-    from ._schema import Schema
-    from .inputs import InputSource
+    from ..store.inputs import InputSource
+    from .schema import Schema
 
 __all__ = ["Segment", "bucket_segments", "BucketWriter", "load_bucket", "write_shard",
            "encode_names", "compressors_for", "iter_blocks", "route_block", "release_memory"]

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from ._checks import bad_column
-from .collection import Source
-from .convert import csr_view
-from .elements import CSCElement, CSRElement
-from .errors import AnnBatchError, ReadError
+from ..convert import csr_view
+from ..errors import AnnBatchError, ReadError
+from ..store.checks import bad_column
+from ..store.collection import Source
+from ..store.elements import CSCElement, CSRElement
 
 __all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache", "csr_view",
            "row_slice", "default_read_threads"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from . import sampling
+    from .. import sampling
     from .reader import PoolReader
 
 __all__ = ["ReadAheadMixin"]

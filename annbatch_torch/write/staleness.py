@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import CollectionError
-from .inputs import _disk_usage
-from .manifest import Manifest, read_manifest
+from ..errors import CollectionError
+from ..store.inputs import _disk_usage
+from ..store.manifest import Manifest, read_manifest
 
 __all__ = ["store_is_current", "store_staleness", "RECORDED_SETTINGS", "FIELD_SETTINGS"]
 

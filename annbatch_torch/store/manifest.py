@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CollectionError
+from ..errors import CollectionError
 
 __all__ = [
     "field_name_problem",

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..errors import CollectionError, InputError
 from .collection import MAX_LABEL_CATEGORIES, Source, open_collection, too_many_categories
 from .elements import (
     CategoricalElement,
@@ -30,7 +31,6 @@ from .elements import (
     element_from_memory,
     read_index,
 )
-from .errors import CollectionError, InputError
 from .inputs import backed_file
 from .manifest import MANIFEST_NAME, FieldInfo
 
@@ -48,7 +48,7 @@ def _open_anndata_group(path: Path) -> Any:
     if path.is_dir():
         import zarr
 
-        from ._zarrs import read_group
+        from .zarrs import read_group
 
         try:
             group = zarr.open_group(str(path), mode="r")

@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from ._checks import bad_column, check_csr, check_finite
-from .errors import InputError
+from ..errors import InputError
+from .checks import bad_column, check_csr, check_finite
 
 __all__ = [
     "CSRElement",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import bad_column
+from .checks import bad_column
 
 __all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError"]
 

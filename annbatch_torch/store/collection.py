@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..errors import CollectionError, SchemaError
 from .elements import Element, open_element
-from .errors import CollectionError, SchemaError
 from .manifest import FieldInfo, Manifest, ShardInfo, read_manifest
 
 __all__ = [
@@ -297,8 +297,8 @@ class Collection(Source):
                 )
 
     def _open_shard(self, shard: int) -> Any:
-        from ._zarrs import read_group
         from .rawzarr import open_fast_group
+        from .zarrs import read_group
 
         p = self.shard_path(shard)
         try:

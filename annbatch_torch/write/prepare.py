@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import CollectionError
-from .manifest import FORMAT, MANIFEST_NAME, looks_like_collection
+from ..errors import CollectionError
+from ..store.manifest import FORMAT, MANIFEST_NAME, looks_like_collection
 from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, store_staleness
 
 __all__ = ["prepare_collection", "lock_path", "explicit_settings"]

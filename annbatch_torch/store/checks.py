@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["check_finite", "check_csr", "bad_column"]
 

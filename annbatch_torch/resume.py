@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ._worklist import state_ints
+from .sampling.worklist import state_ints
 
 __all__ = ["ResumeMixin"]
 

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from ..errors import InputError
 from .elements import (
     CategoricalElement,
     CSCElement,
@@ -30,7 +31,6 @@ from .elements import (
     open_element,
     read_index,
 )
-from .errors import InputError
 
 __all__ = ["InputSource", "MatrixProbe", "ObsProbe", "open_input"]
 

@@ -30,8 +30,8 @@ import scipy.sparse as sp
 import torch
 from torch.utils.data import get_worker_info
 
-from . import _gpu_backends as _gb
-from ._gpu_backends import (
+from . import gpu_backends as _gb
+from .gpu_backends import (
     _BACKENDS,
     _Backend,
     _CsrField,

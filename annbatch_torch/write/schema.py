@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .errors import InputError
-from .inputs import InputSource
-from .manifest import field_name_problem
+from ..errors import InputError
+from ..store.inputs import InputSource
+from ..store.manifest import field_name_problem
 
 __all__ = ["OutField", "Schema", "resolve_schema"]
 
-logger = logging.getLogger("annbatch_torch.writer")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

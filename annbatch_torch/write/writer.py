@@ -65,9 +65,22 @@ from typing import Any
 
 import numpy as np
 
-from . import _writer_budget as _budget
-from ._schema import Schema, resolve_schema
-from ._shardio import (
+from ..errors import InputError
+from ..store.collection import Collection, open_collection
+from ..store.inputs import InputSource
+from ..store.manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    FieldInfo,
+    Manifest,
+    ShardInfo,
+    looks_like_collection,
+    write_manifest,
+)
+from . import budget as _budget
+from .budget import parse_memory
+from .schema import Schema, resolve_schema
+from .shardio import (
     BucketWriter,
     bucket_segments,
     compressors_for,
@@ -76,19 +89,6 @@ from ._shardio import (
     release_memory,
     route_block,
     write_shard,
-)
-from ._writer_budget import parse_memory
-from .collection import Collection, open_collection
-from .errors import InputError
-from .inputs import InputSource
-from .manifest import (
-    FORMAT,
-    MANIFEST_NAME,
-    FieldInfo,
-    Manifest,
-    ShardInfo,
-    looks_like_collection,
-    write_manifest,
 )
 
 __all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",

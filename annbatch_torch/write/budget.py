@@ -17,14 +17,14 @@ import re
 
 import numpy as np
 
-from ._schema import Schema
-from .errors import InputError
-from .inputs import InputSource
+from ..errors import InputError
+from ..store.inputs import InputSource
+from .schema import Schema
 
 __all__ = ["parse_memory", "current_rss", "working_memory", "shard_size", "MIN_WORK_MEMORY",
            "RESERVE", "DEFAULT_WORK_MEMORY"]
 
-logger = logging.getLogger("annbatch_torch.writer")
+logger = logging.getLogger(__name__)
 
 MAX_SHARD_OBS = 1 << 20
 MIN_WORK_MEMORY = 64 * 10**6  # below this the writer refuses to start
@@ -86,7 +86,7 @@ def working_memory(max_memory: int | None, n_cells: int) -> int:
     ``None`` (the writer's default): :data:`DEFAULT_WORK_MEMORY`, on top of whatever the
     process already uses (never refused).
     """
-    from ._shardio import release_memory
+    from .shardio import release_memory
 
     _preload()
     release_memory()

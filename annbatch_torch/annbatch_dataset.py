@@ -22,15 +22,16 @@ import scipy.sparse as sp
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import gpu, sampling
-from ._readahead import ReadAheadMixin
-from ._resume import ResumeMixin
-from .collection import Source
+from . import sampling
 from .convert import batch_dict_converter, densify_csr
 from .errors import BatchError, SchemaError
 from .fields import Field, normalize_selector
-from .reader import PoolReader, default_read_threads, describe_ranges, row_slice
-from .sources import as_source
+from .read import device_pool as gpu
+from .read.pool_stream import ReadAheadMixin
+from .read.reader import PoolReader, default_read_threads, describe_ranges, row_slice
+from .resume import ResumeMixin
+from .store.collection import Source
+from .store.inplace import as_source
 
 __all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS",
            "default_read_threads"]

@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._worklist import (
+from .worklist import (
     Stream,
     WorkItem,
     WorkList,

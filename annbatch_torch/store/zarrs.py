@@ -63,7 +63,7 @@ __all__ = [
 #: Environment variable holding the choice (``auto`` / ``1`` / ``0``), inherited by workers.
 ENV_VAR = "ANNBATCH_TORCH_ZARRS"
 #: ``codec_pipeline.path`` under which :class:`ZarrsReadPipeline` is registered in zarr.
-PIPELINE_PATH = "annbatch_torch._zarrs.ZarrsReadPipeline"
+PIPELINE_PATH = f"{__name__}.ZarrsReadPipeline"
 
 _ON = {"1", "true", "yes", "on", "zarrs"}
 _OFF = {"0", "false", "no", "off", "zarr"}
