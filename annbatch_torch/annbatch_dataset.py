@@ -14,27 +14,28 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 from . import sampling
-from .convert import batch_dict_converter, densify_csr
+from .convert import batch_dict_converter
 from .errors import BatchError, SchemaError
 from .fields import Field, normalize_selector
-from .read import device_pool as gpu
-from .read.pool_stream import ReadAheadMixin
-from .read.reader import PoolReader, default_read_threads, describe_ranges, row_slice
-from .resume import ResumeMixin
+from .read.densify import DensifyPolicy
+from .read.device_pool import DevicePool, check_device
+from .read.host_pool import HostPool
+from .read.pool_stream import PoolStream
+from .read.reader import PoolReader, default_read_threads, describe_ranges
+from .resume import Resumer
 from .store.collection import Source
 from .store.inplace import as_source
+from .world import SharedEpoch, World, distributed_rank_world
 
-__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS",
-           "default_read_threads"]
+__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,6 @@ DEFAULT_CHUNK_SIZE = 512
 #: Chunks per pool: 32 x 512 = 16,384 rows shuffled together (~250 MB of CSR at 20k genes
 #: and ~1.8k non-zeros per cell; two pools are alive with background prefetch).
 DEFAULT_PRELOAD_NCHUNKS = 32
-
-
-def _dist_rank_world() -> tuple[int, int] | None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return None
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -77,7 +72,7 @@ def _int_array(name: str, values: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
+class AnnBatchDataset(IterableDataset):
     """Minibatches of AnnData rows, read chunk-wise and shuffled within pools.
 
     Use it with ``torch.utils.data.DataLoader(ds, batch_size=None, num_workers=N)``: the
@@ -186,7 +181,7 @@ class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
         self.mask_key = mask_key
         self.prefetch = None if prefetch is None else bool(prefetch)
         self.batch_converter = batch_converter
-        self.device = None if device is None else gpu.check_device(device)
+        self.device = None if device is None else check_device(device)
         self.source: Source = as_source(source)
         self.selector = normalize_selector(selector)
         self._validate_selector()
@@ -217,17 +212,14 @@ class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
             preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
             rank=self._rank, world_size=self._world_size, even_batches=self.even_batches,
         )
-        # shared memory: set_epoch in the main process reaches (persistent) workers
-        self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._shared[1] = -1  # last epoch that started iterating
-        self._reader: PoolReader | None = None
-        # set in DataLoader workers by AnnBatchDataLoader: leave deferred_dense_keys() as CSR
-        self._defer_densify = False
-        # (key, future, executor) of the next epoch's first pool, read ahead (in-process)
-        self._ahead: tuple[tuple[Any, ...], Future[Any], ThreadPoolExecutor] | None = None
-        # exact resume (torchdata Stateful): batches this copy yielded in the current epoch
-        self._progress = {"worker": 0, "num_workers": 1, "epoch": 0, "batches": 0}
-        self._resume: dict[str, int] | None = None
+        # set_epoch in the main process reaches (persistent) workers
+        self._epoch = SharedEpoch()
+        #: Where sparse fields are densified (AnnBatchDataLoader installs its own in its
+        #: workers, see DensifyPolicy.for_workers).
+        self.densify_policy = DensifyPolicy.for_dataset(self.densify, self.device)
+        self._stream: PoolStream | None = None  # made in the process that iterates
+        # exact resume (torchdata Stateful): what this copy yielded of the current epoch
+        self._resumer = Resumer()
 
     # -- configuration ---------------------------------------------------------------
     def _validate_selector(self) -> None:
@@ -239,7 +231,7 @@ class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
 
     def _resolve_dist(self) -> tuple[int, int]:
         if not self._explicit_dist:
-            found = _dist_rank_world()
+            found = distributed_rank_world()
             if found is not None:
                 self._rank, self._world_size = found
         return self._rank, self._world_size
@@ -254,11 +246,11 @@ class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
 
     @property
     def epoch(self) -> int:
-        return int(self._shared[0])
+        return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch used by the next iteration (reaches persistent workers too)."""
-        self._shared[0] = _check_int("epoch", epoch, 0)
+        self._epoch.set(_check_int("epoch", epoch, 0))
 
     def _plan_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -275,136 +267,120 @@ class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
     def plan(
         self, epoch: int | None = None, worker: int = 0, num_workers: int = 1
     ) -> Sequence[sampling.WorkItem]:
-        """The work items (pools and batch ranges) of one worker of this rank."""
+        """The work items (pools, their row order and batch ranges) of one worker of this
+        rank."""
         rank, world = self._resolve_dist()
         epoch = self.epoch if epoch is None else epoch
+        return self._plan(epoch, World(rank, world, worker, max(1, num_workers)))
+
+    def _plan(self, epoch: int, world: World) -> Sequence[sampling.WorkItem]:
         items = sampling.rank_items(
             **self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-            rank=rank, world_size=world,
+            rank=world.rank, world_size=world.world_size,
         )
-        return sampling.worker_items(items, worker, max(1, num_workers))
+        return sampling.worker_items(items, world.worker, world.num_workers)
 
-    def deferred_dense_keys(self) -> set[str]:
-        """Output keys that :class:`~annbatch_torch.AnnBatchDataLoader` densifies in the
-        main process when ``densify=True`` and DataLoader workers are used: sparse fields
-        without a transform, with the default ``batch_converter``. Workers then send CSR
-        (~5x fewer bytes than dense at typical sparsity) instead of dense batches."""
-        if not self.densify or self.batch_converter is not None:
-            return set()
-        return {
-            key for key, f in self.selector.items()
-            if f.transform is None and self.source.fields[f.path].kind == "csr"
-        }
+    def densify_policy_for_workers(self, *, num_workers: int, pin_memory: bool = False,
+                                   collate_fn: Callable[..., Any] | None = None
+                                   ) -> DensifyPolicy:
+        """The :class:`~annbatch_torch.read.densify.DensifyPolicy` of a loader's workers:
+        with ``densify=True`` and workers, sparse fields without a transform and with the
+        default ``batch_converter`` are sent as CSR (~5x fewer bytes than dense at typical
+        sparsity) and densified in the main process."""
+        keys = set()
+        if self.batch_converter is None:
+            keys = {key for key, f in self.selector.items()
+                    if f.transform is None and self.source.fields[f.path].kind == "csr"}
+        return self.densify_policy.for_workers(keys, num_workers=num_workers,
+                                               pin_memory=pin_memory, collate_fn=collate_fn)
+
+    # -- resume (torchdata Stateful) -----------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Small JSON-serialisable progress of this copy: seed, epoch, worker, batches done.
+
+        Called by ``torchdata.stateful_dataloader.StatefulDataLoader`` in each worker. After
+        :meth:`set_epoch` moved to another epoch than the last one iterated, the state is
+        the start of that epoch.
+        """
+        return self._resumer.state_dict(seed=self.seed, world_size=self.world_size,
+                                        epoch=self.epoch)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration skips the batches done.
+
+        The saved epoch becomes the dataset's epoch, unless a later epoch is set already:
+        then the state is stale and that epoch runs from its start. A state saved after an
+        epoch's last batch resumes that epoch with nothing left.
+        """
+        epoch = self._resumer.load(state_dict, seed=self.seed, world_size=self.world_size,
+                                   epoch=self.epoch)
+        if epoch is not None:
+            self.set_epoch(epoch)
+            self._epoch.forget_start()  # resuming the same epoch is intended
 
     # -- pickling -----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         self._resolve_dist()  # the process group lives here, not in a worker
         state = self.__dict__.copy()
-        state["_reader"] = None
-        state["_ahead"] = None
+        state["_stream"] = None
         return state
 
     # -- iteration ----------------------------------------------------------------------
-    def _get_reader(self) -> PoolReader:
-        if self._reader is None:
+    def _pool_stream(self) -> PoolStream:
+        if self._stream is None:
             paths = [f.path for f in self.selector.values()]
-            self._reader = PoolReader(self.source, paths, threads=self.read_threads)
-        return self._reader
+            reader = PoolReader(self.source, paths, threads=self.read_threads)
+            self._stream = PoolStream(reader, self.device)
+        return self._stream
+
+    def drop_read_ahead(self) -> None:
+        """Forget the next epoch's first pool read ahead at the end of an epoch (frees its
+        memory; the next ``__iter__`` then reads it itself)."""
+        if self._stream is not None:
+            self._stream.drop_read_ahead()
 
     def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world_size = self._resolve_dist()
+        world = World.current(rank, world_size)
         epoch = self.epoch
-        if worker == 0:
-            if self.shuffle and int(self._shared[1]) == epoch:
-                logger.warning(
-                    "AnnBatchDataset: epoch %d is iterated again with the same order; call "
-                    "dataset.set_epoch(epoch) before each epoch.", epoch
-                )
-            self._shared[1] = epoch
-        skip = self._take_resume(epoch, worker, num_workers)
+        if world.worker == 0:
+            self._epoch.start(epoch, warn_repeat=self.shuffle)
+        skip = self._resumer.start(epoch, world)
         if self.device is not None:
-            gpu.check_device(self.device)  # refuses DataLoader workers with the fix
-        items = self.plan(epoch, worker, num_workers)
+            check_device(self.device)  # refuses DataLoader workers with the fix
+        items = self._plan(epoch, world)
         if skip:
             items = sampling.remaining_items(items, skip)
-        self._progress = {"worker": worker, "num_workers": num_workers, "epoch": epoch,
-                          "batches": skip}
-        return self._iter_items(items, epoch, worker, num_workers)
+        return self._iter_items(items, epoch, world)
 
-    def _read_pool(self, reader: PoolReader, item: sampling.WorkItem, epoch: int
-                   ) -> tuple[dict[str, Any], np.ndarray]:
-        """Read an item's pool laid out batch after batch (see :func:`sampling.pool_order`)."""
-        perm = sampling.item_permutation(item, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        order = sampling.pool_order(perm, self.batch_size)
-        pool = reader.read(item.ranges, order)
-        if self.device is not None:  # uploaded here: overlaps the current pool's batches
-            return gpu.DevicePool(pool, self.device), order
-        return pool, order
+    def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int, world: World
+                    ) -> Iterator[Any]:
+        prefetch = self.prefetch if self.prefetch is not None else not world.in_worker
 
-    def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int, worker: int,
-                    num_workers: int) -> Iterator[Any]:
-        if not items:
-            self.drop_read_ahead()  # nothing to read: free a pool read ahead for this epoch
-            return
-        reader = self._get_reader()
-        prefetch = self.prefetch if self.prefetch is not None else get_worker_info() is None
-        ahead = self._take_read_ahead(epoch, worker, num_workers, items[0]) if prefetch else None
-        bg = None
-        if ahead is not None:
-            bg = ahead[1]
-        elif prefetch:
-            bg = ThreadPoolExecutor(1, thread_name_prefix="annbatch-prefetch")
-        kept = False  # bg then reads the next epoch's first pool (self._ahead)
-        try:
-            nxt: Future[Any] | None = ahead[0] if ahead is not None else (
-                bg.submit(self._read_pool, reader, items[0], epoch) if bg else None
-            )
-            ahead = None  # its future holds the pool: no reference may outlive the pool
-            for i, item in enumerate(items):
-                if nxt is not None:
-                    pool, order = nxt.result()
-                else:
-                    pool, order = self._read_pool(reader, item, epoch)
-                nxt = None
-                if bg is not None and i + 1 < len(items):
-                    # buffers of the previous pool are reused when the caller let go of its
-                    # batches (always for dense batches), else fresh ones are taken
-                    nxt = bg.submit(self._read_pool, reader, items[i + 1], epoch)
-                elif bg is not None:
-                    kept = self._read_ahead(bg, reader, epoch + 1, worker, num_workers)
-                yield from self._batches(item, pool, order)
-                if isinstance(pool, gpu.DevicePool):
-                    pool.close()
-                del pool  # without prefetch: free this pool before the next is read
-        finally:
-            if bg is not None and not kept:
-                bg.shutdown(wait=True, cancel_futures=True)
-            if not kept:
-                reader.buffers.clear()
+        def upcoming() -> sampling.WorkItem | None:  # the next epoch's first pool
+            nxt = self._plan(epoch + 1, world)
+            return nxt[0] if len(nxt) else None
 
-    def _batches(
-        self, item: sampling.WorkItem, pool: dict[str, Any] | gpu.DevicePool, order: np.ndarray
-    ) -> Iterator[Any]:
-        rows = sampling.global_rows(item.ranges)[order] if self.return_index else None
+        pools = self._pool_stream().pools(items, prefetch=prefetch, shared=world.in_worker,
+                                          upcoming=upcoming)
+        for item, pool in pools:
+            yield from self._batches(item, pool, world)
+
+    def _batches(self, item: sampling.WorkItem, pool: HostPool | DevicePool, world: World
+                 ) -> Iterator[Any]:
         converter = self.batch_converter or batch_dict_converter
-        bs, n = self.batch_size, len(order)
-        in_worker = get_worker_info() is not None
-        deferred = self.deferred_dense_keys() if in_worker and self._defer_densify else set()
-        dev = pool if isinstance(pool, gpu.DevicePool) else None
+        policy = self.densify_policy
+        on_device = isinstance(pool, DevicePool)
+        dense_paths = {f.path for key, f in self.selector.items()
+                       if policy.pool_densifies(key, world.in_worker)}
         for b in range(item.batch_start, item.batch_stop):
-            lo, hi = b * bs, min((b + 1) * bs, n)  # batches are contiguous in the pool
+            lo, hi = item.bounds(b)  # batches are contiguous in the pool
+            values = (pool.batch(lo, hi, policy.where == "device") if on_device
+                      else pool.batch(lo, hi, dense_paths))
             batch: dict[str, Any] = {}
-            on_device = dev.batch(lo, hi, self.densify) if dev is not None else None
             used: set[str] = set()
             for key, f in self.selector.items():
-                if on_device is not None:
-                    value = on_device[f.path]
-                else:
-                    value = row_slice(pool[f.path], lo, hi)
-                if self.densify and sp.issparse(value) and key not in deferred:
-                    # in a worker: straight into shared memory, no copy on the way out
-                    value = densify_csr(value, shared=in_worker)
+                value = values[f.path]
                 if f.path in used:  # one field under two keys: never the same memory
                     value = _own_copy(value)
                 used.add(f.path)
@@ -415,15 +391,15 @@ class AnnBatchDataset(ResumeMixin, ReadAheadMixin, IterableDataset):
                         what = f"the transform of selector key {key!r} (field {f.path!r})"
                         raise self._batch_error(what, item, b, e) from e
                 batch[key] = value
-            if rows is not None:
-                batch["index"] = rows[lo:hi]
+            if self.return_index:
+                batch["index"] = item.rows[lo:hi]
             if self.even_batches == "pad":
                 batch[self.mask_key] = np.full(hi - lo, not item.padding, dtype=bool)
             try:
                 out = converter(batch)
             except Exception as e:
                 raise self._batch_error("the batch_converter", item, b, e) from e
-            self._progress["batches"] += 1  # before yield: state_dict() follows the fetch
+            self._resumer.count()  # before yield: state_dict() follows the fetch
             yield out
 
     def _batch_error(

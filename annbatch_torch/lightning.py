@@ -49,8 +49,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from . import sampling
 from .annbatch_dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
 from .fields import Field
-from .loader import AnnBatchDataLoader, is_mid_epoch
-from .sampling.worklist import state_ints
+from .loader import AnnBatchDataLoader
+from .resume import is_mid_epoch, state_ints
 from .store.collection import Collection, open_collection
 from .store.manifest import read_manifest
 from .write.prepare import explicit_settings, lock_path, write_if_stale

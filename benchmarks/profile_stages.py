@@ -21,7 +21,7 @@ per pool (``chunk_size * preload_nchunks`` rows)
 
 per batch (``--batch-size`` rows, a middle batch of the scattered pool)
 
-* ``reader.row_slice`` + ``convert.csr_to_torch``: a sparse batch, zero copy;
+* ``read.csr.row_slice`` + ``convert.csr_to_torch``: a sparse batch, zero copy;
 * ``convert.densify_csr`` with ``threads=1`` and ``threads=2`` (the default from 2**22
   values on 2+ CPUs), and with ``shared=True`` (a DataLoader worker's dense batch, written
   straight into shared memory);
@@ -84,9 +84,11 @@ def profile(store: Path, pools: int, batch_size: int, repeat: int = 7) -> dict[s
     import torch
 
     from annbatch_torch import A, AnnBatchDataset, open_collection, sampling
-    from annbatch_torch.convert import csr_tensor_to_dense, csr_to_torch, densify_csr
-    from annbatch_torch.read.reader import BufferCache, PoolReader, split_ranges
-    from annbatch_torch.read.reader import row_slice as _row_slice
+    from annbatch_torch.convert import csr_to_torch
+    from annbatch_torch.read.buffers import BufferCache
+    from annbatch_torch.read.csr import csr_tensor_to_dense, densify_csr
+    from annbatch_torch.read.csr import row_slice as _row_slice
+    from annbatch_torch.read.reader import PoolReader, split_ranges
 
     coll = open_collection(store)
     ds = AnnBatchDataset(coll, selector={"x": A.X}, batch_size=batch_size)

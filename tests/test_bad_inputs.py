@@ -687,7 +687,7 @@ def test_writer_refuses_column_indices_outside_the_matrix(tmp_path: Path, where:
 
 
 def test_check_csr_names_input_field_row_and_fix() -> None:
-    from annbatch_torch.store.elements import check_csr
+    from annbatch_torch.store.checks import check_csr
 
     m = sp.random(30, 8, density=0.5, format="csr", dtype=np.float32, random_state=0)
     check_csr("a.h5ad", "X", m, first_row=100)  # a valid matrix passes
@@ -747,7 +747,7 @@ def test_inputs_without_x_read_in_place(tmp_path: Path) -> None:
 
 def test_check_finite_names_input_field_row_and_fix() -> None:
     """The check the writer runs on every block of X / layers / obsm it reads."""
-    from annbatch_torch.store.elements import check_finite
+    from annbatch_torch.store.checks import check_finite
 
     m = sp.random(30, 8, density=0.5, format="csr", dtype=np.float32, random_state=0)
     m.data[9] = np.nan

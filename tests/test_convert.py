@@ -8,7 +8,8 @@ import scipy.sparse as sp
 import torch
 
 from annbatch_torch import batch_dict_converter, to_device
-from annbatch_torch.convert import densify_csr, to_tensor
+from annbatch_torch.convert import to_tensor
+from annbatch_torch.read.csr import densify_csr
 
 
 def test_converter_types_and_values() -> None:

@@ -154,7 +154,7 @@ def test_pickles_after_iteration_without_open_handles(
     assert ds.source.has_open_handles
     clone = pickle.loads(pickle.dumps(ds))
     assert not clone.source.has_open_handles
-    assert clone._reader is None
+    assert clone._stream is None
     again = [b["index"].numpy() for b in clone]
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
 

@@ -1,5 +1,5 @@
 """AnnBatchDataLoader's hand-off of dense batches: CSR from workers, densified in the main
-process (``deferred_dense_keys``), and dense batches written straight into shared memory by
+process (``DensifyPolicy`` "main"), and dense batches written straight into shared memory by
 workers of a plain DataLoader. Values are compared with the in-process dataset."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
-from annbatch_torch import A
+from annbatch_torch import A, sampling
+from annbatch_torch.read.pool_stream import PoolStream, ReadAhead
 from annbatch_torch.store.collection import Collection
 
 SEL = {"x": A.X, "counts": A.layers["counts"], "pca": A.obsm["X_pca"], "ct": A.obs["cell_type"]}
@@ -49,19 +50,21 @@ def test_dense_from_workers_equals_in_process(
 def test_only_untransformed_sparse_keys_are_deferred(small_collection: Collection) -> None:
     sel = {"x": A.X, "c2": A.layers["counts"].with_transform(_double), "pca": A.obsm["X_pca"]}
     ds = abt.AnnBatchDataset(small_collection, selector=sel, densify=True)
-    assert ds.deferred_dense_keys() == {"x"}
-    assert abt.AnnBatchDataset(small_collection, selector=sel).deferred_dense_keys() == set()
+    assert ds.densify_policy_for_workers(num_workers=2).main_keys == {"x"}
+    assert abt.AnnBatchDataset(small_collection, selector=sel).densify_policy_for_workers(
+        num_workers=2).main_keys == set()
     conv = abt.AnnBatchDataset(small_collection, selector=sel, densify=True,
                                batch_converter=abt.batch_dict_converter)
-    assert conv.deferred_dense_keys() == set()
+    assert conv.densify_policy_for_workers(num_workers=2).main_keys == set()
     loader = abt.AnnBatchDataLoader(ds, num_workers=2)
-    assert loader._deferred_keys == {"x"}
+    assert loader.densify_policy.main_keys == {"x"}
     b = next(iter(loader))
     assert b["x"].layout == torch.strided
     assert b["c2"].layout == torch.strided
     # nothing is deferred in-process or with pinned memory
-    assert abt.AnnBatchDataLoader(ds)._deferred_keys == frozenset()
-    assert abt.AnnBatchDataLoader(ds, num_workers=2, pin_memory=True)._deferred_keys == frozenset()
+    assert abt.AnnBatchDataLoader(ds).densify_policy.main_keys == frozenset()
+    assert abt.AnnBatchDataLoader(ds, num_workers=2,
+                                  pin_memory=True).densify_policy.main_keys == frozenset()
 
 
 def _mark(worker_id: int) -> None:
@@ -74,7 +77,7 @@ def test_user_worker_init_fn_still_runs(small_collection: Collection) -> None:
     ds = abt.AnnBatchDataset(small_collection, densify=True, batch_size=500)
     loader = abt.AnnBatchDataLoader(ds, num_workers=1, worker_init_fn=_mark)
     assert len(list(loader)) == len(ds)
-    assert not ds._defer_densify  # the main process' dataset is left alone
+    assert ds.densify_policy.where == "pool"  # the main process' dataset is left alone
 
 
 def test_dense_worker_batches_are_shared_memory(small_collection: Collection) -> None:
@@ -139,7 +142,8 @@ def test_batches_are_views_and_kept_batches_stay_intact(small_collection: Collec
     seen_ptrs: set[int] = set()
     it = iter(ds2)
     for b in it:
-        reader = ds2._reader
+        assert ds2._stream is not None
+        reader = ds2._stream.reader
         assert isinstance(reader, PoolReader)
         x = b["X"]
         # the batch's values are a view of one of the reader's buffers
@@ -160,7 +164,7 @@ def test_batches_are_views_and_kept_batches_stay_intact(small_collection: Collec
 def test_csr_view_never_copies() -> None:
     import scipy.sparse as sp
 
-    from annbatch_torch.read.reader import csr_view
+    from annbatch_torch.read.csr import csr_view
 
     big = np.arange(1000, dtype=np.float32)
     idx = np.tile(np.arange(10, dtype=np.int32), 100)
@@ -188,7 +192,7 @@ def test_default_read_threads_follow_the_cpus(small_collection: Collection,
 def test_buffer_cache_is_fresh_in_a_forked_child() -> None:
     import multiprocessing as mp
 
-    from annbatch_torch.read.reader import BufferCache
+    from annbatch_torch.read.buffers import BufferCache
 
     cache = BufferCache(keep=2)
     held = cache.take(100, np.float32)
@@ -211,6 +215,11 @@ def test_buffer_cache_is_fresh_in_a_forked_child() -> None:
     assert held.size == 100
 
 
+def _ahead(ds: abt.AnnBatchDataset) -> ReadAhead | None:
+    """The pool a dataset read ahead, if any."""
+    return None if ds._stream is None else ds._stream.ahead
+
+
 def _epoch_batches(ds: abt.AnnBatchDataset) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(b["index"].numpy().copy(), b["X"].to_dense().numpy().copy()) for b in ds]
 
@@ -220,18 +229,24 @@ def test_next_epoch_first_pool_is_read_ahead(small_collection: Collection,
     import pickle
 
     kw = dict(batch_size=100, chunk_size=64, preload_nchunks=4, return_index=True, seed=2)
-    reads: list[tuple[int, int]] = []
-    real = abt.AnnBatchDataset._read_pool
-
-    def spy(self, reader, item, epoch):  # type: ignore[no-untyped-def]
-        reads.append((epoch, item.pool_index))
-        return real(self, reader, item, epoch)
-
-    monkeypatch.setattr(abt.AnnBatchDataset, "_read_pool", spy)
     ds = abt.AnnBatchDataset(small_collection, **kw)
+    plans = {e: list(ds.plan(e)) for e in range(3)}
+
+    def epoch_of(item: sampling.WorkItem) -> int:  # which epoch's pool (rows and order)
+        return next(e for e, items in plans.items() for it in items
+                    if it == item and np.array_equal(it.order, item.order))
+
+    reads: list[tuple[int, int]] = []
+    real = PoolStream.read
+
+    def spy(self, item, shared=False):  # type: ignore[no-untyped-def]
+        reads.append((epoch_of(item), item.pool_index))
+        return real(self, item, shared)
+
+    monkeypatch.setattr(PoolStream, "read", spy)
     n_pools = len(ds.plan(0))
     e0 = _epoch_batches(ds)
-    assert ds._ahead is not None  # epoch 1's first pool was read during epoch 0's last
+    assert _ahead(ds) is not None  # epoch 1's first pool was read during epoch 0's last
     assert reads[-1] == (1, ds.plan(1)[0].pool_index)
     pickle.loads(pickle.dumps(ds))  # pickles without the pending read
     ds.set_epoch(1)
@@ -253,7 +268,7 @@ def test_next_epoch_first_pool_is_read_ahead(small_collection: Collection,
         np.testing.assert_array_equal(i, j)
         np.testing.assert_array_equal(x, y)
     ds.drop_read_ahead()
-    assert ds._ahead is None
+    assert _ahead(ds) is None
 
 
 def test_a_forked_copy_never_touches_the_parents_read_ahead(
@@ -273,11 +288,13 @@ def test_a_forked_copy_never_touches_the_parents_read_ahead(
             calls.append("shutdown")
 
     ds = abt.AnnBatchDataset(small_collection, batch_size=100)
-    ds._ahead = ((os.getpid() + 1, 0, 0, 1, None), Touch(), Touch())  # type: ignore[assignment]
+    stream = ds._pool_stream()
+    first = ds.plan(0)[0]
+    stream.ahead = ReadAhead(first, Touch(), Touch(), os.getpid() + 1)  # type: ignore[arg-type]
     ds.drop_read_ahead()
-    assert ds._ahead is None
+    assert _ahead(ds) is None
     assert calls == []
-    ds._ahead = ((os.getpid(), 0, 0, 1, None), Touch(), Touch())  # type: ignore[assignment]
+    stream.ahead = ReadAhead(first, Touch(), Touch(), os.getpid())  # type: ignore[arg-type]
     ds.drop_read_ahead()  # its own: cancelled and shut down
     assert calls == ["cancel", "shutdown"]
 
@@ -286,17 +303,17 @@ def test_an_epoch_with_nothing_left_frees_the_read_ahead(small_collection: Colle
     ds = abt.AnnBatchDataset(small_collection, batch_size=100, seed=4)
     ds.set_epoch(1)
     n = sum(1 for _ in ds)
-    assert ds._ahead is not None  # epoch 2's first pool, read during epoch 1's last
+    assert _ahead(ds) is not None  # epoch 2's first pool, read during epoch 1's last
     state = {**ds.state_dict(), "epoch": 1, "batches": n}  # epoch 1 finished
     ds.load_state_dict(state)
     assert list(ds) == []
-    assert ds._ahead is None
+    assert _ahead(ds) is None
 
 
 def test_no_read_ahead_without_prefetch(small_collection: Collection) -> None:
     ds = abt.AnnBatchDataset(small_collection, batch_size=100, prefetch=False)
     assert len(list(ds)) == len(ds)
-    assert ds._ahead is None
+    assert _ahead(ds) is None
 
 
 def test_dense_epochs_reuse_two_pools_of_buffers(small_collection: Collection) -> None:
@@ -307,7 +324,7 @@ def test_dense_epochs_reuse_two_pools_of_buffers(small_collection: Collection) -
     for e in range(6):
         ds.set_epoch(e)
         assert len(list(ds)) == len(ds)
-    assert ds._reader is not None
+    assert ds._stream is not None
     # 2 pools x (data, indices) (buffers get 50% headroom: pool sizes vary); a pool kept
     # alive by a stray reference costs a third set
-    assert ds._reader.buffers.allocations <= 4
+    assert ds._stream.reader.buffers.allocations <= 4

@@ -30,10 +30,11 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 from annbatch_torch.datasets import write_synthetic_h5ads
 from annbatch_torch.errors import ReadError
 from annbatch_torch.read.reader import PoolReader
-from annbatch_torch.sampling.plan import pool_order
+from annbatch_torch.sampling import pool_order
 from annbatch_torch.store import rawzarr
+from annbatch_torch.store.checks import bad_column
 from annbatch_torch.store.collection import open_collection
-from annbatch_torch.store.elements import CSRElement, bad_column
+from annbatch_torch.store.elements import CSRElement
 from annbatch_torch.store.inplace import InPlaceSource, as_source
 from annbatch_torch.store.rawzarr import ChunkError, RawZarrArray, open_raw
 from annbatch_torch.write.writer import create_anndata_collection

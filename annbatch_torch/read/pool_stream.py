@@ -1,75 +1,153 @@
-"""Reading the next epoch's first pool ahead, while an epoch's last pool is consumed.
+"""A worker's pools, read in order: the next one in the background while the current one
+is consumed (prefetch), and the next epoch's first one while an epoch's last is consumed
+(read-ahead).
 
-Without it every epoch starts with a read nothing overlaps (one pool in six at 100k cells
-with the defaults). :class:`ReadAheadMixin` is part of
-:class:`~annbatch_torch.AnnBatchDataset`: the pool read ahead is kept in ``self._ahead``
-(key, future, executor) and used only by an ``__iter__`` asking for the same process,
-epoch, worker and first pool; anything else drops it.
+:class:`PoolStream` turns complete :class:`~annbatch_torch.sampling.WorkItem`\\ s (ranges,
+row order) into pools: a :class:`~annbatch_torch.read.host_pool.HostPool`, or a
+:class:`~annbatch_torch.read.device_pool.DevicePool` uploaded in the prefetch thread (the
+upload overlaps the current pool's batches). Without the read-ahead every epoch would start
+with a read nothing overlaps (one pool in six at 100k cells with the defaults); a pool read
+ahead is used only by a stream asked for the very same pool (same rows in the same order)
+in the same process, and dropped otherwise.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-if TYPE_CHECKING:
-    from collections.abc import Sequence
+import numpy as np
+import torch
 
-    from .. import sampling
-    from .reader import PoolReader
+from ..sampling import WorkItem
+from .device_pool import DevicePool
+from .host_pool import HostPool
+from .reader import PoolReader
 
-__all__ = ["ReadAheadMixin"]
+__all__ = ["PoolStream", "ReadAhead"]
 
 
-class ReadAheadMixin:
-    """The read-ahead half of :class:`~annbatch_torch.AnnBatchDataset` (in-process only)."""
+@dataclass
+class ReadAhead:
+    """The next epoch's first pool, being read by ``executor`` in process ``pid``."""
 
-    shuffle: bool
-    _ahead: tuple[tuple[Any, ...], Future[Any], ThreadPoolExecutor] | None
+    item: WorkItem
+    future: Future[Any]
+    executor: ThreadPoolExecutor
+    pid: int
 
-    def plan(self, epoch: int | None = None, worker: int = 0,
-             num_workers: int = 1) -> Sequence[sampling.WorkItem]:  # pragma: no cover
-        raise NotImplementedError
+    def serves(self, item: WorkItem) -> bool:
+        """Whether this is ``item``'s pool, read in this process."""
+        return (self.pid == os.getpid() and self.item == item
+                and np.array_equal(self.item.order, item.order))
 
-    def _read_pool(self, reader: PoolReader, item: sampling.WorkItem,
-                   epoch: int) -> Any:  # pragma: no cover
-        raise NotImplementedError
 
-    def _ahead_key(self, epoch: int, worker: int, num_workers: int,
-                   first: sampling.WorkItem) -> tuple[Any, ...]:
-        # without shuffling the order does not depend on the epoch
-        return (os.getpid(), epoch if self.shuffle else None, worker, num_workers, first.key())
+class PoolStream:
+    """Pools of one dataset copy, read by ``reader``.
 
-    def _read_ahead(self, bg: ThreadPoolExecutor, reader: PoolReader, epoch: int, worker: int,
-                    num_workers: int) -> bool:
-        """While the last pool of an epoch is consumed, read the first pool of ``epoch``
-        (the next one) for the next ``__iter__``; used only if that asks for the same
-        epoch, worker and pool (else dropped). The gap between epochs was one unhidden pool
-        read (1/6 of an epoch at 100k cells with the defaults)."""
-        items = self.plan(epoch, worker, num_workers)
+    Parameters
+    ----------
+    reader
+        Reads a pool's rows of the selected fields.
+    device
+        Hold pools on this device (:class:`DevicePool`); ``None``: host pools.
+    """
+
+    def __init__(self, reader: PoolReader, device: torch.device | None = None) -> None:
+        self.reader = reader
+        self.device = device
+        self.ahead: ReadAhead | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["ahead"] = None
+        return state
+
+    def read(self, item: WorkItem, shared: bool = False) -> HostPool | DevicePool:
+        """Read ``item``'s pool, laid out batch after batch in ``item.order``; ``shared``:
+        host batches are densified into shared memory (in DataLoader workers)."""
+        values = self.reader.read(item.ranges, item.order)
+        if self.device is not None:  # uploaded here: overlaps the current pool's batches
+            return DevicePool(values, self.device)
+        return HostPool(values, shared=shared)
+
+    def pools(self, items: Sequence[WorkItem], *, prefetch: bool, shared: bool = False,
+              upcoming: Callable[[], WorkItem | None] | None = None
+              ) -> Iterator[tuple[WorkItem, HostPool | DevicePool]]:
+        """``(item, pool)`` for each item in turn; each pool is closed when the next is
+        asked for.
+
+        Parameters
+        ----------
+        items
+            The work items, in order.
+        prefetch
+            Read the next pool in a background thread while the current one is consumed.
+        shared
+            See :meth:`read`.
+        upcoming
+            With ``prefetch``: gives the next epoch's first item, read ahead while the
+            last pool is consumed and kept for the stream that asks for it.
+        """
         if not items:
+            self.drop_read_ahead()  # nothing to read: free a pool read ahead for this epoch
+            return
+        ahead = self.take_read_ahead(items[0]) if prefetch else None
+        bg = ahead.executor if ahead is not None else (
+            ThreadPoolExecutor(1, thread_name_prefix="annbatch-prefetch") if prefetch else None)
+        kept = False  # bg then reads the next epoch's first pool (self.ahead)
+        try:
+            nxt: Future[Any] | None = ahead.future if ahead is not None else (
+                bg.submit(self.read, items[0], shared) if bg is not None else None)
+            ahead = None  # its future holds the pool: no reference may outlive the pool
+            for i, item in enumerate(items):
+                pool = nxt.result() if nxt is not None else self.read(item, shared)
+                nxt = None
+                if bg is not None and i + 1 < len(items):
+                    # buffers of the previous pool are reused when the caller let go of its
+                    # batches (always for dense batches), else fresh ones are taken
+                    nxt = bg.submit(self.read, items[i + 1], shared)
+                elif bg is not None and upcoming is not None:
+                    kept = self._read_ahead(bg, upcoming(), shared)
+                yield item, pool
+                pool.close()  # batches handed out keep their own references
+                del pool  # without prefetch: free this pool before the next is read
+        finally:
+            if bg is not None and not kept:
+                bg.shutdown(wait=True, cancel_futures=True)
+            if not kept:
+                self.reader.buffers.clear()
+
+    def _read_ahead(self, bg: ThreadPoolExecutor, first: WorkItem | None, shared: bool) -> bool:
+        if first is None:
             return False
         self.drop_read_ahead()
-        fut = bg.submit(self._read_pool, reader, items[0], epoch)
-        self._ahead = (self._ahead_key(epoch, worker, num_workers, items[0]), fut, bg)
+        self.ahead = ReadAhead(first, bg.submit(self.read, first, shared), bg, os.getpid())
         return True
 
-    def _take_read_ahead(self, epoch: int, worker: int, num_workers: int,
-                         first: sampling.WorkItem) -> tuple[Future[Any], ThreadPoolExecutor] | None:
-        ahead = self._ahead
-        if ahead is not None and ahead[0] == self._ahead_key(epoch, worker, num_workers, first):
-            self._ahead = None
-            return ahead[1], ahead[2]
+    def take_read_ahead(self, first: WorkItem) -> ReadAhead | None:
+        """The pool read ahead if it is ``first``'s (it is handed over once), else
+        ``None`` (and any other pool read ahead is dropped)."""
+        ahead = self.ahead
+        if ahead is not None and ahead.serves(first):
+            self.ahead = None
+            return ahead
         self.drop_read_ahead()
         return None
 
     def drop_read_ahead(self) -> None:
-        """Forget the next epoch's first pool read ahead at the end of an epoch (frees its
-        memory; the next ``__iter__`` then reads it itself)."""
-        ahead, self._ahead = self._ahead, None
+        """Forget the pool read ahead (frees its memory)."""
+        ahead, self.ahead = self.ahead, None
         # in a forked child (a DataLoader worker) the future and executor are copies whose
         # locks a parent thread may have held at fork time: just let them go
-        if ahead is not None and ahead[0][0] == os.getpid():
-            ahead[1].cancel()
-            ahead[2].shutdown(wait=False, cancel_futures=True)
+        if ahead is not None and ahead.pid == os.getpid():
+            ahead.future.cancel()
+            ahead.executor.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Drop the read-ahead and the reader's threads and buffers."""
+        self.drop_read_ahead()
+        self.reader.close()

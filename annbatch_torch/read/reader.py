@@ -17,8 +17,6 @@ the field and the row range.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +24,14 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from ..convert import csr_view
 from ..errors import AnnBatchError, ReadError
 from ..store.checks import bad_column
 from ..store.collection import Source
 from ..store.elements import CSCElement, CSRElement
+from .buffers import BufferCache
+from .csr import csr_view
 
-__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "BufferCache", "csr_view",
-           "row_slice", "default_read_threads"]
+__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "default_read_threads"]
 
 
 @dataclass(frozen=True)
@@ -84,16 +82,6 @@ def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
     return text + (f"; and {len(pieces) - limit} more ranges" if len(pieces) > limit else "")
 
 
-def row_slice(value: Any, lo: int, hi: int) -> Any:
-    """Rows ``[lo, hi)`` of a pool value without copying (a CSR of views, or a view)."""
-    if not sp.issparse(value):
-        return value[lo:hi]
-    start, stop = int(value.indptr[lo]), int(value.indptr[hi])
-    indptr = value.indptr[lo : hi + 1] - value.indptr[lo]
-    return csr_view(value.data[start:stop], value.indices[start:stop], indptr,
-                    (hi - lo, value.shape[1]))
-
-
 def default_read_threads() -> int:
     """Concurrent pool reads per process: the usable CPUs, at most 4.
 
@@ -105,72 +93,6 @@ def default_read_threads() -> int:
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
     return max(1, min(4, cpus))
-
-
-class BufferCache:
-    """Reusable pool buffers, never handed out while anything still uses them.
-
-    Fresh 100-MB buffers cost page faults on first touch (~20% of a pool read here). A
-    buffer is handed out again only when nothing but this cache references it: every
-    view, CSR matrix or ``torch.from_numpy`` tensor made from it holds a reference, so a
-    batch a caller keeps is never overwritten (the cache then allocates a new buffer).
-
-    Parameters
-    ----------
-    keep
-        Buffers remembered for reuse (the rest are freed when released).
-    """
-
-    def __init__(self, keep: int = 6) -> None:
-        self.keep = keep
-        self.allocations = 0  # buffers allocated (not reused) so far
-        self._owners: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"keep": self.keep}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["keep"])  # type: ignore[misc]
-
-    def _free_owners(self) -> list[np.ndarray]:
-        # references to a free buffer: the list, the loop variable, getrefcount's argument
-        return [o for o in self._owners if sys.getrefcount(o) <= 3]
-
-    def take(self, n: int, dtype: np.dtype) -> np.ndarray:
-        """An uninitialised 1-D array of ``n`` items of ``dtype``."""
-        dtype = np.dtype(dtype)
-        nbytes = n * dtype.itemsize
-        if self._pid != os.getpid():  # a forked child: the lock may have been copied held
-            self.__init__(self.keep)  # type: ignore[misc]
-        with self._lock:
-            free = self._free_owners()
-            fits = [o for o in free if o.nbytes >= nbytes]
-            # a free buffer too small for this request (e.g. from an epoch's short last
-            # pool) is not kept around: it would hold memory and rarely fit again
-            small = {id(o) for o in free if o.nbytes < nbytes}
-            if small:
-                self._owners = [o for o in self._owners if id(o) not in small]
-            if fits:
-                return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
-            # room to grow: pools' sizes vary; pages never touched cost no memory (RSS)
-            owner = np.empty(nbytes + nbytes // 2 + 64, dtype=np.uint8)
-            self.allocations += 1
-            if len(self._owners) >= self.keep and free:
-                self._owners = [o for o in self._owners if o is not free[0]]
-            if len(self._owners) < self.keep:
-                self._owners.append(owner)
-            return owner[:nbytes].view(dtype)
-
-    def clear(self) -> None:
-        """Forget every buffer (memory still in use elsewhere stays valid)."""
-        with self._lock:
-            self._owners.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(o.nbytes for o in self._owners)
 
 
 class PoolReader:

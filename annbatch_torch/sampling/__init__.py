@@ -1,21 +1,21 @@
 """The epoch plan: pure functions over integers (numpy only; no torch, no I/O).
 
-:mod:`annbatch_torch.sampling.plan` is the chunked plan (chunks -> pools -> ranks ->
-workers), :mod:`annbatch_torch.sampling.worklist` its work items and lazy work lists.
+:mod:`~annbatch_torch.sampling.plan` deals an epoch's chunks into pools, ranks and workers;
+:mod:`~annbatch_torch.sampling.worklist` holds its complete work items (a pool's ranges,
+row order and batches). The rules are in the docstring of
+:mod:`~annbatch_torch.sampling.plan`.
 """
 
 from .plan import (
+    TAG_CHUNKS,
+    TAG_SPLIT,
     EvenBatches,
     batch_positions,
     batches_per_rank,
     chunk_order,
     chunk_stream,
     epoch_pools,
-    global_rows,
-    item_permutation,
     n_chunks,
-    pool_order,
-    pool_permutation,
     pool_rows,
     rank_items,
     split_chunks,
@@ -23,16 +23,24 @@ from .plan import (
     worker_items,
 )
 from .worklist import (
+    TAG_ROWS,
+    RowOrder,
     WorkItem,
     WorkList,
-    consumed_per_worker,
-    dataloader_order,
+    global_rows,
+    item_permutation,
+    pool_order,
+    pool_permutation,
     remaining_items,
     total_batches,
 )
 
 __all__ = [
     "EvenBatches",
+    "TAG_CHUNKS",
+    "TAG_ROWS",
+    "TAG_SPLIT",
+    "RowOrder",
     "WorkItem",
     "WorkList",
     "validate_params",
@@ -48,8 +56,6 @@ __all__ = [
     "rank_items",
     "worker_items",
     "batches_per_rank",
-    "dataloader_order",
-    "consumed_per_worker",
     "remaining_items",
     "total_batches",
     "split_chunks",

@@ -4,7 +4,7 @@ Pure functions over integers (numpy only: no torch, no I/O). Rules, in order:
 
 1. Chunk ``c`` covers global rows ``[c * chunk_size, min((c + 1) * chunk_size, n_obs))``. The
    epoch's chunk stream is ``chunk_ids`` (default: all chunks) sorted, then permuted with
-   ``default_rng([seed, epoch, _TAG_CHUNKS])`` when ``shuffle``.
+   ``default_rng([seed, epoch, TAG_CHUNKS])`` when ``shuffle``.
 2. The chunks' rows, concatenated in stream order, are cut into pools of
    :func:`pool_rows` rows (a multiple of ``batch_size``); only the last pool may be shorter.
    A pool's ``ranges`` are ``(k, 2)`` int64 ``[start, stop)`` global row ranges in stream order
@@ -36,45 +36,30 @@ from typing import Literal
 
 import numpy as np
 
-from .worklist import (
-    Stream,
-    WorkItem,
-    WorkList,
-    consumed_per_worker,
-    dataloader_order,
-    remaining_items,
-    total_batches,
-)
+from .worklist import RowOrder, Stream, WorkItem, WorkList
 
 __all__ = [
     "EvenBatches",
-    "WorkItem",
-    "WorkList",
+    "TAG_CHUNKS",
+    "TAG_SPLIT",
     "validate_params",
     "n_chunks",
     "pool_rows",
     "chunk_order",
     "chunk_stream",
     "epoch_pools",
-    "pool_permutation",
-    "item_permutation",
-    "batch_positions",
-    "pool_order",
     "rank_items",
     "worker_items",
     "batches_per_rank",
-    "dataloader_order",
-    "consumed_per_worker",
-    "remaining_items",
-    "total_batches",
+    "batch_positions",
     "split_chunks",
-    "global_rows",
 ]
 
 EvenBatches = Literal["drop", "pad"]
-_TAG_CHUNKS = 0x43484E4B  # "CHNK": chunk order of an epoch
-_TAG_ROWS = 0x524F5753  # "ROWS": row order inside a pool
-_TAG_SPLIT = 0x53504C54  # "SPLT": train/val chunk split
+#: Seed tag of an epoch's chunk order: ``default_rng([seed, epoch, TAG_CHUNKS])``.
+TAG_CHUNKS = 0x43484E4B  # "CHNK"
+#: Seed tag of the train/validation chunk split: ``default_rng([seed, TAG_SPLIT])``.
+TAG_SPLIT = 0x53504C54  # "SPLT"
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -172,7 +157,7 @@ def chunk_order(
 ) -> np.ndarray:
     """Chunk indices in the epoch's stream order (int64)."""
     ids = _chunk_ids(n_obs, chunk_size, chunk_ids)
-    return np.random.default_rng([seed, epoch, _TAG_CHUNKS]).permutation(ids) if shuffle else ids
+    return np.random.default_rng([seed, epoch, TAG_CHUNKS]).permutation(ids) if shuffle else ids
 
 
 def chunk_stream(
@@ -335,6 +320,7 @@ def rank_items(
         np.concatenate([pool_ids, np.full(n_pad, -1, dtype=np.int64)]),
         np.concatenate([b0, np.zeros(n_pad, dtype=np.int64)]),
         np.concatenate([b1, np.ones(n_pad, dtype=np.int64)]),
+        RowOrder(seed, epoch, shuffle),
     )
 
 
@@ -374,46 +360,11 @@ def worker_items(items: Sequence[WorkItem], worker: int, num_workers: int) -> Se
     return items[worker::nw]
 
 
-def pool_permutation(
-    n_rows: int, *, seed: int, epoch: int, pool_index: int, shuffle: bool
-) -> np.ndarray:
-    """Order of a pool's canonical row positions (int64); identity when not ``shuffle``."""
-    if not shuffle:
-        return np.arange(n_rows, dtype=np.int64)
-    return np.random.default_rng([seed, epoch, pool_index, _TAG_ROWS]).permutation(n_rows)
-
-
-def item_permutation(item: WorkItem, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """:func:`pool_permutation` of an item's pool (identity for a padding item)."""
-    return pool_permutation(
-        item.n_rows,
-        seed=seed,
-        epoch=epoch,
-        pool_index=item.pool_index,
-        shuffle=shuffle and not item.padding,
-    )
-
-
 def batch_positions(item: WorkItem, batch: int, batch_size: int, perm: np.ndarray) -> np.ndarray:
     """Canonical positions (into ``global_rows(item.ranges)``) of batch ``batch`` of the pool."""
     if not item.batch_start <= batch < item.batch_stop:
         raise ValueError(f"batch must lie in [{item.batch_start}, {item.batch_stop}), got {batch}")
     return perm[batch * batch_size : (batch + 1) * batch_size]
-
-
-def pool_order(perm: np.ndarray, batch_size: int) -> np.ndarray:
-    """The pool laid out batch after batch: ``perm`` with each ``batch_size`` block sorted.
-
-    Batch ``b`` is then the contiguous slice ``[b * batch_size, (b + 1) * batch_size)``
-    and holds the same rows, in the same (ascending) order, as
-    ``np.sort(batch_positions(item, b, batch_size, perm))``.
-    """
-    perm = np.asarray(perm, dtype=np.int64)
-    n_full = len(perm) // batch_size * batch_size
-    out = np.empty_like(perm)
-    out[:n_full] = np.sort(perm[:n_full].reshape(-1, batch_size), axis=1).reshape(-1)
-    out[n_full:] = np.sort(perm[n_full:])
-    return out
 
 
 def split_chunks(
@@ -433,13 +384,7 @@ def split_chunks(
     n_val = min(round(val_fraction * n), max(n - 1, 0))
     if val_fraction > 0 and n >= 2:
         n_val = max(n_val, 1)
-    perm = np.random.default_rng([seed, _TAG_SPLIT]).permutation(n)
+    perm = np.random.default_rng([seed, TAG_SPLIT]).permutation(n)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
-def global_rows(ranges: np.ndarray) -> np.ndarray:
-    """Expand ``(k, 2)`` ``[start, stop)`` ranges into row ids (int64), in range order."""
-    ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-    lengths = ranges[:, 1] - ranges[:, 0]
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(ranges[:, 0] - offsets, lengths) + np.arange(int(lengths.sum()))

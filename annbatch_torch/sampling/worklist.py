@@ -1,31 +1,39 @@
-"""Work items and lazy work lists of the epoch plan, and resuming a worker's list.
+"""Work items of the epoch plan: a pool's rows, their order, its batches.
 
-Split out of :mod:`annbatch_torch.sampling` (which re-exports everything here): a
-:class:`WorkItem` is one pool's batch range for a worker, a :class:`WorkList` computes a
-pool's row ranges only when indexed, and :func:`remaining_items` /
-:func:`consumed_per_worker` / :func:`dataloader_order` describe what is left after a
-number of batches. Pure numpy, no torch, no I/O.
+A :class:`WorkItem` is complete: one pool's global row ranges, the pool's row order laid
+out batch after batch (:func:`pool_order` of :func:`pool_permutation`), and the batches of
+it a worker yields; everything reading and batch assembly need, so nothing downstream calls
+back into the plan. A :class:`WorkList` computes an item (ranges and order) only when it is
+indexed; :func:`remaining_items` is what is left of a list after a number of batches. Pure
+numpy, no torch, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, overload
+from functools import cached_property
+from typing import NamedTuple, overload
 
 import numpy as np
 
 __all__ = [
     "WorkItem",
     "WorkList",
+    "RowOrder",
     "Stream",
     "merge_ranges",
-    "dataloader_order",
-    "consumed_per_worker",
     "remaining_items",
     "total_batches",
-    "state_ints",
+    "pool_permutation",
+    "item_permutation",
+    "pool_order",
+    "global_rows",
+    "TAG_ROWS",
 ]
+
+#: Seed tag of the row order inside a pool: ``default_rng([seed, epoch, pool, TAG_ROWS])``.
+TAG_ROWS = 0x524F5753  # "ROWS"
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,6 +43,9 @@ class WorkItem:
     ``pool_index`` is the global pool index in the epoch (``-1`` for a padding item);
     ``ranges`` the ``(k, 2)`` int64 global row ranges in canonical order; ``n_rows`` their
     total. A padding item has one batch (``[0, 1)``) holding all its ``n_rows`` rows.
+    Items of a plan (taken from a :class:`WorkList`) also carry ``order``, the pool's
+    canonical positions laid out batch after batch (batch ``b`` is positions
+    ``order[lo:hi]`` with ``(lo, hi) = bounds(b)``), and ``batch_size``.
     """
 
     pool_index: int
@@ -43,6 +54,22 @@ class WorkItem:
     batch_start: int
     batch_stop: int
     padding: bool = False
+    order: np.ndarray | None = None
+    batch_size: int = 0
+
+    def bounds(self, batch: int) -> tuple[int, int]:
+        """Positions ``[lo, hi)`` of batch ``batch`` in the pool laid out in ``order``."""
+        if self.padding:
+            return 0, self.n_rows
+        lo = batch * self.batch_size
+        return lo, min(lo + self.batch_size, self.n_rows)
+
+    @cached_property
+    def rows(self) -> np.ndarray:
+        """Global row ids of the pool in ``order`` (``rows[lo:hi]`` are a batch's rows)."""
+        if self.order is None:
+            raise ValueError("this WorkItem carries no row order (take items from a WorkList)")
+        return global_rows(self.ranges)[self.order]
 
     @property
     def n_batches(self) -> int:
@@ -101,6 +128,14 @@ class Stream:
         return out
 
 
+class RowOrder(NamedTuple):
+    """What a pool's row order depends on besides the pool: ``(seed, epoch, shuffle)``."""
+
+    seed: int
+    epoch: int
+    shuffle: bool
+
+
 class WorkList(Sequence[WorkItem]):
     """A lazy list of :class:`WorkItem`: a pool's ranges are computed when it is indexed.
 
@@ -116,9 +151,11 @@ class WorkList(Sequence[WorkItem]):
         pool_index: np.ndarray,
         batch_start: np.ndarray,
         batch_stop: np.ndarray,
+        row_order: RowOrder | None = None,
     ) -> None:
         self._stream, self.pool_size, self.batch_size = stream, pool_size, batch_size
         self.pool_index, self.batch_start, self.batch_stop = pool_index, batch_start, batch_stop
+        self.row_order = row_order
 
     def __len__(self) -> int:
         return len(self.pool_index)
@@ -136,6 +173,7 @@ class WorkList(Sequence[WorkItem]):
                 self.pool_index[i],
                 self.batch_start[i],
                 self.batch_stop[i],
+                self.row_order,
             )
         p = int(self.pool_index[i])
         total = self._stream.total
@@ -144,14 +182,20 @@ class WorkList(Sequence[WorkItem]):
             if p < 0
             else (p * self.pool_size, min((p + 1) * self.pool_size, total))
         )
-        return WorkItem(
+        item = WorkItem(
             p,
             self._stream.rows(a, b),
             b - a,
             int(self.batch_start[i]),
             int(self.batch_stop[i]),
             padding=p < 0,
+            batch_size=self.batch_size,
         )
+        if self.row_order is None:
+            return item
+        seed, epoch, shuffle = self.row_order
+        perm = item_permutation(item, seed=seed, epoch=epoch, shuffle=shuffle)
+        return replace(item, order=pool_order(perm, self.batch_size))
 
     def __iter__(self) -> Iterator[WorkItem]:
         return (self[i] for i in range(len(self)))
@@ -165,37 +209,6 @@ class WorkList(Sequence[WorkItem]):
     def n_batches(self) -> int:
         """Total number of batches of all items."""
         return int(self.batch_counts.sum())
-
-
-def dataloader_order(per_worker_counts: Sequence[int]) -> list[tuple[int, int]]:
-    """``(worker, local batch index)`` in the order torch's DataLoader yields them: one batch
-    per worker in turn, skipping exhausted workers."""
-    return [
-        (w, j)
-        for j in range(max(per_worker_counts, default=0))
-        for w, c in enumerate(per_worker_counts)
-        if j < c
-    ]
-
-
-def consumed_per_worker(per_worker_counts: Sequence[int], n_consumed: int) -> list[int]:
-    """Batches each worker had yielded when the DataLoader had yielded ``n_consumed``."""
-    counts = [int(c) for c in per_worker_counts]
-    if not 0 <= n_consumed <= sum(counts):
-        raise ValueError(f"n_consumed must lie in [0, {sum(counts)}], got {n_consumed}")
-    done = [0] * len(counts)
-    left = n_consumed
-    while left:
-        active = [w for w, c in enumerate(counts) if c > done[w]]
-        rounds = min(min(counts[w] - done[w] for w in active), left // len(active))
-        if rounds == 0:  # a partial round: the first `left` active workers yield one more
-            for w in active[:left]:
-                done[w] += 1
-            break
-        for w in active:
-            done[w] += rounds
-        left -= rounds * len(active)
-    return done
 
 
 def total_batches(items: Sequence[WorkItem]) -> int:
@@ -229,13 +242,44 @@ def remaining_items(items: Sequence[WorkItem], consumed: int) -> Sequence[WorkIt
     return rest_list
 
 
-def state_ints(state: Mapping[str, Any], keys: Sequence[str], saved_by: str) -> dict[str, int]:
-    """``{key: int(state[key])}`` of a saved resume state, or a ``ValueError`` naming what is
-    missing and where a valid state comes from (``saved_by``)."""
-    try:
-        return {k: int(state[k]) for k in keys}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(
-            f"load_state_dict: state {dict(state)!r} lacks {e}; pass a state saved by "
-            f"{saved_by}."
-        ) from e
+def pool_permutation(
+    n_rows: int, *, seed: int, epoch: int, pool_index: int, shuffle: bool
+) -> np.ndarray:
+    """Order of a pool's canonical row positions (int64); identity when not ``shuffle``."""
+    if not shuffle:
+        return np.arange(n_rows, dtype=np.int64)
+    return np.random.default_rng([seed, epoch, pool_index, TAG_ROWS]).permutation(n_rows)
+
+
+def item_permutation(item: WorkItem, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """:func:`pool_permutation` of an item's pool (identity for a padding item)."""
+    return pool_permutation(
+        item.n_rows,
+        seed=seed,
+        epoch=epoch,
+        pool_index=item.pool_index,
+        shuffle=shuffle and not item.padding,
+    )
+
+
+def pool_order(perm: np.ndarray, batch_size: int) -> np.ndarray:
+    """The pool laid out batch after batch: ``perm`` with each ``batch_size`` block sorted.
+
+    Batch ``b`` is then the contiguous slice ``[b * batch_size, (b + 1) * batch_size)``
+    and holds the same rows, in the same (ascending) order, as
+    ``np.sort(batch_positions(item, b, batch_size, perm))``.
+    """
+    perm = np.asarray(perm, dtype=np.int64)
+    n_full = len(perm) // batch_size * batch_size
+    out = np.empty_like(perm)
+    out[:n_full] = np.sort(perm[:n_full].reshape(-1, batch_size), axis=1).reshape(-1)
+    out[n_full:] = np.sort(perm[n_full:])
+    return out
+
+
+def global_rows(ranges: np.ndarray) -> np.ndarray:
+    """Expand ``(k, 2)`` ``[start, stop)`` ranges into row ids (int64), in range order."""
+    ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    lengths = ranges[:, 1] - ranges[:, 0]
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(ranges[:, 0] - offsets, lengths) + np.arange(int(lengths.sum()))

@@ -1,0 +1,125 @@
+"""CSR pieces of a pool on the host: views without copies, row slices, densifying.
+
+:func:`csr_view` builds a ``scipy.sparse.csr_matrix`` over given arrays (pool buffers,
+batch slices) without scipy's copies; :func:`row_slice` cuts a zero-copy batch out of a
+pool value; :func:`densify_csr` densifies with scipy's kernel (2 threads for big batches,
+or straight into shared memory inside a DataLoader worker).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+try:  # scipy's CSR -> dense kernel, writing into a given (zeroed) buffer
+    from scipy.sparse._sparsetools import csr_todense as _csr_todense
+except ImportError:  # pragma: no cover
+    _csr_todense = None
+
+__all__ = ["csr_view", "row_slice", "densify_csr", "csr_tensor_to_dense"]
+
+
+_SPLIT_MIN = 1 << 22  # dense elements from which densifying is split over two threads
+_helper: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _helper_thread() -> ThreadPoolExecutor:
+    """One helper thread per process (a forked child makes its own)."""
+    global _helper
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="annbatch-densify"))
+    return _helper[1]
+
+
+def _todense_into(m: sp.csr_matrix | sp.csr_array, out: np.ndarray, split: bool) -> None:
+    """``out += m`` (``out`` zeroed by the caller), by scipy's kernel, which releases the
+    GIL: with ``split`` the second half of the rows is done by a helper thread."""
+    n, g = m.shape
+    if _csr_todense is None:  # pragma: no cover - scipy without the private kernel
+        out += m.toarray()
+        return
+    if not split or n < 2:
+        _csr_todense(n, g, m.indptr, m.indices, m.data, out)
+        return
+    h = n // 2  # indptr keeps absolute offsets: each half reads its own rows' values
+    fut = _helper_thread().submit(_csr_todense, n - h, g, m.indptr[h:], m.indices, m.data,
+                                  out[h:])
+    try:
+        _csr_todense(h, g, m.indptr[: h + 1], m.indices, m.data, out[:h])
+    finally:
+        fut.result()
+
+
+def densify_csr(
+    m: sp.csr_matrix | sp.csr_array, dtype: Any = np.float32, shared: bool = False,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Dense 2-D copy of a CSR matrix, computed by scipy (torch's CPU ``to_dense`` is ~9x
+    slower).
+
+    Parameters
+    ----------
+    m
+        The matrix.
+    dtype
+        Output dtype (float32).
+    shared
+        Write the result straight into a fresh shared-memory tensor (returned as its numpy
+        view; :func:`to_tensor` hands back that tensor): a DataLoader worker then passes
+        the batch on without copying it again.
+    threads
+        1 or 2 threads; default: 2 for batches of at least 2**22 values when the machine
+        has 2+ CPUs and this is not a shared (worker) batch (measured 57 -> 40 ms for
+        4096 x 20000).
+    """
+    n, g = m.shape
+    if m.format != "csr" or m.dtype != np.dtype(dtype) or m.ndim != 2:
+        out = m.toarray()
+        return out if out.dtype == dtype else out.astype(dtype)
+    if threads is None:
+        threads = 2 if (not shared and n * g >= _SPLIT_MIN and (os.cpu_count() or 1) > 1) else 1
+    if shared:
+        storage = torch.UntypedStorage._new_shared(max(1, n * g) * np.dtype(dtype).itemsize)
+        t = torch.empty(0, dtype=torch.from_numpy(np.empty(0, dtype)).dtype).set_(storage)
+        out = t[: n * g].view(n, g).numpy()  # fresh shared memory reads as zeros
+    else:
+        out = np.zeros((n, g), dtype=dtype)
+    _todense_into(m, out, threads > 1)
+    return out
+
+
+def csr_view(
+    data: np.ndarray, indices: np.ndarray, indptr: np.ndarray, shape: tuple[int, int]
+) -> sp.csr_matrix:
+    """A ``csr_matrix`` over the given arrays, never copying them.
+
+    ``sp.csr_matrix((data, indices, indptr), copy=False)`` copies ``data`` and ``indices``
+    when they are views of an array more than twice their size (scipy's ``prune``), which
+    is exactly what pool buffers and batch slices are. The arrays must form a valid CSR
+    matrix (the reader builds them so).
+    """
+    m = sp.csr_matrix(shape, dtype=data.dtype)  # empty: O(rows) to build, nothing checked
+    m.indptr, m.indices, m.data = indptr, indices, data
+    return m
+
+
+def row_slice(value: Any, lo: int, hi: int) -> Any:
+    """Rows ``[lo, hi)`` of a pool value without copying (a CSR of views, or a view)."""
+    if not sp.issparse(value):
+        return value[lo:hi]
+    start, stop = int(value.indptr[lo]), int(value.indptr[hi])
+    indptr = value.indptr[lo : hi + 1] - value.indptr[lo]
+    return csr_view(value.data[start:stop], value.indices[start:stop], indptr,
+                    (hi - lo, value.shape[1]))
+
+
+def csr_tensor_to_dense(t: torch.Tensor) -> torch.Tensor:
+    """Densify a CPU ``torch.sparse_csr_tensor`` with scipy (float32 stays float32)."""
+    m = csr_view(t.values().numpy(), t.col_indices().numpy(), t.crow_indices().numpy(),
+                 (int(t.shape[0]), int(t.shape[1])))
+    return torch.from_numpy(densify_csr(m))

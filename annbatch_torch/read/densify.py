@@ -1,0 +1,123 @@
+"""Where sparse fields become dense: one policy, decided once.
+
+``AnnBatchDataset(densify=True)`` yields sparse fields as dense float32. Where that happens
+is a :class:`DensifyPolicy`:
+
+* ``"pool"``: where the pool lives, when a batch is cut (:meth:`HostPool.batch`; inside a
+  DataLoader worker straight into shared memory);
+* ``"device"``: on the pool's device (:class:`~annbatch_torch.read.device_pool.DevicePool`);
+* ``"main"``: DataLoader workers send CSR (~5x fewer bytes than dense at typical
+  sparsity) and the main process densifies :attr:`DensifyPolicy.main_keys` (scipy) as
+  batches arrive. :class:`~annbatch_torch.AnnBatchDataLoader` chooses it for its workers
+  with :meth:`DensifyPolicy.for_workers`; keys with a transform, or all keys under a
+  custom ``batch_converter``, stay densified in the workers (the transform and converter
+  see dense values).
+
+A dataset decides its policy at construction (:meth:`DensifyPolicy.for_dataset`); a loader
+decides once, at construction, whether its workers use ``"main"``, and installs that
+policy in each worker's dataset copy (:meth:`DensifyPolicy.installer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import get_worker_info
+
+from .csr import csr_tensor_to_dense
+
+__all__ = ["DensifyPolicy", "Densifying"]
+
+Where = Literal["none", "pool", "device", "main"]
+
+
+@dataclass(frozen=True)
+class DensifyPolicy:
+    """Where sparse fields are densified.
+
+    Parameters
+    ----------
+    where
+        ``"none"`` (sparse fields stay CSR), ``"pool"``, ``"device"`` or ``"main"``.
+    main_keys
+        Under ``"main"``: the output keys the main process densifies.
+    """
+
+    where: Where = "none"
+    main_keys: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def for_dataset(cls, densify: bool, device: torch.device | None) -> DensifyPolicy:
+        """A dataset's own policy: none, on its device, or where its pools are."""
+        if not densify:
+            return cls("none")
+        return cls("device" if device is not None else "pool")
+
+    def for_workers(self, main_keys: Iterable[str], *, num_workers: int, pin_memory: bool,
+                    collate_fn: Callable[..., Any] | None) -> DensifyPolicy:
+        """The policy of a loader's workers: ``"main"`` for ``main_keys`` when the dataset
+        densifies where its pools are, there are workers, and nothing between the workers
+        and the main process (``pin_memory``, a ``collate_fn``) expects dense values."""
+        keys = frozenset(main_keys)
+        if (self.where != "pool" or num_workers <= 0 or pin_memory
+                or collate_fn is not None or not keys):
+            return self
+        return DensifyPolicy("main", keys)
+
+    def pool_densifies(self, key: str, in_worker: bool) -> bool:
+        """Whether output ``key`` is densified when its batch is cut out of the pool."""
+        if self.where in ("none", "device"):
+            return False
+        return not (self.where == "main" and in_worker and key in self.main_keys)
+
+    def installer(self, user_fn: Callable[[int], None] | None) -> _Install:
+        """A ``worker_init_fn`` that gives the worker's dataset copy this policy, then runs
+        the user's ``worker_init_fn`` (picklable for ``spawn``)."""
+        return _Install(self, user_fn)
+
+    def finish(self, batch: Any) -> Any:
+        """Densify :attr:`main_keys` of a batch that arrived from a worker (in place)."""
+        if self.where == "main" and isinstance(batch, dict):
+            for k in self.main_keys:
+                v = batch.get(k)
+                if isinstance(v, torch.Tensor) and v.layout == torch.sparse_csr:
+                    batch[k] = csr_tensor_to_dense(v)
+        return batch
+
+
+class _Install:
+    def __init__(self, policy: DensifyPolicy, user_fn: Callable[[int], None] | None) -> None:
+        self.policy = policy
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        info = get_worker_info()
+        if info is not None and hasattr(info.dataset, "densify_policy"):
+            info.dataset.densify_policy = self.policy
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class Densifying:
+    """Iterator over a loader's batches that applies :meth:`DensifyPolicy.finish`."""
+
+    def __init__(self, it: Iterator[Any], policy: DensifyPolicy) -> None:
+        self._it = it
+        self._policy = policy
+
+    def __iter__(self) -> Densifying:
+        return self
+
+    def __next__(self) -> Any:
+        return self._policy.finish(next(self._it))
+
+    def __len__(self) -> int:
+        return len(self._it)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+
