@@ -1,12 +1,13 @@
 """`AnnBatchDataset`: a chunk-shuffled, rank- and worker-sharded ``IterableDataset``.
 
-Per epoch, each DataLoader worker computes its share of the epoch plan
-(:mod:`annbatch_torch.sampling`, pure functions) and reads one pool at a time with
-:class:`~annbatch_torch.reader.PoolReader`, straight into the pool's shuffled batch-by-batch
-layout (the next pool is read in the background while the current one is consumed). A
-batch is then a contiguous row slice of the pool (zero copy), densified if asked, passed
-through the per-field transforms and the ``batch_converter``, and yielded. See
-``docs/architecture.md``, "The data path of one pool".
+A batch's path, one direction (``docs/architecture.md``, "A batch's path"): the
+:class:`~annbatch_torch.world.World` of this copy is resolved once per ``__iter__``; the
+plan (:mod:`annbatch_torch.sampling`, pure) gives its complete work items (a pool's rows,
+their order, its batches); a :class:`~annbatch_torch.read.pool_stream.PoolStream` reads each
+pool (the next one in the background) into a host or device pool; ``pool.batch(lo, hi)``
+cuts a zero-copy slice and densifies where the
+:class:`~annbatch_torch.read.densify.DensifyPolicy` says; then come the per-field transforms
+and the ``batch_converter``. Resume state lives in :mod:`annbatch_torch.resume`.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class AnnBatchDataset(IterableDataset):
         516 MiB).
     device
         Hold each pool on this device (``"cuda"``, ``"cuda:1"``; the ``gpu`` extra) and cut
-        and densify batches there (:class:`~annbatch_torch.gpu.DevicePool`): batch values
+        and densify batches there (:class:`~annbatch_torch.read.device_pool.DevicePool`): batch values
         are then tensors on the device, also inside transforms and the
         ``batch_converter``. Needs ``num_workers=0``. ``"cpu"`` runs the same path on the
         host. Default ``None``: numpy/scipy batches on the host.

@@ -1,1 +1,2 @@
-"""TODO"""
+"""Integrations with other libraries, each imported lazily by its user and built on the
+public API only; nothing in the core imports this package."""

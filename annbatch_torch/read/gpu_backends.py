@@ -1,4 +1,4 @@
-"""The innards of :class:`~annbatch_torch.gpu.DevicePool`: a pool's fields on a device,
+"""The innards of :class:`~annbatch_torch.read.device_pool.DevicePool`: a pool's fields on a device,
 row slices of them, and the backends that densify a CSR batch (scipy on the CPU, torch
 scatter-add anywhere, a cupy kernel on CUDA). cupy is imported lazily, by the cupy
 backend only.

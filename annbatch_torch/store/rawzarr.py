@@ -287,7 +287,7 @@ class FastGroup:
     """Read-only navigation of a zarr v3 hierarchy on the local filesystem that hands out
     :class:`RawZarrArray` for raw arrays and falls back to ``zarr.open_array`` for others.
 
-    Supports what :mod:`annbatch_torch.elements` needs: ``group[key]``, ``key in group``,
+    Supports what :mod:`annbatch_torch.store.elements` needs: ``group[key]``, ``key in group``,
     ``keys()``, ``attrs``.
     """
 

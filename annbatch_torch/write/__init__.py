@@ -1,1 +1,5 @@
-"""TODO"""
+"""The offline shuffle; no torch: ``writer`` (``create_anndata_collection``), ``schema``
+(the fields a collection stores), ``shardio`` (bucket files, shard writing), ``budget``
+(the ``max_memory`` accounting), ``prepare`` and ``staleness`` (write once, when missing or
+stale). Public names are exported by :mod:`annbatch_torch`.
+"""

@@ -3,7 +3,7 @@
 :func:`prepare_collection` is what :meth:`AnnBatchDataModule.prepare_data
 <annbatch_torch.AnnBatchDataModule.prepare_data>` runs, usable without Lightning (a plain
 ``torchrun`` script calls it on every rank, or on local rank 0 before a barrier). The
-collection is written when it is missing or stale (see :mod:`annbatch_torch.staleness`);
+collection is written when it is missing or stale (see :mod:`annbatch_torch.write.staleness`);
 a file lock beside the store (``<store>.lock``) serialises processes that race: the first
 writes, the others wait and then find the store current. A folder that exists but is not
 a collection is never overwritten.

@@ -201,7 +201,7 @@ def compressors_for(compressor: Any, zarr_format: int) -> Any:
     """zarr ``compressors`` for a codec name or codec objects.
 
     ``"raw"`` (default): no compression, a CRC-32C per chunk (zarr v3 ``crc32c`` codec);
-    read directly by :mod:`annbatch_torch.rawzarr`, the fastest path, and corruption is
+    read directly by :mod:`annbatch_torch.store.rawzarr`, the fastest path, and corruption is
     detected. ``"lz4"`` / ``"zstd"``: Blosc, 3-5x smaller on disk, decoded by zarr or zarrs
     (slower reads), followed by a CRC-32C in zarr v3 (Blosc does not verify its payload; in
     zarr v2 a damaged chunk can decode to wrong values). ``"none"``: raw chunks without
