@@ -134,8 +134,8 @@ class AnnBatchDataset(IterableDataset):
         516 MiB).
     device
         Hold each pool on this device (``"cuda"``, ``"cuda:1"``; the ``gpu`` extra) and cut
-        and densify batches there (:class:`~annbatch_torch.read.device_pool.DevicePool`): batch values
-        are then tensors on the device, also inside transforms and the
+        and densify batches there (:class:`~annbatch_torch.read.device_pool.DevicePool`):
+        batch values are then tensors on the device, also inside transforms and the
         ``batch_converter``. Needs ``num_workers=0``. ``"cpu"`` runs the same path on the
         host. Default ``None``: numpy/scipy batches on the host.
     """

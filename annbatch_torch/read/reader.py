@@ -96,7 +96,8 @@ def default_read_threads() -> int:
 
 
 class PoolReader:
-    """Read pools of rows of selected fields from a :class:`~annbatch_torch.store.collection.Source`.
+    """Read pools of rows of selected fields from a
+    :class:`~annbatch_torch.store.collection.Source`.
 
     Parameters
     ----------
