@@ -12,6 +12,7 @@ and the ``batch_converter``. Resume state lives in :mod:`annbatch_torch.resume`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ from . import sampling
 from .convert import batch_dict_converter
 from .errors import BatchError, SchemaError
 from .fields import Field, normalize_selector
+from .read.csr import densify_csr
 from .read.densify import DensifyPolicy
 from .read.device_pool import DevicePool, check_device
 from .read.host_pool import HostPool
@@ -364,34 +366,49 @@ class AnnBatchDataset(IterableDataset):
 
         pools = self._pool_stream().pools(items, prefetch=prefetch, shared=world.in_worker,
                                           upcoming=upcoming)
-        for item, pool in pools:
-            yield from self._batches(item, pool, world)
+        # closed on any exit: an exception kept by the caller must not keep the prefetch
+        # thread and its pool alive, nor a pool read ahead for an epoch that failed
+        try:
+            with contextlib.closing(pools):
+                for item, pool in pools:
+                    yield from self._batches(item, pool, world)
+        except Exception:
+            if self._stream is not None:
+                self._stream.drop_read_ahead(wait=True)
+            raise
 
     def _batches(self, item: sampling.WorkItem, pool: HostPool | DevicePool, world: World
                  ) -> Iterator[Any]:
         converter = self.batch_converter or batch_dict_converter
         policy = self.densify_policy
         on_device = isinstance(pool, DevicePool)
-        dense_paths = {f.path for key, f in self.selector.items()
-                       if policy.pool_densifies(key, world.in_worker)}
+        dense = {key: policy.pool_densifies(key, world.in_worker) for key in self.selector}
+        # a field is densified in the pool when every key of it wants it dense; a key that
+        # wants dense a field another key takes as CSR densifies its own copy
+        dense_paths = {f.path for f in self.selector.values()} - {
+            f.path for key, f in self.selector.items() if not dense[key]}
         for b in range(item.batch_start, item.batch_stop):
             lo, hi = item.bounds(b)  # batches are contiguous in the pool
             values = (pool.batch(lo, hi, policy.where == "device") if on_device
                       else pool.batch(lo, hi, dense_paths))
             batch: dict[str, Any] = {}
-            used: set[str] = set()
-            for key, f in self.selector.items():
+            taken: set[str] = set()
+            for key, f in self.selector.items():  # every key its own memory, then transforms
                 value = values[f.path]
-                if f.path in used:  # one field under two keys: never the same memory
+                if dense[key] and sp.issparse(value):
+                    value = densify_csr(value, shared=world.in_worker)  # fresh
+                elif f.path in taken:  # one field under two keys: never the same memory
                     value = _own_copy(value)
-                used.add(f.path)
+                else:
+                    taken.add(f.path)
+                batch[key] = value
+            for key, f in self.selector.items():
                 if f.transform is not None:
                     try:
-                        value = f.transform(value)
+                        batch[key] = f.transform(batch[key])
                     except Exception as e:
                         what = f"the transform of selector key {key!r} (field {f.path!r})"
                         raise self._batch_error(what, item, b, e) from e
-                batch[key] = value
             if self.return_index:
                 batch["index"] = item.rows[lo:hi]
             if self.even_batches == "pad":

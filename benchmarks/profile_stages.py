@@ -22,10 +22,10 @@ per pool (``chunk_size * preload_nchunks`` rows)
 per batch (``--batch-size`` rows, a middle batch of the scattered pool)
 
 * ``read.csr.row_slice`` + ``convert.csr_to_torch``: a sparse batch, zero copy;
-* ``convert.densify_csr`` with ``threads=1`` and ``threads=2`` (the default from 2**22
+* ``read.csr.densify_csr`` with ``threads=1`` and ``threads=2`` (the default from 2**22
   values on 2+ CPUs), and with ``shared=True`` (a DataLoader worker's dense batch, written
   straight into shared memory);
-* ``convert.csr_tensor_to_dense``: the main process densifying a CSR batch a worker sent
+* ``read.csr.csr_tensor_to_dense``: the main process densifying a CSR batch a worker sent
   (``AnnBatchDataLoader`` with workers and ``densify=True``);
 * for comparison, the previous path's per-batch gather ``pool[sorted_rows]`` (scipy, from a
   canonical pool) and torch's own CPU ``to_dense``.

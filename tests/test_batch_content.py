@@ -120,3 +120,64 @@ def test_options_are_validated(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         abt.AnnBatchDataset(a, chunk_size=16, **kw)
     assert abt.AnnBatchDataset(a, chunk_size=16, chunk_ids=[0, 1.0]).chunk_ids.tolist() == [0, 1]
+
+
+def _double_in_place(m: object) -> object:
+    if sp.issparse(m):
+        m.data *= 2
+    elif isinstance(m, torch.Tensor):
+        m.mul_(2)
+    else:
+        m *= 2
+    return m
+
+
+def _dense(t: torch.Tensor) -> np.ndarray:
+    return (t.to_dense() if t.layout == torch.sparse_csr else t).numpy()
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("densify", [False, True])
+@pytest.mark.parametrize("field", ["X", "obsm/X_pca"])
+@pytest.mark.parametrize("first", ["plain", "doubled"])
+def test_an_in_place_transform_never_reaches_another_key(
+        small_collection: abt.Collection, first: str, field: str, densify: bool,
+        device: str | None) -> None:
+    """One field under two keys, whichever comes first: the transformed key's in-place
+    change must not show in the plain key (host and device pools, dense or CSR)."""
+    f = abt.Field.parse(field)
+    kw = dict(batch_size=64, chunk_size=64, preload_nchunks=2, densify=densify, seed=1,
+              device=device)
+    want = [_dense(b["plain"]) for b in abt.AnnBatchDataset(
+        small_collection, selector={"plain": f}, **kw)]
+    keys = {"plain": f, "doubled": f.with_transform(_double_in_place)}
+    order = [first, *(k for k in keys if k != first)]
+    ds = abt.AnnBatchDataset(small_collection, selector={k: keys[k] for k in order}, **kw)
+    got = list(ds)
+    assert len(got) == len(want)
+    for b, ref in zip(got, want):
+        np.testing.assert_array_equal(_dense(b["plain"]), ref)
+        np.testing.assert_array_equal(_dense(b["doubled"]), 2 * ref)
+
+
+def _boom(x: object) -> object:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("pools", ["one pool", "many pools"])
+def test_a_failing_transform_frees_the_prefetch_thread(small_collection: abt.Collection,
+                                                       pools: str) -> None:
+    """While the caller keeps the exception (pytest, pdb, notebooks keep tracebacks), the
+    prefetch thread, the pool it read and a pool read ahead for the next epoch are gone."""
+    import threading
+
+    kw = {"chunk_size": 64, "preload_nchunks": 2} if pools == "many pools" else {}
+    ds = abt.AnnBatchDataset(small_collection, selector={"x": A.X.with_transform(_boom)},
+                             batch_size=100, **kw)
+    with pytest.raises(abt.BatchError, match="boom") as info:
+        list(ds)
+    assert info.value is not None  # the traceback is still alive here
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("annbatch-prefetch")]
+    assert alive == []
+    assert ds._stream is not None
+    assert ds._stream.ahead is None

@@ -32,7 +32,8 @@ __all__ = ["PoolStream", "ReadAhead"]
 
 @dataclass
 class ReadAhead:
-    """The next epoch's first pool, being read by ``executor`` in process ``pid``."""
+    """The next epoch's first pool, being read by ``executor`` in process ``pid``; its
+    ``future`` gives ``(item, pool)``."""
 
     item: WorkItem
     future: Future[Any]
@@ -95,37 +96,52 @@ class PoolStream:
         if not items:
             self.drop_read_ahead()  # nothing to read: free a pool read ahead for this epoch
             return
-        ahead = self.take_read_ahead(items[0]) if prefetch else None
+        # each item is taken from `items` once (a WorkList computes its row order then),
+        # in the prefetch thread where there is one
+        n, first = len(items), items[0]
+        ahead = self.take_read_ahead(first) if prefetch else None
         bg = ahead.executor if ahead is not None else (
             ThreadPoolExecutor(1, thread_name_prefix="annbatch-prefetch") if prefetch else None)
         kept = False  # bg then reads the next epoch's first pool (self.ahead)
         try:
             nxt: Future[Any] | None = ahead.future if ahead is not None else (
-                bg.submit(self.read, items[0], shared) if bg is not None else None)
+                bg.submit(self._read_item, first, shared) if bg is not None else None)
             ahead = None  # its future holds the pool: no reference may outlive the pool
-            for i, item in enumerate(items):
-                pool = nxt.result() if nxt is not None else self.read(item, shared)
+            for i in range(n):
+                if nxt is not None:
+                    item, pool = nxt.result()
+                else:
+                    item, pool = self._read_item(first if i == 0 else items[i], shared)
                 nxt = None
-                if bg is not None and i + 1 < len(items):
+                if bg is not None and i + 1 < n:
                     # buffers of the previous pool are reused when the caller let go of its
                     # batches (always for dense batches), else fresh ones are taken
-                    nxt = bg.submit(self.read, items[i + 1], shared)
+                    nxt = bg.submit(self._read_at, items, i + 1, shared)
                 elif bg is not None and upcoming is not None:
                     kept = self._read_ahead(bg, upcoming(), shared)
                 yield item, pool
                 pool.close()  # batches handed out keep their own references
-                del pool  # without prefetch: free this pool before the next is read
+                del pool, item  # without prefetch: free this pool before the next is read
         finally:
             if bg is not None and not kept:
                 bg.shutdown(wait=True, cancel_futures=True)
             if not kept:
                 self.reader.buffers.clear()
 
+    def _read_item(self, item: WorkItem, shared: bool
+                   ) -> tuple[WorkItem, HostPool | DevicePool]:
+        return item, self.read(item, shared)
+
+    def _read_at(self, items: Sequence[WorkItem], i: int, shared: bool
+                 ) -> tuple[WorkItem, HostPool | DevicePool]:
+        return self._read_item(items[i], shared)
+
     def _read_ahead(self, bg: ThreadPoolExecutor, first: WorkItem | None, shared: bool) -> bool:
         if first is None:
             return False
         self.drop_read_ahead()
-        self.ahead = ReadAhead(first, bg.submit(self.read, first, shared), bg, os.getpid())
+        fut = bg.submit(self._read_item, first, shared)
+        self.ahead = ReadAhead(first, fut, bg, os.getpid())
         return True
 
     def take_read_ahead(self, first: WorkItem) -> ReadAhead | None:
@@ -138,14 +154,15 @@ class PoolStream:
         self.drop_read_ahead()
         return None
 
-    def drop_read_ahead(self) -> None:
-        """Forget the pool read ahead (frees its memory)."""
+    def drop_read_ahead(self, wait: bool = False) -> None:
+        """Forget the pool read ahead (frees its memory); ``wait``: until its thread is
+        gone."""
         ahead, self.ahead = self.ahead, None
         # in a forked child (a DataLoader worker) the future and executor are copies whose
         # locks a parent thread may have held at fork time: just let them go
         if ahead is not None and ahead.pid == os.getpid():
             ahead.future.cancel()
-            ahead.executor.shutdown(wait=False, cancel_futures=True)
+            ahead.executor.shutdown(wait=wait, cancel_futures=True)
 
     def close(self) -> None:
         """Drop the read-ahead and the reader's threads and buffers."""
