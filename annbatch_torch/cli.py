@@ -52,7 +52,7 @@ def _human(n: float) -> str:
 
 def _info(args: argparse.Namespace) -> int:
     from .store.collection import open_collection
-    from .store.inputs import _disk_usage
+    from .store.inputs import disk_usage
 
     coll = open_collection(args.store)
     m = coll.manifest
@@ -67,7 +67,7 @@ def _info(args: argparse.Namespace) -> int:
           f"{', '.join(map(str, coll.var_names[:5]))}{', ...' if coll.n_vars > 5 else ''})")
     print(f"shards      {len(sizes)} of {min(sizes):,}-{max(sizes):,} rows" if sizes else
           "shards      0")
-    print(f"on disk     {_human(_disk_usage(coll.path)[0])}")
+    print(f"on disk     {_human(disk_usage(coll.path)[0])}")
     print(f"shuffle     {m.shuffle} (seed {m.seed})")
     print("fields")
     for name, f in coll.fields.items():

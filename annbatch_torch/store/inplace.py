@@ -2,7 +2,9 @@
 
 Besides written collections, AnnData inputs can be read *in place*
 (:class:`InPlaceSource`): ``.h5ad`` files through h5py, AnnData zarr stores through
-zarr, and in-memory ``AnnData`` objects. No offline shuffle is needed, but chunk reads hit
+zarr, and in-memory ``AnnData`` objects, opened as the writer opens them
+(:mod:`.inputs`), each field harmonised across inputs by the writer's rules
+(:mod:`.harmonize`). No offline shuffle is needed, but chunk reads hit
 the inputs' own layout: h5ad datasets are usually stored contiguously or in large
 compressed chunks, so each random chunk read decompresses more than it uses, and an
 input sorted by cell type needs small chunks and large pools to mix well. Expect several
@@ -31,36 +33,19 @@ from .elements import (
     element_from_memory,
     read_index,
 )
-from .inputs import backed_file
+from .harmonize import MATRIX_KINDS, InputField, harmonize_field
+from .inputs import input_label, open_store, resolve_input
 from .manifest import MANIFEST_NAME, FieldInfo
+
+__all__ = ["InPlaceSource", "as_source"]
+
+#: how an in-place user leaves a field out, ending the fix of a refusal
+_OMIT = "leave it out of the selector"
 
 
 def _names(items: Sequence[str], limit: int = 3) -> str:
     return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit
                                        else "")
-
-__all__ = ["InPlaceSource", "as_source"]
-
-
-def _open_anndata_group(path: Path) -> Any:
-    if not path.exists():
-        raise InputError(f"{path}: no such file or folder; pass an existing .h5ad or .zarr.")
-    if path.is_dir():
-        import zarr
-
-        from .zarrs import read_group
-
-        try:
-            group = zarr.open_group(str(path), mode="r")
-        except Exception as e:
-            raise InputError(f"{path}: not an AnnData zarr store ({e}).") from e
-        return read_group(group)  # arrays decode through zarrs' pipeline if installed
-    import h5py
-
-    try:
-        return h5py.File(path, "r")
-    except OSError as e:
-        raise InputError(f"{path}: not an HDF5/.h5ad file ({e}).") from e
 
 
 def _memory_value(adata: Any, field: str) -> Any:
@@ -92,33 +77,26 @@ class InPlaceSource(Source):
         self._paths: list[Path | None] = []
         self._memory: list[Any] = []
         for i, x in enumerate(inputs):
-            if isinstance(x, str | os.PathLike):
-                self._paths.append(Path(x))
-                self._memory.append(None)
-            elif hasattr(x, "obs") and hasattr(x, "var_names"):
-                path = backed_file(x, f"input #{i}")
-                if path is not None:
-                    self._paths.append(path)
-                    self._memory.append(None)
-                else:
-                    self._paths.append(None)
-                    self._memory.append(x)
-            else:
-                raise InputError(f"Input {x!r} is neither a path nor an AnnData object.")
+            target = resolve_input(x, i)
+            is_path = isinstance(target, Path)
+            self._paths.append(target if is_path else None)
+            self._memory.append(None if is_path else target)
         self._inspect()
 
     def describe(self) -> str:
-        names = [str(p) if p is not None else f"<AnnData {i}>" for i, p in enumerate(self._paths)]
-        return "in-place[" + ", ".join(names) + "]"
+        return "in-place[" + ", ".join(map(self.shard_name, range(len(self._paths)))) + "]"
 
     def shard_name(self, shard: int) -> str:
-        p = self._paths[shard]
-        return str(p) if p is not None else f"<AnnData input {shard}>"
+        return input_label(shard, self._paths[shard])
 
     def _open_shard(self, shard: int) -> Any:
+        from .zarrs import read_group
+
         p = self._paths[shard]
         assert p is not None
-        return _open_anndata_group(p)
+        group = open_store(p)
+        # zarr arrays decode through zarrs' pipeline if installed
+        return read_group(group) if p.is_dir() else group
 
     def element(self, shard: int, field: str) -> Element:
         adata = self._memory[shard]
@@ -135,13 +113,22 @@ class InPlaceSource(Source):
     def code_map(self, shard: int, field: str) -> np.ndarray | None:
         return self._code_maps.get((shard, field))
 
-    def _input_fields(self, shard: int) -> tuple[dict[str, FieldInfo], pd.Index, int]:
+    def _input_fields(self, shard: int) -> tuple[dict[str, InputField], pd.Index, int]:
+        """What input ``shard`` holds under each field it offers, its var names and rows."""
         where = self.shard_name(shard)
         adata = self._memory[shard]
         if adata is not None:
             has_x = adata.X is not None
             names = [f"layers/{k}" for k in adata.layers]
-            names += [f"obsm/{k}" for k in adata.obsm] + [f"obs/{k}" for k in adata.obs.columns]
+            names += [f"obsm/{k}" for k in adata.obsm]
+            for k in adata.obs.columns:
+                if isinstance(k, str):
+                    names.append(f"obs/{k}")
+                else:  # no field string names it: "obs/7" means the column "7"
+                    self._unavailable.setdefault(
+                        f"obs/{k}", f"{where}: the obs column name {k!r} is not a string, so "
+                        "no field names it. Fix: rename it, e.g. adata.obs.columns = "
+                        "adata.obs.columns.astype(str).")
             var_names = pd.Index(adata.var_names.astype(str))
             n_rows = int(adata.n_obs)
         else:
@@ -162,7 +149,7 @@ class InPlaceSource(Source):
         else:  # e.g. embeddings only: obsm / obs stay selectable
             self._unavailable.setdefault(
                 "X", f"{where} has no X (it is None); select obsm, layers or obs fields.")
-        out: dict[str, FieldInfo] = {}
+        out: dict[str, InputField] = {}
         for name in names:
             try:
                 el = self.element(shard, name)
@@ -184,16 +171,17 @@ class InPlaceSource(Source):
                                                                       len(el.categories)))
                 continue
             if isinstance(el, CSRElement | CSCElement):
-                out[name] = FieldInfo("csr", str(el.dtype), (None, el.n_cols))
+                out[name] = InputField(where, "csr", np.dtype(el.dtype), (el.n_cols,))
             elif isinstance(el, CategoricalElement):
-                out[name] = FieldInfo("categorical", "int64", (None,), tuple(el.categories))
+                out[name] = InputField(where, "categorical", np.dtype(el.dtype),
+                                       categories=tuple(el.categories), ordered=el.ordered)
             elif el.kind == "dense":
-                shape = getattr(el, "shape", (el.n_rows,))
+                shape = tuple(getattr(el, "shape", (el.n_rows,))[1:])
                 if name.startswith("obs/"):
                     kind = "bool" if el.dtype == bool else "numeric"
-                    out[name] = FieldInfo(kind, str(el.dtype), (None,))
+                    out[name] = InputField(where, kind, np.dtype(el.dtype))
                 else:
-                    out[name] = FieldInfo("dense", str(el.dtype), (None, *shape[1:]))
+                    out[name] = InputField(where, "dense", np.dtype(el.dtype), shape)
             if el.n_rows != n_rows:
                 raise InputError(
                     f"{where}: field {name!r} has {el.n_rows} rows but obs has {n_rows}; the "
@@ -229,11 +217,10 @@ class InPlaceSource(Source):
         for name in sorted(common, key=lambda n: (n != "X", n)):
             infos = [f[name] for f, _ in per_input]
             kinds = {i.kind for i in infos}
-            if len(kinds) > 1 or len({i.shape for i in infos}) > 1:
-                # conflicting kinds (dense in one file, sparse in another) or widths: a pool
-                # mixing them cannot be assembled, so the field is not offered in place
-                desc = [f"{self.shard_name(k)}: {i.kind} {list(i.shape)}"
-                        for k, i in enumerate(infos)]
+            if len(kinds) > 1 and kinds <= set(MATRIX_KINDS):
+                # dense in one file, sparse in another: a pool mixing them cannot be
+                # assembled, so the field is not offered in place (the writer converts)
+                desc = [f"{i.where}: {i.kind} {[None, *i.shape]}" for i in infos]
                 self._unavailable[name] = (
                     f"the inputs store it differently ({'; '.join(desc)}). Store it the same "
                     "way in every file (e.g. adata.X = scipy.sparse.csr_matrix(adata.X)), or "
@@ -241,30 +228,21 @@ class InPlaceSource(Source):
                     "every input to one kind."
                 )
                 continue
-            info = infos[0]
-            if info.kind != "categorical":
-                # one dtype for every pool (int32 counts in one file, float32 in another:
-                # float64; a nullable int with missing values in one file: float64)
-                dtype = np.result_type(*[np.dtype(i.dtype) for i in infos])
-                info = replace(info, dtype=str(dtype))
-            if info.kind == "categorical":
-                union: list[Any] = []
-                seen: set[Any] = set()
-                for i in infos:
-                    for c in i.categories or ():
-                        if c not in seen:
-                            seen.add(c)
-                            union.append(c)
-                if len(union) > MAX_LABEL_CATEGORIES:
-                    self._unavailable[name] = too_many_categories(self.describe(), name,
-                                                                  len(union))
+            try:
+                h = harmonize_field(name, infos, _OMIT)
+            except InputError as e:
+                self._unavailable[name] = str(e)
+                continue
+            info = h.info
+            if h.code_tables is not None:
+                n_cats = len(info.categories or ())
+                if n_cats > MAX_LABEL_CATEGORIES:
+                    self._unavailable[name] = too_many_categories(self.describe(), name, n_cats)
                     continue
-                lookup = pd.Index(union)
-                for shard, i in enumerate(infos):
-                    # local code -> global code; the extra last entry maps code -1 (NaN) to -1
-                    table = lookup.get_indexer(list(i.categories or ())).astype(np.int64)
-                    self._code_maps[(shard, name)] = np.append(table, -1)
-                info = FieldInfo("categorical", "int64", (None,), tuple(union), info.ordered)
+                for shard, table in enumerate(h.code_tables):
+                    self._code_maps[(shard, name)] = table
+                # the reader remaps every shard's codes to global int64 codes
+                info = replace(info, dtype="int64")
             fields[name] = info
         self.fields = fields
         self.var_names = pd.Index(var_names, name="var_names")
@@ -284,7 +262,7 @@ def as_source(obj: Any) -> Source:
     if isinstance(obj, Source):
         return obj
     if isinstance(obj, str | os.PathLike):
-        p = Path(obj)
+        p = Path(obj).expanduser()
         if p.is_dir() and (p / MANIFEST_NAME).exists():
             return open_collection(p)
         if p.is_dir() and any(p.glob(MANIFEST_NAME + ".tmp")):

@@ -1,11 +1,16 @@
-"""Open and inspect the inputs of :func:`~annbatch_torch.create_anndata_collection`.
+"""AnnData inputs: what one is, how it is opened, and the writer's view of it.
 
 An input is an ``.h5ad`` path (read with h5py, never loaded whole), an AnnData zarr store
 path (``zarr.open_group``) or an in-memory :class:`anndata.AnnData` (a backed AnnData is
-read from its file). :class:`InputSource` gives one uniform view: row count, var names, a
-probe of each matrix / obsm / obs column (kind, dtype, shape, categories), and readers of
-row blocks. :func:`resolve_schema` turns the probes of all inputs into the collection's
-schema: one var order, the fields to carry, global categories.
+read from its file; a backed view is refused). :func:`resolve_input`, :func:`open_store`
+and :func:`input_label` say what an input is, open it (or refuse it with the fix) and name
+it, for :func:`~annbatch_torch.create_anndata_collection` and for in-place reading
+(:mod:`annbatch_torch.store.inplace`) alike.
+
+:class:`InputSource` is the writer's view of one input: row count, var names, a probe of
+each matrix / obsm / obs column (kind, dtype, shape, categories), and readers of row
+blocks; :mod:`annbatch_torch.write.schema` turns the probes of all inputs into the
+collection's schema by the rules of :mod:`annbatch_torch.store.harmonize`.
 """
 
 from __future__ import annotations
@@ -32,7 +37,17 @@ from .elements import (
     read_index,
 )
 
-__all__ = ["InputSource", "MatrixProbe", "ObsProbe", "open_input"]
+__all__ = [
+    "InputSource",
+    "MatrixProbe",
+    "ObsProbe",
+    "backed_file",
+    "disk_usage",
+    "input_label",
+    "open_input",
+    "open_store",
+    "resolve_input",
+]
 
 _FIX_TYPES = "pass .h5ad files, AnnData zarr stores or anndata.AnnData objects"
 
@@ -73,6 +88,97 @@ def backed_file(adata: Any, label: str) -> Path | None:
             "(view.write_h5ad(path)) and pass the path."
         )
     return Path(adata.filename)
+
+
+def resolve_input(obj: Any, index: int) -> Path | Any:
+    """What input ``index`` is: the path to read (a path as given, ``~`` expanded, or the
+    file of a backed AnnData) or an in-memory AnnData.
+
+    Raises
+    ------
+    InputError
+        For anything else, and for a view of a backed AnnData (see :func:`backed_file`).
+    """
+    import anndata as ad
+
+    if isinstance(obj, ad.AnnData):
+        return backed_file(obj, f"input #{index}") or obj
+    if isinstance(obj, str | os.PathLike):
+        return Path(obj).expanduser()
+    raise InputError(f"input #{index}: got a {type(obj).__name__}; {_FIX_TYPES}.")
+
+
+def input_label(index: int, path: Path | None) -> str:
+    """How messages name input ``index``: its path, or ``"<AnnData #index>"``."""
+    return str(path) if path is not None else f"<AnnData #{index}>"
+
+
+def _not_hdf5(path: Path) -> str:
+    if path.suffix.lower() in (".h5ad", ".h5", ".hdf5"):
+        return (f"{path}: not an HDF5 file, though named {path.suffix} (damaged, truncated or "
+                f"of another format); {_FIX_TYPES}.")
+    return f"{path}: is neither an HDF5 (.h5ad) file nor a zarr store; {_FIX_TYPES}."
+
+
+def open_store(path: Path, *, chunk_cache: bool = True) -> Any:
+    """Open the ``.h5ad`` file or AnnData zarr store at ``path`` read-only.
+
+    Parameters
+    ----------
+    path
+        A file (HDF5) or a folder (zarr v2/v3).
+    chunk_cache
+        Keep h5py's chunk cache (~1 MB per dataset). Off for inputs read once in large
+        sequential slices, as the writer does.
+
+    Returns
+    -------
+    An open ``h5py.File`` (close it when done) or a ``zarr.Group``. It has ``obs`` and
+    ``var``; ``X`` may be absent (an AnnData whose X is None).
+
+    Raises
+    ------
+    InputError
+        If ``path`` is missing, neither HDF5 nor zarr, or not an AnnData store.
+    """
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder; check the path ({_FIX_TYPES}).")
+    if path.is_dir():
+        import zarr
+
+        try:
+            group: Any = zarr.open_group(str(path), mode="r")
+        except Exception as e:
+            raise InputError(f"{path}: is a folder but not a zarr store ({type(e).__name__}: "
+                             f"{e}); {_FIX_TYPES}.") from e
+    else:
+        import h5py
+
+        if not h5py.is_hdf5(str(path)):
+            raise InputError(_not_hdf5(path))
+        try:
+            # without the cache, a dataset read once in large slices does not hold ~9 MB
+            # (cache plus HDF5 free lists) per open dataset
+            group = h5py.File(str(path), "r", **({} if chunk_cache else {"rdcc_nbytes": 0}))
+        except OSError as e:
+            raise InputError(f"{path}: cannot be opened as an HDF5 file ({e}); {_FIX_TYPES}."
+                             ) from e
+    keys = set(group.keys())
+    if not {"obs", "var"} <= keys:
+        if hasattr(group, "close"):
+            group.close()
+        missing = sorted({"obs", "var", "X"} - keys)
+        raise InputError(f"{path}: not an AnnData store (no {missing} at its root); "
+                         f"{_FIX_TYPES}.")
+    return group
+
+
+def _no_x(label: str) -> InputError:
+    return InputError(
+        f"{label}: X is None; create_anndata_collection needs X. Fix: set it (e.g. adata.X = "
+        "adata.layers['counts']) and save the input again, or read the input in place with "
+        "AnnBatchDataset, which selects obsm, layers and obs fields without X."
+    )
 
 
 def _is_group(node: Any) -> bool:
@@ -215,26 +321,19 @@ class InputSource:
     """
 
     def __init__(self, obj: Any, index: int) -> None:
-        import anndata as ad
-
         self.index = index
         self._h5: Any = None
         self.adata: Any = None
-        if isinstance(obj, ad.AnnData):
-            obj = backed_file(obj, f"input #{index}") or obj
-        if isinstance(obj, ad.AnnData):
-            self.adata, self.path, self.kind = obj, None, "memory"
-            self.label = f"<AnnData #{index}>"
-            self._probe_memory()
-        elif isinstance(obj, str | os.PathLike):
-            self.path = Path(obj).expanduser().resolve()
-            self.label = str(self.path)
+        target = resolve_input(obj, index)
+        if isinstance(target, Path):
+            self.path = target.resolve()
+            self.label = input_label(index, self.path)
             self._open_disk()
             self._probe_disk()
         else:
-            raise InputError(
-                f"input #{index}: got a {type(obj).__name__}; {_FIX_TYPES}."
-            )
+            self.adata, self.path, self.kind = target, None, "memory"
+            self.label = input_label(index, None)
+            self._probe_memory()
         if self.n_obs == 0:
             raise InputError(f"{self.label}: has no cells (n_obs == 0); drop it from the inputs.")
         names = pd.Index(self.var_names)
@@ -247,46 +346,19 @@ class InputSource:
 
     # -- opening --------------------------------------------------------------------
     def _open_disk(self) -> None:
-        p = self.path
-        assert p is not None
-        if not p.exists():
-            raise InputError(f"{p}: no such file or folder; check the path ({_FIX_TYPES}).")
-        if p.is_dir():
-            import zarr
-
-            try:
-                self.group = zarr.open_group(str(p), mode="r")
-            except Exception as e:
-                raise InputError(
-                    f"{p}: is a folder but not a zarr store ({type(e).__name__}: {e}); "
-                    f"{_FIX_TYPES}."
-                ) from e
-            self.kind = "zarr"
-        else:
-            import h5py
-
-            if not h5py.is_hdf5(str(p)):
-                raise InputError(
-                    f"{p}: is neither an HDF5 (.h5ad) file nor a zarr store; {_FIX_TYPES}."
-                )
-            # no chunk cache: rows are read once, in large sequential slices, and the cache
-            # (plus HDF5 free lists) would hold ~9 MB per open dataset
-            self._h5 = h5py.File(str(p), "r", rdcc_nbytes=0)
-            self.group = self._h5
-            self.kind = "h5ad"
-        keys = set(self.group.keys())
-        if not {"obs", "var", "X"} <= keys:
-            self.close()
-            missing = sorted({"obs", "var", "X"} - keys)
-            raise InputError(
-                f"{p}: not an AnnData store (no {missing} at its root); {_FIX_TYPES}."
-            )
+        assert self.path is not None
+        self.group = open_store(self.path, chunk_cache=False)  # rows are read once
+        self.kind = "zarr" if self.path.is_dir() else "h5ad"
+        self._h5 = self.group if self.kind == "h5ad" else None
 
     def _probe_disk(self) -> None:
         g = self.group
         self.var_names = read_index(g["var"])
         self._obs_index = g["obs"][_attr_str(g["obs"].attrs.get("_index", "_index"))]
         self.n_obs = int(self._obs_index.shape[0])
+        if "X" not in g:
+            self.close()
+            raise _no_x(self.label)
         self.matrices = {"X": _probe_disk_matrix(g["X"])}
         for key, sub in (("layers", self.matrices), ("obsm", {})):
             if key in g:
@@ -303,7 +375,7 @@ class InputSource:
         self.var_names = np.asarray(a.var_names, dtype=object)
         self.n_obs = int(a.n_obs)
         if a.X is None:
-            raise InputError(f"{self.label}: X is None; annbatch_torch needs X to be set.")
+            raise _no_x(self.label)
         self.matrices = {"X": _probe_memory_matrix(a.X)}
         self.matrices.update({f"layers/{k}": _probe_memory_matrix(v) for k, v in a.layers.items()})
         self.obsm = {f"obsm/{k}": _probe_memory_matrix(v) for k, v in a.obsm.items()}
@@ -372,7 +444,7 @@ class InputSource:
         if self.path is None:
             return {"path": None, "name": self.label, "kind": self.kind, "size": None,
                     "mtime": None, "n_obs": self.n_obs}
-        size, mtime = _disk_usage(self.path)
+        size, mtime = disk_usage(self.path)
         return {"path": str(self.path), "name": self.path.name, "kind": self.kind,
                 "size": size, "mtime": mtime, "n_obs": self.n_obs}
 
@@ -386,7 +458,7 @@ def _attr_str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _disk_usage(path: Path) -> tuple[int, float]:
+def disk_usage(path: Path) -> tuple[int, float]:
     """Total size in bytes and latest mtime of a file or of every file under a folder."""
     st = path.stat()
     if not path.is_dir():

@@ -1,21 +1,24 @@
 """The collection's schema, resolved from the probes of every input.
 
 One var order (``"inner"``: genes of the first input that every input has; ``"outer"``:
-every gene, first-seen order), the fields to carry (X, layers, obsm, obs columns) with their
-stored dtype, and the global categories of categorical obs columns (the union, first-seen
-order) with each input's local-to-global code table.
+every gene, first-seen order), the fields to carry (X, layers, obsm, obs columns) and, for
+each, what the writer stores: X and layers as CSR, obsm dense, string obs columns as
+categoricals (their distinct values, sorted). Kinds, dtypes, global categories with each
+input's local-to-global code table and ``ordered`` follow the rules that in-place reading
+follows too (:mod:`annbatch_torch.store.harmonize`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..errors import InputError
+from ..store.harmonize import InputField, column_kind, harmonize_field
 from ..store.inputs import InputSource
 from ..store.manifest import field_name_problem
 
@@ -136,79 +139,38 @@ def _resolve_vars(sources: list[InputSource], var_join: str) -> tuple[pd.Index, 
     return names, maps, is_sorted
 
 
+#: how a writer's user leaves a field out, ending the fix of a refusal
+_OMIT = {"layers": "leave it out with layers=[...]", "obsm": "leave it out with obsm=[...]",
+         "obs": "leave it out with obs_columns=[...]"}
+
+
+def _string_categories(s: InputSource, c: str) -> tuple[Any, ...]:
+    cats = s.string_categories(c)
+    logger.info("%s: obs column %r holds strings; stored as categorical (%d categories).",
+                s.label, c, len(cats))
+    if len(cats) > 10_000 and len(cats) > s.n_obs // 2:
+        logger.warning("%s: obs column %r looks like per-cell IDs (%d distinct values); "
+                       "consider obs_columns=[...] without it.", s.label, c, len(cats))
+    return tuple(cats)
+
+
 def _resolve_obs(sources: list[InputSource], columns: list[str]) -> list[OutField]:
     fields = []
     for c in columns:
         probes = [s.obs[c] for s in sources]
-        cat = [p.kind in ("categorical", "string") for p in probes]
-        if any(cat) and not all(cat):
-            a = sources[cat.index(True)]
-            b = sources[cat.index(False)]
-            raise InputError(
-                f"{a.label}: obs column {c!r} is categorical there but "
-                f"{probes[cat.index(False)].kind} ({probes[cat.index(False)].dtype}) in "
-                f"{b.label}; a column needs one kind in every input. Fix: convert it in one "
-                f"of them (e.g. adata.obs[{c!r}] = adata.obs[{c!r}].astype('category')), or "
-                "leave it out with obs_columns=[...]."
-            )
-        key = f"obs/{c}"
-        if not all(cat):
-            kinds = {p.kind for p in probes}
-            dtype = np.result_type(*[p.dtype for p in probes])
-            if kinds == {"bool"}:
-                fields.append(OutField(key, "bool", np.dtype(bool)))
-            else:
-                if "bool" in kinds:
-                    logger.info("obs column %r is bool in some inputs, numeric in others; "
-                                "stored as %s.", c, dtype)
-                fields.append(OutField(key, "numeric", np.dtype(dtype)))
-            continue
-        local = []
-        for s, p in zip(sources, probes):
-            if p.kind == "string":
-                cats = s.string_categories(c)
-                logger.info("%s: obs column %r holds strings; stored as categorical (%d "
-                            "categories).", s.label, c, len(cats))
-                if len(cats) > 10_000 and len(cats) > s.n_obs // 2:
-                    logger.warning("%s: obs column %r looks like per-cell IDs (%d distinct "
-                                   "values); consider obs_columns=[...] without it.",
-                                   s.label, c, len(cats))
-            else:
-                cats = list(p.categories or ())
-            local.append(cats)
-        kinds = [_category_kind(cats) for cats in local]
-        a = next((i for i, k in enumerate(kinds) if k is not None), 0)
-        b = next((i for i, k in enumerate(kinds) if k not in (None, kinds[a])), None)
-        if b is not None:
-            raise InputError(
-                f"{sources[a].label}: obs column {c!r} has {kinds[a]} categories there but "
-                f"{kinds[b]} ones in {sources[b].label} (e.g. 1 vs '1'): one label would "
-                f"become two classes. Fix: make them one type in every input, e.g. "
-                f"adata.obs[{c!r}] = adata.obs[{c!r}].astype(str).astype('category')."
-            )
-        union = pd.Index(list(dict.fromkeys(v for cats in local for v in cats)))
-        ordered = all(p.ordered for p in probes) and all(list(x) == local[0] for x in local)
-        if all(p.ordered for p in probes) and not ordered:
-            logger.warning("obs column %r is an ordered categorical whose category order "
-                           "differs across inputs; stored unordered (in first-seen order).", c)
-        luts = [np.append(union.get_indexer(pd.Index(cats)), -1).astype(np.int32)
-                for cats in local]
-        codes_dtype = pd.Categorical.from_codes([], categories=union).codes.dtype
-        fields.append(OutField(key, "categorical", np.dtype(codes_dtype),
-                               categories=[v.item() if hasattr(v, "item") else v
-                                           for v in union], ordered=ordered, luts=luts))
+        described = [InputField(s.label, "categorical" if p.kind == "string" else p.kind,
+                                p.dtype, categories=p.categories, ordered=p.ordered)
+                     for s, p in zip(sources, probes)]
+        if column_kind(c, described, _OMIT["obs"]) == "categorical":
+            # strings are scanned for their values only once the kinds agree
+            described = [replace(d, categories=_string_categories(s, c)) if p.kind == "string"
+                         else d for s, p, d in zip(sources, probes, described)]
+        h = harmonize_field(f"obs/{c}", described, _OMIT["obs"])
+        info = h.info
+        cats = None if info.categories is None else list(info.categories)
+        fields.append(OutField(f"obs/{c}", info.kind, np.dtype(info.dtype), categories=cats,
+                               ordered=info.ordered, luts=h.code_tables))
     return fields
-
-
-def _category_kind(cats: list[Any]) -> str | None:
-    """``"numeric"``, ``"string"`` or ``"other"`` for a list of categories (``None`` when
-    empty); categories of one column must be of one kind across inputs."""
-    if not len(cats):
-        return None
-    kinds = {"string" if isinstance(v, str) else
-             "numeric" if isinstance(v, int | float | np.number) and not isinstance(v, bool)
-             else "other" for v in cats}
-    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[str] | None,
@@ -225,20 +187,16 @@ def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[
             if p.shape != (s.n_obs, len(s.var_names)):
                 raise InputError(f"{s.label}: {key} has shape {p.shape} but the AnnData is "
                                  f"{s.n_obs} x {len(s.var_names)}; the file is damaged.")
-        dtype = np.result_type(*[p.dtype for p in probes])
-        if dtype == np.float16:  # scipy.sparse has no float16
-            dtype = np.dtype(np.float32)
-        fields.append(OutField(key, "csr", np.dtype(dtype), width=len(var_names)))
+        # every input's rows become CSR rows over the collection's var order
+        described = [InputField(s.label, "csr", p.dtype, (len(var_names),)) for s, p in
+                     zip(sources, probes)]
+        info = harmonize_field(key, described, _OMIT["layers"]).info
+        fields.append(OutField(key, "csr", np.dtype(info.dtype), width=len(var_names)))
     for key in _select(sources, "obsm", "obsm/", obsm, "obsm entry", unavailable):
-        probes = [s.obsm[key] for s in sources]
-        widths = {p.shape[1] if len(p.shape) == 2 else None for p in probes}
-        if len(widths) != 1 or None in widths:
-            raise InputError(
-                f"{sources[0].label}: {key} has {sorted(map(str, widths))} columns across "
-                "inputs; it must have the same width in all. Fix: pass obsm=[...] without it."
-            )
-        fields.append(OutField(key, "dense", np.dtype(np.result_type(*[p.dtype for p in probes])),
-                               width=int(widths.pop())))
+        described = [InputField(s.label, "dense", s.obsm[key].dtype, s.obsm[key].shape[1:])
+                     for s in sources]
+        info = harmonize_field(key, described, _OMIT["obsm"]).info
+        fields.append(OutField(key, "dense", np.dtype(info.dtype), width=int(info.shape[1])))
     cols = _select(sources, "obs", "", obs_columns, "obs column", unavailable)
     fields += _resolve_obs(sources, cols)
     return Schema(var_names, maps, is_sorted, fields, unavailable)

@@ -2,7 +2,7 @@
 
 Used by :meth:`AnnBatchDataModule.prepare_data <annbatch_torch.AnnBatchDataModule>` to write
 the collection only when it is missing or stale; needs no Lightning. Compares the
-manifest's recorded inputs (resolved path, size, mtime, as :mod:`annbatch_torch.inputs`
+manifest's recorded inputs (resolved path, size, mtime, as :mod:`annbatch_torch.store.inputs`
 records them) and the collection settings passed explicitly.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CollectionError
-from ..store.inputs import _disk_usage
+from ..store.inputs import disk_usage
 from ..store.manifest import Manifest, read_manifest
 
 __all__ = ["store_is_current", "store_staleness", "RECORDED_SETTINGS", "FIELD_SETTINGS"]
@@ -29,7 +29,7 @@ def _input_signature(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What the manifest records of an input: resolved path, size and mtime (the same
     function the writer uses, so the two always agree)."""
     p = Path(path).expanduser().resolve()
-    size, mtime = _disk_usage(p)
+    size, mtime = disk_usage(p)
     return {"path": str(p), "size": size, "mtime": mtime}
 
 
