@@ -311,10 +311,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         kwargs.update(self.dataloader_kwargs)
         if not kwargs.get("num_workers"):
             kwargs["persistent_workers"] = False  # DataLoader refuses it without workers
-        loader = AnnBatchDataLoader(ds, **kwargs)
         # Lightning applies a state saved at an epoch's last step to the next epoch
-        loader._finished_starts_next_epoch = True
-        return loader
+        return AnnBatchDataLoader(ds, finished_starts_next_epoch=True, **kwargs)
 
     def train_dataloader(self) -> AnnBatchDataLoader:
         """Shuffled training batches of this rank; Lightning advances the epoch.

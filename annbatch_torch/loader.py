@@ -67,9 +67,15 @@ class AnnBatchDataLoader(StatefulDataLoader):
     dense batches between processes costs more than densifying them (measured 1.4x faster
     with 2 workers on 2 CPUs, and a worker needs far less memory). Sparse fields with a
     transform, or with a custom ``batch_converter``, are densified in the workers as usual.
+
+    ``finished_starts_next_epoch=True``: a loaded state saved after an epoch's last batch
+    starts the next epoch afresh instead of resuming a finished one (Lightning applies a
+    state saved at an epoch's last step to the next epoch's iterator;
+    :class:`~annbatch_torch.AnnBatchDataModule`'s loaders set it).
     """
 
-    def __init__(self, dataset: AnnBatchDataset, **kwargs: Any) -> None:
+    def __init__(self, dataset: AnnBatchDataset, *, finished_starts_next_epoch: bool = False,
+                 **kwargs: Any) -> None:
         if not isinstance(dataset, AnnBatchDataset):
             raise TypeError(f"AnnBatchDataLoader needs an AnnBatchDataset, got {type(dataset)}.")
         kwargs.setdefault("batch_size", None)
@@ -92,9 +98,7 @@ class AnnBatchDataLoader(StatefulDataLoader):
         if policy.where == "main":
             kwargs["worker_init_fn"] = policy.installer(kwargs.get("worker_init_fn"))
         super().__init__(dataset, **kwargs)
-        # AnnBatchDataModule's loaders: a state saved after an epoch's last batch starts the
-        # next epoch (Lightning applies it to the next epoch's iterator)
-        self._finished_starts_next_epoch = False
+        self.finished_starts_next_epoch = bool(finished_starts_next_epoch)
         # DataLoader forbids assigning `sampler` after __init__; iterable-style loaders only
         # use it as an infinite source of None, which this sampler still is.
         object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))
@@ -127,7 +131,7 @@ class AnnBatchDataLoader(StatefulDataLoader):
             self.dataset.set_epoch(int(epoch))  # a later epoch than the snapshots' wins
         snap = state.get("_snapshot")
         multi = isinstance(snap, dict) and bool(snap.get("_worker_snapshots"))
-        if self._finished_starts_next_epoch:
+        if self.finished_starts_next_epoch:
             epoch, step, workers = resume.loader_progress(state)
             if (epoch is not None and step is not None
                     and step >= sum(self._worker_counts(epoch, workers))):

@@ -45,7 +45,7 @@ class HostPool:
         """The pool's field paths."""
         return tuple(self.values)
 
-    def batch(self, start: int, stop: int, densify: bool | Collection[str] = False
+    def batch(self, start: int, stop: int, densify: bool | Collection[str] = True
               ) -> dict[str, Any]:
         """Rows ``start:stop`` of every field, without copying.
 
@@ -54,8 +54,9 @@ class HostPool:
         start, stop
             Row range of the pool.
         densify
-            ``True``: every CSR field as a dense float32 array; a collection of field
-            paths: those; ``False``: none (CSR views of the pool).
+            ``True`` (as :meth:`DevicePool.batch`): every CSR field as a dense float32
+            array; a collection of field paths: those; ``False``: none (CSR views of the
+            pool).
         """
         out: dict[str, Any] = {}
         for path, value in self.values.items():

@@ -1,14 +1,17 @@
 """Reading a pool: global row ranges -> one in-memory block per selected field.
 
-A pool is a list of global ``[start, stop)`` row ranges (see :mod:`.sampling`). The
-reader splits them at shard boundaries, coalesces pieces that touch inside a shard,
-reads every (field, piece) concurrently in a small thread pool (zarr / h5py / numcodecs
-release the GIL while decoding), and assembles the values in the pool's canonical row
-order:
+A pool is a list of global ``[start, stop)`` row ranges (a
+:class:`~annbatch_torch.sampling.WorkItem`'s ``ranges``) and optionally the order its rows
+are to be laid out in (``order``). The reader splits the ranges at shard boundaries,
+coalesces pieces that touch inside a shard, and reads every (field, piece) concurrently in
+a small thread pool (zarr / h5py / numcodecs release the GIL while decoding):
 
-* CSR fields -> one ``scipy.sparse.csr_matrix`` (``indptr`` comes from the shard's cached
-  ``indptr``; ``data``/``indices`` are single contiguous slices per piece);
-* dense fields and obs columns -> one numpy array (categorical obs as global codes).
+* CSR fields -> one ``scipy.sparse.csr_matrix`` already in ``order``: where the chunks are
+  raw (:mod:`annbatch_torch.store.rawzarr`), each row is read straight into its place
+  (``indptr`` comes from the shard's cached ``indptr``); other CSR fields are read in
+  canonical order and permuted once;
+* dense fields and obs columns -> one numpy array in ``order`` (categorical obs as global
+  codes).
 
 Any failure is re-raised as :class:`~annbatch_torch.errors.ReadError` naming the shard,
 the field and the row range.

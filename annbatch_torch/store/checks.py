@@ -1,5 +1,5 @@
 """Value and structure checks of matrix blocks: what the writer refuses in its inputs and
-the pool reader refuses in a pool (re-exported by :mod:`annbatch_torch.elements`)."""
+the pool reader refuses in a pool."""
 
 from __future__ import annotations
 

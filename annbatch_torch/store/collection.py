@@ -3,7 +3,7 @@
 A *source* is anything the reader can pull row ranges from: an ordered list of
 "shards" (each a group of AnnData elements with ``n_obs`` rows) plus a schema
 (``fields``). :class:`Collection` is the on-disk kind written by
-:func:`~annbatch_torch.create_anndata_collection`; :mod:`annbatch_torch.inplace` builds
+:func:`~annbatch_torch.create_anndata_collection`; :mod:`annbatch_torch.store.inplace` builds
 the same interface over AnnData files read in place.
 
 Handles are opened lazily and per process: a source pickles without any open handle
@@ -39,7 +39,7 @@ def too_many_categories(where: str, field: str, n: int) -> str:
     col = field.partition("/")[2]
     return (
         f"{where}: {field!r} has {n} categories, more than the {MAX_LABEL_CATEGORIES} a label "
-        "may have (annbatch_torch.collection.MAX_LABEL_CATEGORIES); it looks like a per-cell "
+        "may have (annbatch_torch.store.collection.MAX_LABEL_CATEGORIES); it looks like a per-cell "
         "identifier. Select a label column, or store integer ids in a numeric column, e.g. "
         f"adata.obs['{col}_id'] = adata.obs['{col}'].cat.codes, and select that."
     )
@@ -235,7 +235,7 @@ class Source:
 
 
 class Collection(Source):
-    """A finished collection on disk (see :mod:`annbatch_torch.manifest`).
+    """A finished collection on disk (see :mod:`annbatch_torch.store.manifest`).
 
     Use :func:`open_collection` to get one.
 
@@ -374,5 +374,4 @@ def _stored_rows(shard_dir: Path, field: str) -> int | None:
             shape = (obj.get("attributes") or {}).get("shape")
         if isinstance(shape, list) and shape and isinstance(shape[0], int):
             return shape[0]
-    return None
     return None

@@ -19,7 +19,6 @@ import pandas as pd
 import scipy.sparse as sp
 
 from ..errors import InputError
-from .checks import bad_column, check_csr, check_finite
 
 __all__ = [
     "CSRElement",
@@ -32,9 +31,6 @@ __all__ = [
     "element_from_memory",
     "encoding_type",
     "read_index",
-    "check_finite",
-    "check_csr",
-    "bad_column",
     "DEFAULT_CSC_LIMIT",
 ]
 
@@ -140,7 +136,7 @@ class CSRElement(Element):
     ) -> np.ndarray:
         """Copy rows ``[start, stop)``' values and column indices into the given buffers
         (sized ``indptr[stop] - indptr[start]``), straight from the chunk files when the
-        arrays support it (:mod:`annbatch_torch.rawzarr`); returns the row lengths."""
+        arrays support it (:mod:`annbatch_torch.store.rawzarr`); returns the row lengths."""
         lo, hi = self.nnz_range(start, stop)
         for src, out in ((self.data, data_out), (self.indices, indices_out)):
             if hasattr(src, "read_into"):

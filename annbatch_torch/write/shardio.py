@@ -230,7 +230,7 @@ def compressors_for(compressor: Any, zarr_format: int) -> Any:
     from zarr.codecs import BloscCodec, Crc32cCodec
 
     # Blosc does not verify its payload: a CRC-32C makes a damaged chunk an error (zarrs
-    # validates it on the whole-chunk reads annbatch_torch makes, see _zarrs.ChunkAligned)
+    # validates it on the whole-chunk reads annbatch_torch makes, see store.zarrs.ChunkAligned)
     return [BloscCodec(cname=name, clevel=clevel, shuffle="shuffle"), Crc32cCodec()]
 
 

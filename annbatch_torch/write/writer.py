@@ -24,7 +24,7 @@ inputs included) and sizes its buffers from ``max_memory`` minus that, the permu
 bytes per cell, 8 above 2**32 cells) and a 48 MB reserve (zarr's thread pool, allocator
 slack): pass-1 blocks take about half of this working memory, a CSC file input (it cannot
 be read by rows, so it is loaded whole) at most a quarter, a pass-2 shard (its bucket, one
-field's sorted copy and its obs_names) about 80% (see :mod:`._writer_budget`). Under 64 MB
+field's sorted copy and its obs_names) about 80% (see :mod:`.budget`). Under 64 MB
 of working memory is an :class:`InputError` naming the measured baseline and the
 ``max_memory`` to pass. Freed memory is handed back to the OS after every block and shard
 (glibc ``malloc_trim``), and h5py files are opened without chunk cache. Not bounded: an
@@ -44,7 +44,7 @@ writes it); data/indices chunks of 2**16 elements (256 KiB of float32: small eno
 random 512-row read fetches little it does not use, large enough to keep file counts and
 per-chunk overhead low), obsm chunks of ``2**16 // width`` rows, obs columns 2**16 rows;
 codec ``"raw"``: uncompressed chunks with a CRC-32C each, which
-:mod:`annbatch_torch.rawzarr` reads straight into the pool buffers (2-3x the throughput of
+:mod:`annbatch_torch.store.rawzarr` reads straight into the pool buffers (2-3x the throughput of
 zarr-python decoding Blosc lz4 here) while still detecting corrupted chunks. ``"lz4"`` is
 ~3.5x smaller on count data (``"zstd"`` ~5x) at the cost of slower reads. Every chunk is
 written, including all-zero ones (the manifest says so, readers check it). All overridable.
