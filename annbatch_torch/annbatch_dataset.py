@@ -13,8 +13,10 @@ and the ``batch_converter``. Resume state lives in :mod:`annbatch_torch.resume`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
+import pickle
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -281,6 +283,8 @@ class AnnBatchDataset(IterableDataset):
             **self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
             rank=world.rank, world_size=world.world_size,
         )
+        if not self.shuffle and world.num_workers > 1:
+            items = items.per_batch()  # in order from any number of workers
         return sampling.worker_items(items, world.worker, world.num_workers)
 
     def densify_policy_for_workers(self, *, num_workers: int, pin_memory: bool = False,
@@ -324,9 +328,41 @@ class AnnBatchDataset(IterableDataset):
     # -- pickling -----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         self._resolve_dist()  # the process group lives here, not in a worker
+        self._check_picklable()
         state = self.__dict__.copy()
         state["_stream"] = None
         return state
+
+    def __copy__(self) -> AnnBatchDataset:
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__, _stream=None)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AnnBatchDataset:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__dict__.items() if k != "_stream"}
+        new.__dict__.update(copy.deepcopy(state, memo), _stream=None)
+        return new
+
+    def _check_picklable(self) -> None:
+        """Name the callable that cannot travel to ``spawn`` workers (pickle's own error
+        names neither the selector key nor the converter)."""
+        what = [(f"the transform of selector key {k!r}", f.transform)
+                for k, f in self.selector.items() if f.transform is not None]
+        if self.batch_converter is not None:
+            what.append(("the batch_converter", self.batch_converter))
+        for name, fn in what:
+            try:
+                pickle.dumps(fn)
+            except Exception as e:
+                raise pickle.PicklingError(
+                    f"AnnBatchDataset: {name} ({fn!r}) cannot be pickled, which DataLoader "
+                    f"workers started with 'spawn' or 'forkserver' need ({type(e).__name__}: "
+                    f"{e}). Define it as a module-level function or a class instance (not a "
+                    "lambda or a local function), or use num_workers=0 / the 'fork' start "
+                    "method."
+                ) from e
 
     # -- iteration ----------------------------------------------------------------------
     def _pool_stream(self) -> PoolStream:

@@ -22,7 +22,7 @@ import torch
 
 from .read.csr import csr_tensor_to_dense
 
-__all__ = ["batch_dict_converter", "csr_to_torch", "to_tensor", "to_device"]
+__all__ = ["Batch", "batch_dict_converter", "csr_to_torch", "to_tensor", "to_device"]
 
 # torch warns on every sparse CSR construction (also when one crosses a worker queue).
 for _msg in ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly"):
@@ -42,17 +42,20 @@ def _tensor_of(value: np.ndarray) -> torch.Tensor | None:
     return None
 
 
-def csr_to_torch(m: sp.csr_matrix | sp.csr_array) -> torch.Tensor:
+def csr_to_torch(m: sp.csr_matrix | sp.csr_array, dtype: Any = np.float32) -> torch.Tensor:
     """A ``torch.sparse_csr_tensor`` sharing the scipy matrix's buffers where possible.
 
-    Index tensors are int32 when every index fits (half the bytes of int64, and no widening
-    copy of scipy's int32 indices: ~14 ms per 4096 x 20k batch here), else int64.
+    Values become ``dtype`` (float32: the dtype a dense batch has, so ``densify`` changes the
+    layout of a batch, never its dtype; int32 counts and float64 values are cast, float32
+    ones shared). Index tensors are int32 when every index fits (half the bytes of int64,
+    and no widening copy of scipy's int32 indices: ~14 ms per 4096 x 20k batch here), else
+    int64.
     """
     small = m.nnz < 2**31 - 1 and m.shape[1] < 2**31 - 1
     idx = np.int32 if small else np.int64
     crow = torch.from_numpy(np.ascontiguousarray(m.indptr, dtype=idx))
     col = torch.from_numpy(np.ascontiguousarray(m.indices, dtype=idx))
-    values = torch.from_numpy(np.ascontiguousarray(m.data))
+    values = torch.from_numpy(np.ascontiguousarray(m.data, dtype=dtype))
     return torch.sparse_csr_tensor(crow, col, values, size=m.shape, check_invariants=False)
 
 
@@ -81,14 +84,40 @@ def to_tensor(value: Any) -> torch.Tensor | Any:
     return value
 
 
+class Batch(dict):  # type: ignore[type-arg]
+    """The ``dict[str, Tensor]`` :func:`batch_dict_converter` returns: a plain ``dict``,
+    which torch's default collation refuses with the fix. A ``DataLoader`` left at its
+    default ``batch_size=1`` (or given ``batch_size=N``) would otherwise stack whole batches
+    into ``(N, batch_size, n_vars)`` tensors without a word."""
+
+
+def _refuse_collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    raise TypeError(
+        "AnnBatchDataset yields whole batches, but this DataLoader collates them again "
+        "(its batch_size is not None; the default is 1): use DataLoader(dataset, "
+        "batch_size=None, ...) or annbatch_torch.AnnBatchDataLoader(dataset, ...), and set "
+        "batch_size on the dataset."
+    )
+
+
+try:  # torch's documented extension point of default_collate (collate_fn_map)
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    default_collate_fn_map.setdefault(Batch, _refuse_collate)
+except ImportError:  # pragma: no cover - a torch without collate_fn_map
+    pass
+
+
 def batch_dict_converter(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Default ``batch_converter``: ``{key: numpy/scipy}`` -> ``{key: Tensor}``.
 
-    Sparse matrices become ``torch.sparse_csr_tensor`` (int32 index tensors when they fit,
-    else int64); float arrays
-    become float32, integer arrays int64 (category codes), bool arrays stay bool.
+    Sparse matrices become ``torch.sparse_csr_tensor`` with float32 values (as dense
+    batches; int32 index tensors when they fit, else int64); float arrays become float32,
+    integer arrays int64 (category codes; -1 marks a missing label: use
+    ``cross_entropy(..., ignore_index=-1)``), bool arrays stay bool. The result is a
+    :class:`Batch` (a ``dict``).
     """
-    return {k: to_tensor(v) for k, v in batch.items()}
+    return Batch({k: to_tensor(v) for k, v in batch.items()})
 
 
 def to_device(

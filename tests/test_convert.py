@@ -56,3 +56,14 @@ def test_densify_split_and_shared_equal_scipy(shape: tuple[int, int], threads: i
         t = to_tensor(out)
         assert t.is_shared()
         assert t.data_ptr() == out.ctypes.data  # handed on without a copy
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_sparse_batches_are_float32_like_dense_ones(dtype: type) -> None:
+    """``densify`` changes a batch's layout, never its dtype: ``nn.Linear`` takes both."""
+    m = sp.csr_matrix(np.array([[0, 3, 0], [1, 0, 2]], dtype=dtype))
+    out = batch_dict_converter({"x": m, "d": densify_csr(m)})
+    assert out["x"].layout == torch.sparse_csr
+    assert out["x"].dtype == torch.float32
+    assert out["d"].dtype == torch.float32
+    np.testing.assert_array_equal(out["x"].to_dense().numpy(), m.toarray().astype(np.float32))

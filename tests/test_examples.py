@@ -71,3 +71,21 @@ def test_lightning_ddp_two_ranks(tmp_path: Path) -> None:
     assert len(acc) == 2
     assert acc[-1] > 0.5  # 8 classes; chance (majority class) is ~0.25
     assert "store written by this run: True" in first
+
+
+def test_the_readme_quickstart_runs_twice_verbatim(tmp_path: Path) -> None:
+    """The README's quickstart makes its own inputs and reuses its collection when rerun."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    code = re.search(r"## Quickstart\n\n```python\n(.*?)```", readme, re.S)
+    assert code is not None
+    script = tmp_path / "quickstart.py"
+    script.write_text(code.group(1) + "print('loss', float(loss))\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    stamps = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert re.search(r"^loss \d", proc.stdout, re.M)
+        stamps.append((tmp_path / "store" / "manifest.json").stat().st_mtime_ns)
+    assert stamps[0] == stamps[1]  # the second run reused the collection

@@ -346,9 +346,11 @@ def test_trainer_advances_epochs_in_workers(
         assert not set(z["index"].tolist()) & set(orders[0].tolist())
 
 
+@pytest.mark.parametrize("num_workers", [1, 2])
 def test_trainer_validate_test_and_predict(h5ads: list[Path], store: Path,
-                                           tmp_path: Path) -> None:
-    dm = _dm(h5ads, store, num_workers=1, val_fraction=0.2)
+                                           tmp_path: Path, num_workers: int) -> None:
+    """Validation and prediction read in order, also with several workers."""
+    dm = _dm(h5ads, store, num_workers=num_workers, val_fraction=0.2)
     model = Recorder(str(tmp_path), N_VARS)
     trainer = pl.Trainer(devices=1, **TRAINER)
     trainer.validate(model, datamodule=dm)

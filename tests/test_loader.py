@@ -345,3 +345,52 @@ def test_dense_epochs_reuse_two_pools_of_buffers(small_collection: Collection) -
     # 2 pools x (data, indices) (buffers get 50% headroom: pool sizes vary); a pool kept
     # alive by a stray reference costs a third set
     assert ds._stream.reader.buffers.allocations <= 4
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_dataloader_that_collates_again_is_refused_with_the_fix(
+        small_collection: Collection, batch_size: int) -> None:
+    """DataLoader(ds) (batch_size=1 by default) would stack whole batches silently."""
+    ds = abt.AnnBatchDataset(small_collection, batch_size=100, densify=True)
+    with pytest.raises(TypeError, match=r"batch_size=None"):
+        next(iter(DataLoader(ds, batch_size=batch_size)))
+    with pytest.raises(TypeError, match=r"batch_size=None"):
+        next(iter(DataLoader(ds, batch_size=batch_size, num_workers=1)))
+    assert next(iter(DataLoader(ds, batch_size=None)))["X"].shape == (100, small_collection.n_vars)
+
+
+@pytest.mark.parametrize("what", ["transform", "converter"])
+def test_an_unpicklable_callable_under_spawn_is_named(small_collection: Collection,
+                                                      what: str) -> None:
+    if what == "transform":
+        ds = abt.AnnBatchDataset(small_collection, batch_size=500,
+                                 selector={"x": A.X.with_transform(lambda v: v)})
+        match = "the transform of selector key 'x'"
+    else:
+        ds = abt.AnnBatchDataset(small_collection, batch_size=500,
+                                 batch_converter=lambda b: b)
+        match = "the batch_converter"
+    loader = abt.AnnBatchDataLoader(ds, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(Exception, match=match):
+        next(iter(loader))
+    import copy
+
+    assert copy.deepcopy(ds).batch_size == 500  # copies need no pickling
+    assert len(list(copy.copy(ds))) == len(ds)
+
+
+@pytest.mark.parametrize("loader_cls", [abt.AnnBatchDataLoader, DataLoader])
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_unshuffled_batches_arrive_in_order_from_workers(
+        small_collection: Collection, loader_cls: type, num_workers: int) -> None:
+    """shuffle=False reads the collection in order, whatever the number of workers (pools
+    dealt whole to workers interleaved their batches)."""
+    kw = dict(batch_size=100, chunk_size=64, preload_nchunks=8, shuffle=False,
+              return_index=True)
+    ds = abt.AnnBatchDataset(small_collection, **kw)
+    got = np.concatenate([b["index"].numpy()
+                          for b in loader_cls(ds, batch_size=None, num_workers=num_workers)])
+    np.testing.assert_array_equal(got, np.arange(small_collection.n_obs))
+    # the batches are the in-process ones
+    ref = [b["index"].numpy() for b in abt.AnnBatchDataset(small_collection, **kw)]
+    assert len(ref) == len(ds)

@@ -561,3 +561,25 @@ def test_plan_of_a_large_source(chunk_size: int, preload: int) -> None:
     assert first.n_rows == S.pool_rows(bs, chunk_size, preload)
     assert len(S.global_rows(first.ranges)) == first.n_rows
     assert S.remaining_items(mine, 5).n_batches == mine.n_batches - 5
+
+
+@SLOW
+@given(params(shuffle=False), st.integers(2, 4))
+def test_per_batch_keeps_the_batches_and_dealt_to_workers_their_order(
+        p: P, num_workers: int) -> None:
+    """An unshuffled list cut into one item per batch has the same batches in the same
+    order, and dealt round-robin to workers the DataLoader yields them in that order."""
+    for rank in range(p.world_size):
+        items = items_of(p, rank)
+        whole = [b for it in items for b in item_batches(p, it)]
+        per = items.per_batch()
+        assert per.n_batches == items.n_batches
+        assert [b for it in per for b in item_batches(p, it)] == whole
+        dealt = [[b for it in S.worker_items(per, w, num_workers) for b in item_batches(p, it)]
+                 for w in range(num_workers)]
+        assert loader_batches(dealt) == whole
+
+
+def test_per_batch_refuses_a_shuffled_list() -> None:
+    with pytest.raises(ValueError, match="shuffled"):
+        S.rank_items(100, 10, 2, 5, shuffle=True, seed=0, epoch=0).per_batch()

@@ -200,6 +200,26 @@ class WorkList(Sequence[WorkItem]):
     def __iter__(self) -> Iterator[WorkItem]:
         return (self[i] for i in range(len(self)))
 
+    def per_batch(self) -> WorkList:
+        """The same batches, one item per batch, in the same order (unshuffled lists only).
+
+        Without shuffling a batch is a contiguous run of its pool's rows, so each batch can
+        be read on its own: dealt round-robin to DataLoader workers, which the loader reads
+        round-robin too, the batches then arrive in this list's order (pools dealt whole
+        would interleave their batches).
+        """
+        if self.row_order is not None and self.row_order.shuffle:
+            raise ValueError("per_batch: a shuffled pool's batches are not contiguous runs")
+        per_pool = self.pool_size // self.batch_size
+        counts = self.batch_counts
+        pool = np.repeat(self.pool_index, counts)
+        first = np.repeat(self.batch_start - np.cumsum(counts) + counts, counts)
+        batch = np.arange(len(pool), dtype=np.int64) + first
+        index = np.where(pool < 0, -1, pool * per_pool + batch)
+        ones = np.ones(len(index), dtype=np.int64)
+        return WorkList(self._stream, self.batch_size, self.batch_size, index,
+                        np.zeros(len(index), dtype=np.int64), ones, self.row_order)
+
     @property
     def batch_counts(self) -> np.ndarray:
         """Batches per item (int64 array)."""
