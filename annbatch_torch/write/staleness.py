@@ -3,7 +3,9 @@
 Used by :meth:`AnnBatchDataModule.prepare_data <annbatch_torch.AnnBatchDataModule>` to write
 the collection only when it is missing or stale; needs no Lightning. Compares the
 manifest's recorded inputs (resolved path, size, mtime, as :mod:`annbatch_torch.store.inputs`
-records them) and the collection settings passed explicitly.
+records them) and the collection settings passed explicitly. An input whose mtime changed but
+whose size and content fingerprint (:mod:`annbatch_torch.store.fingerprint`) did not is
+unchanged: ``touch`` or a ``cp`` without ``-p`` does not rewrite the collection.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CollectionError
+from ..store.fingerprint import fingerprint
 from ..store.inputs import disk_usage
 from ..store.manifest import Manifest, read_manifest
 
@@ -56,7 +59,8 @@ def store_staleness(
     str or None
         A human-readable reason (missing store, unfinished write, changed input or setting),
         or ``None`` when the store is a finished collection of exactly these inputs,
-        unchanged since (same resolved paths, sizes and modification times).
+        unchanged since (same resolved paths and sizes, and the same modification times or,
+        where those differ, the same content fingerprint).
     """
     try:
         manifest = read_manifest(store_path)
@@ -79,7 +83,9 @@ def _manifest_staleness(
             return f"input {now['path']} replaces {rec.get('path')}"
         if rec.get("size") != now["size"]:
             return f"input {now['path']} changed size ({rec.get('size')} -> {now['size']} bytes)"
-        if abs(float(rec.get("mtime") or 0.0) - now["mtime"]) > 1e-3:
+        if (abs(float(rec.get("mtime") or 0.0) - now["mtime"]) > 1e-3
+                and rec.get("fingerprint") != fingerprint(now["path"])):
+            # a touched input with the same content (same fingerprint) is unchanged
             return f"input {now['path']} was modified after the store was written"
     recorded_settings = {"seed": manifest.seed, "shuffle": manifest.shuffle,
                          "var_join": manifest.var_join}
