@@ -2,8 +2,8 @@
 
 Writes two synthetic h5ad files (cells grouped by cell type, as atlases often are),
 shuffles them offline into a collection, streams the training chunks through a
-``DataLoader`` with worker processes into a linear cell-type classifier for one epoch, and
-prints cells/s and held-out accuracy.
+``DataLoader`` with worker processes into a linear cell-type classifier (one epoch by default),
+and prints cells/s and held-out accuracy.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def run(
         paths, workdir / "store", seed=seed, overwrite=True, obs_columns=["cell_type"]
     )
     t2 = time.perf_counter()
-    print(f"shuffled them into {coll.path} ({len(coll.shards)} shards) in {t2 - t1:.1f} s "
+    n_shards = len(coll.shards)
+    print(f"shuffled them into {coll.path} ({n_shards} shard{'' if n_shards == 1 else 's'}) "
+          f"in {t2 - t1:.1f} s "
           f"({n_obs / (t2 - t1):,.0f} cells/s)")
 
     chunk_size = 256
@@ -94,17 +96,44 @@ def _log1p(x: np.ndarray) -> np.ndarray:
     return np.log1p(x, out=x)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's argument parser: every option with its help and default."""
+    from .cli import CliParser, int_at_least, plain_text
+
+    p = CliParser(prog="annbatch-torch demo", description=plain_text(__doc__ or ""))
+    p.add_argument("--n-obs", type=int_at_least(2), default=60_000, metavar="N",
+                   help="cells, split over two generated h5ad files (default: %(default)s)")
+    p.add_argument("--n-vars", type=int_at_least(1), default=4_000, metavar="N",
+                   help="genes (default: %(default)s)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1024, metavar="N",
+                   help="cells per training batch (default: %(default)s)")
+    p.add_argument("--workers", type=int_at_least(0), default=2, metavar="N",
+                   help="DataLoader worker processes; 0 reads in the main process "
+                        "(default: %(default)s)")
+    p.add_argument("--epochs", type=int_at_least(1), default=1, metavar="N",
+                   help="training epochs (default: %(default)s)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, metavar="N",
+                   help="seed of the data, the shuffle and the model (default: %(default)s)")
+    p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+                   help="write the inputs and the collection here and keep them (default: a "
+                        "temporary folder, deleted at the end)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry of the demo."""
-    p = argparse.ArgumentParser(prog="annbatch-torch demo", description=__doc__)
-    p.add_argument("--n-obs", type=int, default=60_000)
-    p.add_argument("--n-vars", type=int, default=4_000)
-    p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", type=Path, default=None, help="keep data here (default: temp)")
-    args = p.parse_args(argv)
+    """Command-line entry of the demo (``annbatch-torch demo``).
+
+    Parameters
+    ----------
+    argv
+        The demo's arguments (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        0 on success (an argument error exits with status 2 through :mod:`argparse`).
+    """
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     kw = dict(n_obs=args.n_obs, n_vars=args.n_vars, batch_size=args.batch_size,
               num_workers=args.workers, epochs=args.epochs, seed=args.seed)
@@ -117,5 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # through the command, for its error handling
+    import sys
+
+    from .cli import main as cli_main
+
+    raise SystemExit(cli_main(["demo", *sys.argv[1:]]))

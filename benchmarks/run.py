@@ -52,7 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--experiments", action="store_true",
                    help="also run the exp_* cases (candidate fast paths, see README)")
     p.add_argument("--skip", default=None, help="comma-separated cases to leave out")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=HERE / "results",
+                   help="folder for results.json/.md/.png (default: benchmarks/results/, the "
+                        "committed results; `annbatch-torch bench` without --out writes a new "
+                        "folder ./annbatch-torch-bench/<timestamp> instead)")
     p.add_argument("--data-dir", type=Path, default=HERE / "data")
     p.add_argument("--n-warmup", type=int, default=2, help="untimed batches first")
     p.add_argument("--n-batches", type=int, default=None,
