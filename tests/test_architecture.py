@@ -42,6 +42,7 @@ SHARED = ("errors", "fields")
 FACE_MODULES = frozenset(
     {
         "__init__",
+        "__main__",
         "annbatch_dataset",
         "loader",
         "lightning",
