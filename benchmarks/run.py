@@ -1,16 +1,16 @@
 """Benchmark annbatch_torch against its peers and ceilings, in one command.
 
-Usage::
+Usage:
 
     python benchmarks/run.py                 # 100,000 x 20,000, batch 4096 (minutes)
     python benchmarks/run.py --small         # 20,000 x 2,000 (CI size)
     python benchmarks/run.py --only ours_dense_w0,scdataset_w0
 
-Builds two grouped h5ad files with :func:`annbatch_torch.datasets.write_synthetic_h5ads`
-(cached under ``benchmarks/data/``), runs every case of :mod:`cases` in its own fresh
-process, and writes ``results.json``, ``results.md`` and ``results.png`` under ``--out``.
-With ``--only``, earlier results of the same configuration are kept and updated.
-See ``benchmarks/README.md`` for what each case measures.
+Builds two grouped h5ad files with annbatch_torch.datasets.write_synthetic_h5ads (cached
+under benchmarks/data/), runs every case of benchmarks/cases.py in its own fresh process,
+and writes results.json, results.md and results.png under --out. With --only, earlier
+results of the same configuration are kept and updated. See benchmarks/README.md for what
+each case measures.
 """
 
 from __future__ import annotations
