@@ -381,7 +381,7 @@ def test_version_falls_back_to_the_package_attribute(monkeypatch: pytest.MonkeyP
     assert cli.version() == annbatch_torch.__version__
 
 
-@pytest.mark.parametrize("command", [[], ["shuffle"], ["info"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["shuffle"], ["info"], ["demo"], ["bench"]])
 def test_help_is_plain_text(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*command, "--help"]) == 0
     text = capsys.readouterr().out
