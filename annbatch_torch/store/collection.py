@@ -13,7 +13,9 @@ and reopens in whichever process reads it (safe under ``fork`` and ``spawn``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,25 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CollectionError, SchemaError
-from .elements import Element, open_element
+from .elements import CategoricalElement, Element, open_element
 from .manifest import FieldInfo, Manifest, ShardInfo, read_manifest
+from .metadata import (
+    MISSING_CATEGORY,
+    as_categorical,
+    as_row_ids,
+    check_codes,
+    count_codes,
+    gather,
+    read_dataframe,
+    shard_obs_names,
+    split_by_shard,
+)
 
 __all__ = [
     "Source", "Collection", "open_collection", "field_node", "MAX_LABEL_CATEGORIES",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: A categorical obs column with more categories than this is not offered as a field: it
 #: is an identifier (barcodes, per-cell ids), not a label. No real label set comes close
@@ -151,17 +166,23 @@ class Source:
         """Local->global category code table of a categorical field, or None if identity."""
         return None
 
+    def shard_group(self, shard: int) -> Any:
+        """This process's open group of ``shard`` (opened lazily, cached; reopened in any
+        other process, see :meth:`_check_pid`)."""
+        self._check_pid()
+        group = self._handles.get(shard)
+        if group is None:
+            group = self._open_shard(shard)
+            self._handles[shard] = group
+        return group
+
     def element(self, shard: int, field: str) -> Element:
         """The :class:`Element` of ``field`` in ``shard`` (opened lazily, cached)."""
         self._check_pid()
         key = (shard, field)
         el = self._elements.get(key)
         if el is None:
-            group = self._handles.get(shard)
-            if group is None:
-                group = self._open_shard(shard)
-                self._handles[shard] = group
-            node = field_node(group, field, self.shard_name(shard))
+            node = field_node(self.shard_group(shard), field, self.shard_name(shard))
             self._check_node(shard, field, node)
             el = open_element(node, field, self.shard_name(shard))
             sizes = self.__dict__.get("shard_sizes")  # unknown while a source inspects itself
@@ -237,7 +258,11 @@ class Source:
 class Collection(Source):
     """A finished collection on disk (see :mod:`annbatch_torch.store.manifest`).
 
-    Use :func:`open_collection` to get one.
+    Use :func:`open_collection` to get one. Besides the rows the reader pulls, it answers
+    questions about cells and genes without reading any matrix: :meth:`obs_names_at` (cell
+    names of global row ids, the way back to an AnnData's order), :meth:`obs_at` (obs
+    columns of rows), :meth:`category_counts` (cells per category) and :attr:`var` (gene
+    metadata).
 
     Attributes
     ----------
@@ -278,6 +303,233 @@ class Collection(Source):
 
     def shard_name(self, shard: int) -> str:
         return str(self.shard_path(shard))
+
+    # -- cell and gene metadata (never X; see store/metadata.py) ---------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_obs_names"] = {}  # per process: a spawned worker reads its own when asked
+        return state
+
+    def obs_names_at(self, rows: Any) -> pd.Index:
+        """The obs_names (cell names) of global row ids ``rows``.
+
+        Global row ids are positions in the collection (shard 0's rows first, see
+        :attr:`shard_offsets`); they are what ``AnnBatchDataset(..., return_index=True)``
+        yields as ``batch["index"]``. Only each shard's obs index is read (the array the
+        ``obs`` group's ``_index`` attribute names), never ``X``; a shard's names are read
+        once and cached in this object (in this process: a pickled collection, e.g. one
+        sent to a spawned DataLoader worker, carries none and reads its own when asked).
+        The cache holds Python str objects, roughly 70-100 bytes per cell of the shards
+        asked about.
+
+        Parameters
+        ----------
+        rows
+            Integer array-like of global row ids (list, numpy array, CPU torch tensor), in
+            any order, duplicates allowed.
+
+        Returns
+        -------
+        pandas.Index
+            ``len(rows)`` names (object dtype, str), in the order of ``rows``.
+
+        Raises
+        ------
+        IndexError
+            If an id lies outside ``[0, n_obs)`` (the message gives the range).
+        TypeError
+            If ``rows`` is not integer.
+
+        Notes
+        -----
+        Writing predictions or embeddings back to an AnnData in its original order: collect
+        each batch's ``batch["index"]`` with its output, map the ids to names and reorder by
+        the AnnData's obs_names::
+
+            ids = np.concatenate([b["index"].numpy() for b in batches])
+            emb = np.concatenate(outputs)              # row i belongs to ids[i]
+            names = coll.obs_names_at(ids)
+            adata.obsm["emb"] = emb[pd.Index(names).get_indexer(adata.obs_names)]
+
+        This needs unique obs_names across the collection's inputs (``get_indexer``
+        refuses duplicates; make them unique before writing, e.g.
+        ``anndata.concat(..., index_unique="-")`` or ``adata.obs_names_make_unique()``) and
+        every cell of ``adata`` among ``ids`` (``get_indexer`` returns -1 for a missing
+        one, which would silently take the last row: check ``(indexer >= 0).all()``, or
+        iterate with ``drop_last=False``). With ``even_batches="pad"`` some ids repeat:
+        keep only the rows whose ``batch["mask"]`` is true first (``get_indexer`` refuses
+        repeated names too).
+        """
+        ids = as_row_ids(rows, self.n_obs, self.describe())
+        out = np.empty(ids.size, dtype=object)
+        for shard, positions, local in split_by_shard(ids, self.shard_offsets):
+            out[positions] = self._shard_obs_names(shard)[local]
+        return pd.Index(out, dtype=object)
+
+    def _shard_obs_names(self, shard: int) -> np.ndarray:
+        cache: dict[int, np.ndarray] = self.__dict__.setdefault("_obs_names", {})
+        names = cache.get(shard)
+        if names is None:
+            names = shard_obs_names(
+                self.shard_group(shard), self.shard_sizes[shard], self.shard_name(shard)
+            )
+            names.flags.writeable = False
+            cache[shard] = names
+        return names
+
+    def _obs_column(self, column: str, categorical: bool = False) -> tuple[str, FieldInfo]:
+        """``(field, schema)`` of obs column ``column`` (``"cell_type"`` or
+        ``"obs/cell_type"``) as the manifest records it (a categorical with too many
+        categories to be a field included), or a :class:`SchemaError` listing the columns."""
+        if not isinstance(column, str):
+            raise SchemaError(f"{self.describe()}: obs column names are strings, got {column!r}.")
+        key = column if column.startswith("obs/") else f"obs/{column}"
+        info = self.manifest.fields.get(key)
+        if info is not None and (info.kind == "categorical" or not categorical):
+            return key, info
+        cols = [k[4:] for k, v in self.manifest.fields.items()
+                if k.startswith("obs/") and (v.kind == "categorical" or not categorical)]
+        what = "categorical obs column" if categorical else "obs column"
+        why = (f" ({self.unavailable[key]})" if key in self.unavailable else
+               f" (it is {info.kind!r})" if info is not None else "")
+        raise SchemaError(
+            f"{self.describe()}: {column!r} is not a {what} of the collection{why}; "
+            f"{what}s are {cols}."
+        )
+
+    def obs_at(self, rows: Any, columns: str | Sequence[str] | None = None) -> pd.DataFrame:
+        """obs columns of global row ids ``rows``, without reading ``X``.
+
+        Parameters
+        ----------
+        rows
+            Integer array-like of global row ids, any order, duplicates allowed (see
+            :meth:`obs_names_at`).
+        columns
+            obs column names (``"cell_type"`` or ``"obs/cell_type"``); one name or a list.
+            ``None``: every obs column the collection stores, in the manifest's order.
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per id, in the order of ``rows``, indexed by the cells' obs_names;
+            categorical columns as :class:`pandas.Categorical` with the collection's global
+            categories (and its ``ordered``; missing values NaN), numeric and bool columns
+            with the stored dtype.
+
+        Raises
+        ------
+        SchemaError
+            If a column is not an obs column of the collection (the message lists them).
+        IndexError
+            If an id lies outside ``[0, n_obs)``.
+        """
+        ids = as_row_ids(rows, self.n_obs, self.describe())
+        if columns is None:
+            keys = [k for k in self.manifest.fields if k.startswith("obs/")]
+        else:
+            names = [columns] if isinstance(columns, str) else list(columns)
+            keys = [self._obs_column(c)[0] for c in names]
+        parts = split_by_shard(ids, self.shard_offsets)
+        data: dict[str, Any] = {}
+        for key in keys:
+            info = self.manifest.fields[key]
+            pieces = []
+            for shard, positions, local in parts:
+                values = gather(self.element(shard, key), local)
+                if info.kind == "categorical":
+                    check_codes(values, len(info.categories or ()), self.shard_name(shard), key)
+                pieces.append((positions, values))
+            dtype = (np.result_type(*(v.dtype for _, v in pieces)) if pieces
+                     else np.dtype(info.dtype))
+            out = np.empty(ids.size, dtype=dtype)
+            for positions, values in pieces:
+                out[positions] = values
+            data[key[4:]] = (as_categorical(out, info.categories or (), info.ordered)
+                             if info.kind == "categorical" else out)
+        return pd.DataFrame(data, index=self.obs_names_at(ids))
+
+    def category_counts(self, column: str) -> pd.Series:
+        """Cells per category of categorical obs ``column``, counted from the shards' codes.
+
+        Reads the codes arrays only, a block of whole chunks at a time, never ``X``; the
+        result is cached in this object (a copy is returned).
+
+        Parameters
+        ----------
+        column
+            A categorical obs column (``"cell_type"`` or ``"obs/cell_type"``).
+
+        Returns
+        -------
+        pandas.Series
+            int64 counts named ``"count"``, indexed by the collection's global categories in
+            their order (:meth:`categories`), categories without cells included (0). Cells
+            with a missing value (code -1) are counted under one more entry, ``NaN``, last,
+            present only when there are any (as ``value_counts(dropna=False)`` counts them).
+
+        Raises
+        ------
+        SchemaError
+            If ``column`` is not a categorical obs column (the message lists them).
+        """
+        key, info = self._obs_column(column, categorical=True)
+        cache: dict[str, pd.Series] = self.__dict__.setdefault("_counts", {})
+        if key not in cache:
+            cats = list(info.categories or ())
+            counts = np.zeros(len(cats) + 1, dtype=np.int64)
+            for shard in range(len(self.shard_sizes)):
+                el = self.element(shard, key)
+                if not isinstance(el, CategoricalElement):
+                    raise CollectionError(
+                        f"{self.shard_name(shard)}: {key!r} is not stored as a categorical; "
+                        "the collection is damaged, rewrite it."
+                    )
+                counts += count_codes(el, len(cats), self.shard_name(shard), key)
+            labels, values = cats, counts[1:]
+            if counts[0]:
+                labels, values = [*cats, MISSING_CATEGORY], np.r_[counts[1:], counts[0]]
+            cache[key] = pd.Series(values, index=pd.Index(labels, name=key[4:]), name="count")
+            logger.debug("%s: counted %d cells of %r", self.describe(), counts.sum(), key)
+        return cache[key].copy()
+
+    @property
+    def var(self) -> pd.DataFrame:
+        """Gene metadata: a :class:`pandas.DataFrame` indexed by :attr:`var_names`.
+
+        Holds whatever columns the shards' ``var`` group stores (read from shard 0; every
+        shard stores the same), read as obs columns are read
+        (:func:`~annbatch_torch.store.metadata.read_dataframe`): categoricals as
+        :class:`pandas.Categorical`, strings as str, numeric and bool as stored. A
+        collection whose writer kept no var columns gives an empty DataFrame with the
+        index. Read once and cached in this object (a copy is returned).
+
+        Raises
+        ------
+        CollectionError
+            If shard 0 has no ``var`` group or its index disagrees with the manifest's
+            var names.
+        """
+        cached: pd.DataFrame | None = self.__dict__.get("_var")
+        if cached is None:
+            if not self.shard_sizes:
+                cached = pd.DataFrame(index=pd.Index(self.var_names, dtype=object, name=None))
+            else:
+                where = self.shard_name(0)
+                group = self.shard_group(0)
+                if "var" not in group:
+                    raise CollectionError(
+                        f"{where}: the shard has no 'var' group; the collection is damaged, "
+                        "rewrite it with create_anndata_collection(..., overwrite=True)."
+                    )
+                cached = read_dataframe(group["var"], self.n_vars, where, "var")
+                if not cached.index.equals(self.var_names):
+                    raise CollectionError(
+                        f"{where}: the var index differs from the manifest's var names; the "
+                        "collection is damaged, rewrite it."
+                    )
+            self._var = cached
+        return cached.copy()
 
     def _check_node(self, shard: int, field: str, node: Any) -> None:
         if not self.manifest.all_chunks_written:

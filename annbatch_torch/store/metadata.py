@@ -1,0 +1,270 @@
+"""Cell and gene metadata of a collection, read without the matrices.
+
+The pieces behind :meth:`Collection.obs_names_at <annbatch_torch.store.collection.Collection.
+obs_names_at>`, :meth:`~annbatch_torch.store.collection.Collection.obs_at`,
+:meth:`~annbatch_torch.store.collection.Collection.category_counts` and
+:attr:`~annbatch_torch.store.collection.Collection.var`: global row ids checked and split by
+shard, a shard's obs index, category codes counted chunk by chunk, an AnnData ``var``
+dataframe group read column by column. Each reads only the arrays it names (``obs/_index``,
+``obs/<column>``, ``var/...``), never ``X``, ``layers`` or ``obsm``.
+
+Everything here works on one already opened shard group (or one element); caching and the
+per-process handles are :class:`~annbatch_torch.store.collection.Collection`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..errors import CollectionError, InputError, ReadError
+from .elements import CategoricalElement, Element, open_element, read_index
+
+__all__ = [
+    "MISSING_CATEGORY",
+    "as_row_ids",
+    "split_by_shard",
+    "shard_obs_names",
+    "gather",
+    "check_codes",
+    "count_codes",
+    "as_categorical",
+    "read_dataframe",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the index label under which :meth:`Collection.category_counts` counts missing values
+#: (code -1), present only when some cell has one: ``NaN``, as in
+#: ``pandas.Series.value_counts(dropna=False)``.
+MISSING_CATEGORY = float("nan")
+
+#: rows of a codes array counted per read (rounded to whole chunks)
+COUNT_BLOCK_ROWS = 1 << 20
+
+
+def as_row_ids(rows: Any, n_obs: int, where: str) -> np.ndarray:
+    """``rows`` as a 1-D int64 array of global row ids, each checked inside ``[0, n_obs)``.
+
+    Parameters
+    ----------
+    rows
+        Integer array-like (list, numpy array, CPU torch tensor); any order, duplicates
+        allowed. A scalar counts as one id.
+    n_obs
+        Rows of the collection.
+    where
+        The collection, for messages.
+
+    Raises
+    ------
+    TypeError
+        If ``rows`` is not integer (a boolean mask, floats, strings).
+    ValueError
+        If ``rows`` has more than one dimension.
+    IndexError
+        If an id lies outside ``[0, n_obs)``; negative ids are not counted from the end.
+    """
+    arr = np.asarray(rows)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"{where}: row ids must be one-dimensional, got shape {arr.shape}; pass "
+            "rows.ravel() (e.g. torch.cat of the batches' 'index')."
+        )
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind == "b":
+        raise TypeError(
+            f"{where}: row ids must be integers, got a boolean array; for a mask over the "
+            "collection's rows pass numpy.flatnonzero(mask)."
+        )
+    if arr.dtype.kind not in "iu":
+        raise TypeError(
+            f"{where}: row ids must be integers (global row ids, e.g. batch['index'] with "
+            f"return_index=True), got dtype {arr.dtype}."
+        )
+    # unsigned ids are compared as they are (a uint64 above 2**63 would wrap in int64)
+    bad = arr[arr >= n_obs] if arr.dtype.kind == "u" else arr[(arr < 0) | (arr >= n_obs)]
+    if bad.size:
+        shown = ", ".join(str(int(v)) for v in bad[:5])
+        more = f" and {bad.size - 5} more" if bad.size > 5 else ""
+        raise IndexError(
+            f"{where}: row ids out of range: {shown}{more}; the collection's global row ids "
+            f"lie in [0, {n_obs}) (negative ids do not count from the end)."
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def split_by_shard(
+    rows: np.ndarray, offsets: np.ndarray
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Group checked global row ids by shard.
+
+    Parameters
+    ----------
+    rows
+        Global row ids (from :func:`as_row_ids`).
+    offsets
+        ``Source.shard_offsets``: where each shard starts, plus the total.
+
+    Returns
+    -------
+    list of (shard, positions, local)
+        For each shard that holds some of ``rows``, in shard order: the positions in
+        ``rows`` of its ids and the ids' rows within the shard.
+    """
+    if rows.size == 0:
+        return []
+    shard = np.searchsorted(offsets, rows, side="right") - 1
+    order = np.argsort(shard, kind="stable")
+    sorted_shards = shard[order]
+    starts = np.flatnonzero(np.r_[True, sorted_shards[1:] != sorted_shards[:-1]])
+    stops = np.r_[starts[1:], sorted_shards.size]
+    out = []
+    for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+        s = int(sorted_shards[a])
+        positions = order[a:b]
+        out.append((s, positions, rows[positions] - offsets[s]))
+    return out
+
+
+def shard_obs_names(group: Any, n_obs: int, where: str) -> np.ndarray:
+    """The obs_names of one shard (an object array of str), read from the array its ``obs``
+    group's ``_index`` attribute names (``obs/_index`` by default), nothing else.
+
+    Raises
+    ------
+    CollectionError
+        If the shard has no obs index or it does not hold ``n_obs`` names.
+    """
+    try:
+        obs = group["obs"]
+        names = read_index(obs)
+    except KeyError as e:
+        raise CollectionError(
+            f"{where}: the shard has no obs index ({e}); the collection is damaged, rewrite it "
+            "with create_anndata_collection(..., overwrite=True)."
+        ) from None
+    if names.shape != (n_obs,):
+        raise CollectionError(
+            f"{where}: the obs index holds {names.shape[0] if names.ndim else 0} names but the "
+            f"manifest says {n_obs} rows; the collection is damaged, rewrite it."
+        )
+    logger.debug("%s: read %d obs_names", where, n_obs)
+    return names
+
+
+def gather(el: Element, local: np.ndarray) -> np.ndarray:
+    """Rows ``local`` (any order, duplicates allowed) of a 1-D element, reading the span
+    ``[min(local), max(local) + 1)`` once."""
+    lo, hi = int(local.min()), int(local.max()) + 1
+    return np.asarray(el.read(lo, hi))[local - lo]
+
+
+def check_codes(codes: np.ndarray, n_categories: int, where: str, column: str,
+                start: int = 0) -> None:
+    """Refuse category codes outside ``[-1, n_categories)`` (a damaged column).
+
+    ``column`` names it in the message (``"obs/cell_type"``); ``start`` is the shard row
+    of ``codes[0]``.
+    """
+    bad = (codes < -1) | (codes >= n_categories)
+    if codes.size and bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ReadError(
+            f"{where}: column {column!r} has category code {int(codes[i])} at row "
+            f"{start + i}, outside [-1, {n_categories}) of its {n_categories} categories; the "
+            "collection is damaged, rewrite it with create_anndata_collection(..., "
+            "overwrite=True)."
+        )
+
+
+def count_codes(el: CategoricalElement, n_categories: int, where: str, column: str) -> np.ndarray:
+    """Cells per code of a categorical column: ``counts[0]`` the missing ones (code -1),
+    ``counts[1 + c]`` category ``c``. Reads the codes array only, a block of whole chunks at
+    a time (at most about :data:`COUNT_BLOCK_ROWS` rows in memory)."""
+    chunks = getattr(el.codes, "chunks", None)
+    chunk = int(chunks[0]) if chunks else 0
+    step = chunk * max(1, COUNT_BLOCK_ROWS // chunk) if chunk > 0 else COUNT_BLOCK_ROWS
+    counts = np.zeros(n_categories + 1, dtype=np.int64)
+    for a in range(0, el.n_rows, step):
+        codes = np.asarray(el.read(a, min(el.n_rows, a + step))).astype(np.int64, copy=False)
+        check_codes(codes, n_categories, where, column, a)
+        counts += np.bincount(codes + 1, minlength=n_categories + 1)
+    return counts
+
+
+def as_categorical(codes: np.ndarray, categories: Any, ordered: bool) -> pd.Categorical:
+    """Codes (checked) as a :class:`pandas.Categorical` of ``categories``."""
+    return pd.Categorical.from_codes(
+        codes.astype(np.int64, copy=False), categories=pd.Index(list(categories)),
+        ordered=ordered, validate=False,
+    )
+
+
+def read_dataframe(group: Any, n_rows: int, where: str, what: str) -> pd.DataFrame:
+    """An AnnData dataframe group (``var``) as a :class:`pandas.DataFrame`.
+
+    Columns are read as :mod:`annbatch_torch.store.elements` reads obs columns
+    (:func:`~annbatch_torch.store.elements.open_element`): categoricals become
+    :class:`pandas.Categorical` with the stored categories, strings object arrays of str,
+    numeric and bool as stored, nullable integers / booleans float64 with NaN where missing.
+    Columns in the order of the ``column-order`` attribute (else the group's, the index
+    excepted). A column stored in an encoding :func:`open_element` cannot read (e.g. a
+    nested dataframe or an awkward array) is left out with a logged warning.
+
+    Parameters
+    ----------
+    group
+        The zarr / h5py dataframe group.
+    n_rows
+        Rows it must hold (index and every column).
+    where
+        The store, for messages.
+    what
+        The group's name, for messages (``"var"``).
+
+    Raises
+    ------
+    CollectionError
+        If the index or a column does not hold ``n_rows`` rows.
+    """
+    names = read_index(group)
+    if names.shape != (n_rows,):
+        raise CollectionError(
+            f"{where}: {what} index holds {names.shape[0] if names.ndim else 0} names, expected "
+            f"{n_rows}; the store is damaged, rewrite it."
+        )
+    key = group.attrs.get("_index", "_index")
+    key = key.decode() if isinstance(key, bytes) else str(key)
+    order = group.attrs.get("column-order")
+    if order is None:
+        columns = [k for k in group if k != key]
+    else:
+        columns = [c.decode() if isinstance(c, bytes) else str(c) for c in list(order)]
+    data: dict[str, Any] = {}
+    for col in columns:
+        name = f"{what}/{col}"
+        try:
+            el = open_element(group[col], name, where)
+        except (InputError, KeyError) as e:
+            logger.warning("%s: %s column %r is left out of %s: %s", where, what, col, what, e)
+            continue
+        if el.n_rows != n_rows or len(getattr(el, "shape", (n_rows,))) > 1:
+            raise CollectionError(
+                f"{where}: {what} column {col!r} has shape {getattr(el, 'shape', el.n_rows)}, "
+                f"expected {n_rows} values; the store is damaged, rewrite it."
+            )
+        values = np.asarray(el.read(0, n_rows))
+        if isinstance(el, CategoricalElement):
+            check_codes(values, len(el.categories), where, name)
+            data[col] = as_categorical(values, el.categories, el.ordered)
+        else:
+            data[col] = values
+    index = pd.Index(names, dtype=object, name=None if key == "_index" else key)
+    return pd.DataFrame(data, index=index)
