@@ -335,8 +335,16 @@ def _human(n: float) -> str:
     return f"{n:.1f} TB"  # pragma: no cover
 
 
-def _categories(cats: list[Any], limit: int, ordered: bool = False) -> str:
-    shown = ", ".join(map(str, cats[:limit]))
+def _categories(cats: list[Any], limit: int, ordered: bool = False,
+                counts: Any = None) -> str:
+    """``counts``: a pandas Series of cells per category (``Collection.category_counts``)."""
+    if counts is not None:
+        missing = int(counts.iloc[len(cats):].sum()) if len(counts) > len(cats) else 0
+        shown = ", ".join(f"{c} ({int(n):,})" for c, n in zip(cats[:limit], counts.iloc[:limit]))
+        if missing:
+            shown += f"; missing ({missing:,})"
+    else:
+        shown = ", ".join(map(str, cats[:limit]))
     more = f", ... (+{len(cats) - limit})" if len(cats) > limit else ""
     return f"{len(cats)} categories{' (ordered)' if ordered else ''}: {shown}{more}"
 
@@ -394,8 +402,9 @@ def _info_collection(path: Path, args: argparse.Namespace) -> int:
         shape = f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
         line = f"  {name:<24} {f.kind:<12} {f.dtype:<8} {shape:<10}"
         if f.kind == "categorical":
+            counts = coll.category_counts(name[4:]) if name.startswith("obs/") else None
             line += "  " + _categories(list(f.categories or ()), args.max_categories,
-                                       bool(f.ordered))
+                                       bool(f.ordered), counts)
         print(line.rstrip())
     for name, why in coll.unavailable.items():
         print(f"  {name:<24} (not available: {why})")

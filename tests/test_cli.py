@@ -505,3 +505,14 @@ def test_benchmarks_run_keeps_its_documented_out_default() -> None:
     help_out = re.sub(r"-\s+", "-", _option_help(r.stdout, "--out"))
     assert "default: benchmarks/results/" in help_out
     assert "annbatch-torch bench" in help_out
+
+
+def test_info_prints_cells_per_category(small_collection: Any,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Class weights need the counts: info shows them next to each category."""
+    assert main(["info", str(small_collection.path), "--max-categories", "100"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("obs/cell_type"))
+    counts = small_collection.category_counts("cell_type")
+    for cat, n in counts.items():
+        assert f"{cat} ({int(n):,})" in line
