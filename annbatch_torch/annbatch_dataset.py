@@ -32,6 +32,7 @@ from .fields import Field, normalize_selector
 from .read.csr import densify_csr
 from .read.densify import DensifyPolicy
 from .read.device_pool import DevicePool, check_device
+from .read.genes import GeneSelection
 from .read.host_pool import HostPool
 from .read.pool_stream import PoolStream
 from .read.reader import PoolReader, default_read_threads, describe_ranges
@@ -142,6 +143,10 @@ class AnnBatchDataset(IterableDataset):
         batch values are then tensors on the device, also inside transforms and the
         ``batch_converter``. Needs ``num_workers=0``. ``"cpu"`` runs the same path on the
         host. Default ``None``: numpy/scipy batches on the host.
+    var_names
+        Read only these genes of X and layers, in this order (a subset or reordering of the
+        source's genes, e.g. 2,000 highly variable genes of a 30,000-gene collection); each
+        must be a gene of the source. Default: all genes, in the source's order.
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class AnnBatchDataset(IterableDataset):
         read_threads: int | None = None,
         prefetch: bool | None = None,
         device: str | torch.device | None = None,
+        var_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = _check_int("batch_size", batch_size, 1)
@@ -190,6 +196,8 @@ class AnnBatchDataset(IterableDataset):
         self.source: Source = as_source(source)
         self.selector = normalize_selector(selector)
         self._validate_selector()
+        self.genes = (None if var_names is None else
+                      GeneSelection(self.source.var_names, var_names, self.source.describe()))
         if not isinstance(mask_key, str) or not mask_key:
             raise ValueError(f"mask_key must be a non-empty string, got {mask_key!r}.")
         if even_batches == "pad" and self.return_index and mask_key == "index":
@@ -365,11 +373,21 @@ class AnnBatchDataset(IterableDataset):
                 ) from e
 
     # -- iteration ----------------------------------------------------------------------
+    @property
+    def var_names(self) -> Any:
+        """The genes of X and layers in the batches (``var_names=`` or the source's)."""
+        return self.source.var_names if self.genes is None else self.genes.var_names
+
+    def _gene_paths(self) -> set[str]:
+        """Selected fields indexed by gene: X and layers."""
+        return {f.path for f in self.selector.values()
+                if f.path == "X" or f.path.startswith("layers/")}
+
     def _pool_stream(self) -> PoolStream:
         if self._stream is None:
             paths = [f.path for f in self.selector.values()]
             reader = PoolReader(self.source, paths, threads=self.read_threads)
-            self._stream = PoolStream(reader, self.device)
+            self._stream = PoolStream(reader, self.device, self.genes, self._gene_paths())
         return self._stream
 
     def drop_read_ahead(self) -> None:

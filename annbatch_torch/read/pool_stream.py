@@ -14,7 +14,7 @@ in the same process, and dropped otherwise.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ import torch
 
 from ..sampling import WorkItem
 from .device_pool import DevicePool
+from .genes import GeneSelection
 from .host_pool import HostPool
 from .reader import PoolReader
 
@@ -55,11 +56,16 @@ class PoolStream:
         Reads a pool's rows of the selected fields.
     device
         Hold pools on this device (:class:`DevicePool`); ``None``: host pools.
+    genes, gene_paths
+        Cut the fields ``gene_paths`` (X, layers) of every pool to these genes.
     """
 
-    def __init__(self, reader: PoolReader, device: torch.device | None = None) -> None:
+    def __init__(self, reader: PoolReader, device: torch.device | None = None,
+                 genes: GeneSelection | None = None, gene_paths: Collection[str] = ()) -> None:
         self.reader = reader
         self.device = device
+        self.genes = genes
+        self.gene_paths = frozenset(gene_paths)
         self.ahead: ReadAhead | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -71,6 +77,8 @@ class PoolStream:
         """Read ``item``'s pool, laid out batch after batch in ``item.order``; ``shared``:
         host batches are densified into shared memory (in DataLoader workers)."""
         values = self.reader.read(item.ranges, item.order)
+        if self.genes is not None:  # cut before any upload: only the selected genes travel
+            values = self.genes.apply(values, self.gene_paths)
         if self.device is not None:  # uploaded here: overlaps the current pool's batches
             return DevicePool(values, self.device)
         return HostPool(values, shared=shared)
