@@ -51,3 +51,39 @@ def small_collection(
     return create_anndata_collection(
         synthetic_h5ads, out, seed=0, n_obs_per_shard=SMALL_SHARD_OBS, progress=False
     )
+
+
+#: a scanpy release whose wheel ships the legacy (anndata < 0.7) ``pbmc68k_reduced`` h5ad
+SCANPY_WITH_PBMC68K = "1.10.4"
+
+
+@pytest.fixture(scope="session")
+def pbmc68k_reduced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """scanpy's ``pbmc68k_reduced.h5ad`` (700 cells x 765 genes, written by anndata < 0.7:
+    obs / var / obsm are HDF5 compound datasets, categories in ``uns['<col>_categories']``),
+    taken from the scanpy wheel with ``pip download --no-deps`` (pip's own cache makes it
+    quick after the first time). Skips the test when the wheel cannot be downloaded."""
+    import subprocess
+    import sys
+    import zipfile
+
+    folder = tmp_path_factory.mktemp("pbmc68k")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+           f"scanpy=={SCANPY_WITH_PBMC68K}", "-d", str(folder)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot download scanpy=={SCANPY_WITH_PBMC68K} ({e}); the legacy "
+                    "pbmc68k_reduced.h5ad comes from its wheel")
+    wheels = sorted(folder.glob("scanpy-*.whl"))
+    if done.returncode != 0 or not wheels:
+        pytest.skip(f"cannot download scanpy=={SCANPY_WITH_PBMC68K} (pip said: "
+                    f"{(done.stderr or done.stdout).strip()[-300:]}); the legacy "
+                    "pbmc68k_reduced.h5ad comes from its wheel")
+    with zipfile.ZipFile(wheels[0]) as z:
+        member = next((n for n in z.namelist() if n.endswith("pbmc68k_reduced.h5ad")), None)
+        if member is None:
+            pytest.skip(f"{wheels[0].name} ships no pbmc68k_reduced.h5ad")
+        out = folder / "pbmc68k_reduced.h5ad"
+        out.write_bytes(z.read(member))
+    return out

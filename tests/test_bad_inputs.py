@@ -573,14 +573,24 @@ def test_selector_key_clashing_with_reserved_keys(h5ads: list[Path]) -> None:
         AnnBatchDataset(h5ads, selector={"index": A.X}, return_index=True)
 
 
-def test_string_column_is_not_a_label(h5ads: list[Path]) -> None:
-    """Policy: refused, with the way to turn it into something selectable."""
+def test_string_column_is_not_a_label(h5ads: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Policy: a string column is a categorical of its sorted distinct values, in place as in
+    a collection; one with more than MAX_LABEL_CATEGORIES values is refused with the way to
+    turn it into something selectable."""
+    # changed (issue 17, A6): in place a string column was refused; now it reads as the
+    # writer stores it, and only the MAX_LABEL_CATEGORIES limit refuses it
+    src = InPlaceSource(h5ads)
+    assert src.fields["obs/barcode"].kind == "categorical"
+    assert src.categories("barcode") == sorted(f"bc{i}_{j}" for i, n in enumerate([150, 110])
+                                               for j in range(n))
+    from annbatch_torch.store import inplace
+
+    monkeypatch.setattr(inplace, "MAX_LABEL_CATEGORIES", 100)
     with pytest.raises(SchemaError, match="'obs/barcode'"):
         AnnBatchDataset(h5ads, selector={"y": A.obs["barcode"]})
-    src = InPlaceSource(h5ads)
-    with pytest.raises(SchemaError, match=r"in0\.h5ad: 'obs/barcode' holds strings, not "
-                       r"categories.*astype\('category'\)\.cat\.codes"):
-        src.check_field("obs/barcode")
+    with pytest.raises(SchemaError, match=r"in0\.h5ad: 'obs/barcode' holds strings with more "
+                       r"than 100 distinct values.*astype\('category'\)\.cat\.codes"):
+        InPlaceSource(h5ads).check_field("obs/barcode")
 
 
 def test_too_many_categories_is_not_a_label(tmp_path: Path) -> None:
@@ -660,7 +670,9 @@ def test_writer_refuses_non_finite_values(tmp_path: Path, where: str, value: flo
     a.write_h5ad(p)
     with pytest.raises(InputError, match=f"nan\\.h5ad.*'{re.escape(where)}'.*(non-finite|NaN|inf)"
                        f".*row {row}"):
-        abt.create_anndata_collection([p], tmp_path / "out", seed=0)
+        # the layer named: an unasked one is now left out with a warning (A4)
+        abt.create_anndata_collection([p], tmp_path / "out", seed=0,
+                                      layers=["counts"] if where != "X" else None)
     assert not (tmp_path / "out").exists()
 
 
@@ -682,7 +694,9 @@ def test_writer_refuses_column_indices_outside_the_matrix(tmp_path: Path, where:
         idx[...] = values
     with pytest.raises(InputError, match=rf"idx\.h5ad: field '{re.escape(where)}' holds column "
                        rf"index {bad} at row 17, outside \[0, {N_VARS}\).*rewrite it"):
-        abt.create_anndata_collection([p], tmp_path / "out", seed=0)
+        # the layer named: an unasked one is now left out with a warning (A4)
+        abt.create_anndata_collection([p], tmp_path / "out", seed=0,
+                                      layers=["counts"] if where != "X" else None)
     assert not (tmp_path / "out").exists()
 
 
@@ -787,12 +801,14 @@ def test_in_place_mixed_dense_and_sparse_x(tmp_path: Path) -> None:
     sparse_p, dense_p = tmp_path / "sparse.h5ad", tmp_path / "dense.h5ad"
     _adata(30, 1).write_h5ad(sparse_p)
     _adata(30, 2, dense=True).write_h5ad(dense_p)
-    with pytest.raises(SchemaError, match="'X'"):
-        AnnBatchDataset([sparse_p, dense_p])
-    with pytest.raises(SchemaError, match=r"'X' cannot be selected: the inputs store it "
-                       r"differently \(.*sparse\.h5ad: csr.*dense\.h5ad: dense.*csr_matrix"
-                       ".*create_anndata_collection"):
-        InPlaceSource([sparse_p, dense_p]).check_field("X")
+    # changed (issue 17, A6): a dense X is read in place as CSR, as the writer stores it,
+    # so a dense and a sparse input now agree on X instead of X being refused
+    src = InPlaceSource([sparse_p, dense_p])
+    assert src.check_field("X").kind == "csr"
+    (b,) = list(AnnBatchDataset([sparse_p, dense_p], batch_size=60, shuffle=False,
+                                densify=True))
+    want = np.concatenate([_adata(30, 1).X.toarray(), _adata(30, 2, dense=True).X])
+    np.testing.assert_array_equal(b["X"].numpy(), want)
     # fields both store the same way still work
     (b,) = list(AnnBatchDataset([sparse_p, dense_p], selector={"c": A.layers["counts"]},
                                 batch_size=60))

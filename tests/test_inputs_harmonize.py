@@ -114,7 +114,9 @@ def test_categories_of_two_kinds_are_refused_by_both_paths(
     second_name = re.escape(str(inputs[1]) if on_disk else "<AnnData #1>")
     want = rf"obs column 'c' has {kinds} in {second_name}.*two classes.*astype\(str\)"
     with pytest.raises(InputError, match=want) as writer:
-        abt.create_anndata_collection(inputs, tmp_path / "out", progress=False)
+        # asked for by name: a column nobody asks for is now left out with a warning (A4)
+        abt.create_anndata_collection(inputs, tmp_path / "out", obs_columns=["c"],
+                                      progress=False)
     assert not (tmp_path / "out").exists()
     with pytest.raises(SchemaError, match=rf"'obs/c' cannot be selected: .*{want}"):
         abt.AnnBatchDataset(inputs, selector={"y": A.obs["c"]})
@@ -292,7 +294,9 @@ def test_in_place_refusals_give_the_writers_reason(tmp_path: Path) -> None:
     b = _adata(10, "b", c=np.linspace(0, 1, 10))
     a.obsm["p"], b.obsm["p"] = np.ones((10, 2), np.float32), np.ones((10, 3), np.float32)
     src = InPlaceSource([a, b])
-    for field, kw in (("obs/c", {"obsm": []}), ("obsm/p", {"obs_columns": []})):
+    # each named: fields nobody asks for are now left out with a warning instead (A4)
+    for field, kw in (("obs/c", {"obsm": [], "obs_columns": ["c"]}),
+                      ("obsm/p", {"obs_columns": [], "obsm": ["p"]})):
         with pytest.raises(InputError) as writer:
             _writer_schema([a, b], layers=[], **kw)
         assert field not in src.fields
@@ -350,13 +354,19 @@ def test_a_home_relative_path_reads_in_place(tmp_path: Path,
     assert abt.AnnBatchDataset("~/out").source.n_obs == coll.n_obs == 10
 
 
-def test_an_h5ad_without_x_is_refused_by_the_writer_as_x_is_none(tmp_path: Path) -> None:
+def test_an_h5ad_without_x_is_written_as_a_collection_without_x(tmp_path: Path) -> None:
+    # was test_an_h5ad_without_x_is_refused_by_the_writer_as_x_is_none: the writer now
+    # writes such inputs (issue 17, A3), and selecting X says why it is absent
     a = ad.AnnData(obs=pd.DataFrame(index=[f"c{i}" for i in range(10)]),
                    obsm={"e": np.ones((10, 2), np.float32)})
     (p,) = _written([a], tmp_path)
     for inputs, name in (([a], "<AnnData #0>"), ([p], re.escape(str(p.resolve())))):
-        with pytest.raises(InputError, match=rf"{name}: X is None; .*AnnBatchDataset"):
-            abt.create_anndata_collection(inputs, tmp_path / "out", progress=False)
+        coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
+                                             overwrite=True)
+        assert "X" not in coll.fields
+        assert coll.fields["obsm/e"].shape == (None, 2)
+        with pytest.raises(SchemaError, match=rf"{name} has no X \(it is None\)"):
+            abt.AnnBatchDataset(coll)
     assert InPlaceSource([p]).fields["obsm/e"].shape == (None, 2)
 
 

@@ -406,7 +406,8 @@ def test_obs_kind_conflict(tmp_path: Path) -> None:
     b.write_h5ad(path)
     _assert_refused([a, path], tmp_path / "out",
                     rf"<AnnData #0>: obs column 'cell_type' is categorical there but numeric "
-                    rf"\(float64\) in {path}.*obs_columns")
+                    rf"\(float64\) in {path}.*obs_columns",
+                    obs_columns=["cell_type"])  # named: unasked fields are left out (A4)
     coll = create_anndata_collection([a, path], tmp_path / "ok", obs_columns=["batch"],
                                      progress=False)
     assert "obs/cell_type" not in coll.fields
@@ -415,7 +416,8 @@ def test_obs_kind_conflict(tmp_path: Path) -> None:
 def test_obsm_width_conflict(tmp_path: Path) -> None:
     a = synthetic(50, 10, seed=1, obsm_pca=3)
     b = synthetic(50, 10, seed=2, obsm_pca=4, obs_prefix="b_")
-    _assert_refused([a, b], tmp_path / "out", "obsm/X_pca has .* columns across inputs")
+    _assert_refused([a, b], tmp_path / "out", "obsm/X_pca has .* columns across inputs",
+                    obsm=["X_pca"])  # named: unasked fields are now left out with a warning (A4)
 
 
 def test_existing_output(synthetic_h5ads: list[Path], tmp_path: Path) -> None:
@@ -485,7 +487,8 @@ def test_non_finite_refused_negative_allowed(tmp_path: Path) -> None:
     a.layers["counts"].data[0] = np.nan
     row = int(np.searchsorted(a.layers["counts"].indptr, 0, side="right") - 1)
     _assert_refused([a], tmp_path / "out",
-                    rf"<AnnData #0>: field 'layers/counts' .*non-finite.* at row {row}")
+                    rf"<AnnData #0>: field 'layers/counts' .*non-finite.* at row {row}",
+                    layers=["counts"])  # named: unasked fields are now left out with a warning (A4)
     b = synthetic(60, 20, seed=1)
     b.X.data *= -1
     coll = create_anndata_collection([b], tmp_path / "neg", progress=False)
@@ -671,7 +674,8 @@ def test_categories_of_different_types_across_inputs_are_refused(tmp_path: Path)
     b.obs["batch"] = pd.Categorical(["1", "2"] * 10)
     with pytest.raises(InputError, match=r"obs column 'batch' has numeric categories there "
                        r"but string ones in <AnnData #1>.*astype\(str\)"):
-        create_anndata_collection([a, b], tmp_path / "s", progress=False)
+        create_anndata_collection([a, b], tmp_path / "s", obs_columns=["batch"],
+                                  progress=False)  # named: unasked ones are left out (A4)
     b.obs["batch"] = pd.Categorical([3, 1] * 10)  # one type: unioned as usual
     coll = create_anndata_collection([a, b], tmp_path / "s", progress=False)
     assert list(coll.fields["obs/batch"].categories) == [1, 2, 3]

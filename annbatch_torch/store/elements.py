@@ -24,8 +24,12 @@ __all__ = [
     "CSRElement",
     "CSCElement",
     "DenseElement",
+    "DenseAsCSRElement",
+    "SparseAsDenseElement",
     "CategoricalElement",
     "StringElement",
+    "StringCodesElement",
+    "NullableStringElement",
     "Element",
     "open_element",
     "element_from_memory",
@@ -305,6 +309,105 @@ class StringElement(Element):
         return _decode_strings(np.asarray(self.array[start:stop]))
 
 
+class NullableStringElement(Element):
+    """A nullable string column (``nullable-string-array``): strings, ``None`` where
+    missing."""
+
+    kind = "strings"
+
+    def __init__(self, node: Any, name: str) -> None:
+        self.values, self.mask = StringElement(node["values"], name), node["mask"]
+        self.n_rows, self.name, self.dtype = self.values.n_rows, name, np.dtype(object)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        out = self.values.read(start, stop)
+        out[np.asarray(self.mask[start:stop], dtype=bool)] = None
+        return out
+
+
+class StringCodesElement(CategoricalElement):
+    """A string obs column read as the codes of ``categories`` (its distinct values,
+    sorted: how the writer stores a string column); a value not among them (a missing
+    one) is code -1."""
+
+    def __init__(self, strings: Element, categories: list[Any], name: str) -> None:
+        self.strings = strings
+        self.codes = None  # codes are computed from the strings on read
+        self.categories = list(categories)
+        self._index = pd.Index(self.categories, dtype=object)
+        self.ordered = False
+        self.name = name
+        self.kind = "categorical"
+        self.n_rows = strings.n_rows
+        self.dtype = np.dtype(np.int32)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        values = pd.Index(self.strings.read(start, stop), dtype=object)
+        return self._index.get_indexer(values).astype(np.int32)
+
+
+class _FlatRows:
+    """A row-major 2-D array seen as the 1-D ``data`` of a CSR matrix storing every entry:
+    ``[lo, hi)`` must cover whole rows."""
+
+    def __init__(self, array: Any) -> None:
+        self.array, self.width = array, int(array.shape[1])
+        self.shape = (int(array.shape[0]) * self.width,)
+        self.dtype = np.dtype(array.dtype)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        lo, hi = int(key.start or 0), int(self.shape[0] if key.stop is None else key.stop)
+        if lo % max(self.width, 1) or hi % max(self.width, 1):
+            raise ValueError(f"a dense matrix is read by whole rows; got entries [{lo}, {hi})")
+        w = max(self.width, 1)
+        return np.asarray(self.array[lo // w : hi // w]).reshape(-1)
+
+
+class _TiledColumns:
+    """The column indices of a CSR matrix storing every entry: 0..width-1 per row."""
+
+    def __init__(self, n_rows: int, width: int) -> None:
+        self.width = width
+        self.shape = (n_rows * width,)
+        self.dtype = np.dtype(np.int32 if width < 2**31 else np.int64)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        lo, hi = int(key.start or 0), int(self.shape[0] if key.stop is None else key.stop)
+        w = max(self.width, 1)
+        return np.tile(np.arange(self.width, dtype=self.dtype), (hi - lo) // w)
+
+
+class DenseAsCSRElement(CSRElement):
+    """A dense 2-D matrix presented as CSR, every entry stored (zeros included).
+
+    In-place reading presents a dense X / layer as CSR, the kind a collection stores it
+    as. Dropping its zeros would need its nonzero count per row, which means reading the
+    whole matrix when the input is opened; so every entry is kept: values are the same,
+    a pool of it takes the dense bytes plus a column index per entry."""
+
+    def __init__(self, array: Any, name: str, source: str = "<memory>") -> None:
+        n, w = int(array.shape[0]), int(array.shape[1])
+        super().__init__(_FlatRows(array), _TiledColumns(n, w),
+                         np.arange(n + 1, dtype=np.int64) * w, (n, w), name=name,
+                         source=source)
+
+
+class SparseAsDenseElement(Element):
+    """A sparse (CSR / CSC) matrix presented as a dense 2-D array, read by row blocks
+    (how a collection stores an obsm entry)."""
+
+    kind = "dense"
+
+    def __init__(self, sparse: CSRElement | CSCElement, name: str) -> None:
+        self.sparse, self.name = sparse, name
+        self.n_rows = sparse.n_rows
+        self.shape = (int(sparse.shape[0]), int(sparse.shape[1]))
+        self.dtype = np.dtype(sparse.dtype)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return self.sparse.read(start, stop).toarray()
+
+
 def _nullable(node: Any, name: str) -> DenseElement:
     values = np.asarray(node["values"][...])
     mask = np.asarray(node["mask"][...], dtype=bool)
@@ -334,6 +437,7 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
             "categorical": ("codes", "categories"),
             "nullable-integer": ("values", "mask"),
             "nullable-boolean": ("values", "mask"),
+            "nullable-string-array": ("values", "mask"),
         }.get(enc or "", ())
         missing = [m for m in members if m not in node]
         if enc in ("csr_matrix", "csc_matrix") and "shape" not in node.attrs:
@@ -357,6 +461,8 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
             )
         if enc in ("nullable-integer", "nullable-boolean"):
             return _nullable(node, name)
+        if enc == "nullable-string-array":
+            return NullableStringElement(node, name)
         raise InputError(
             f"{source}: field {name!r} has encoding {enc!r}, which annbatch_torch cannot read "
             "by rows; store it as a CSR matrix, a dense array or a categorical."

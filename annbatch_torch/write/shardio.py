@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from .schema import Schema
 
 __all__ = ["Segment", "bucket_segments", "BucketWriter", "load_bucket", "write_shard",
-           "encode_names", "compressors_for", "iter_blocks", "route_block", "release_memory"]
+           "encode_names", "compressors_for", "iter_blocks", "route_block", "release_memory",
+           "check_int64"]
 
 _MAGIC = 0x4142544F52434831  # frame marker
 
@@ -340,6 +341,34 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
     return out
 
 
+def _placeholder(f: Any, n: int) -> tuple[str, Any]:
+    """Rows of a field left out (see ``Schema.drop``): empty, never written."""
+    if f.kind == "csr":
+        return "csr", sp.csr_matrix((n, int(f.width)), dtype=f.dtype)
+    if f.kind == "dense":
+        return "dense", np.zeros((n, int(f.width)), dtype=f.dtype)
+    return "col", np.zeros(n, dtype=np.int32 if f.kind == "categorical" else f.dtype)
+
+
+def check_int64(source: str, field: str, block: Any, first_row: int = 0) -> None:
+    """Raise :class:`InputError` if a uint64 block holds a value above 2**63 - 1: the
+    collection stores it as int64, what torch batches carry (torch has no uint64)."""
+    values = block.data if sp.issparse(block) else np.asarray(block)
+    if values.dtype != np.uint64 or not values.size or int(values.max()) < 2**63:
+        return
+    pos = int(np.flatnonzero(values >= 2**63)[0])
+    if sp.issparse(block):
+        row = int(np.searchsorted(block.tocsr().indptr, pos, side="right")) - 1
+    else:
+        row = pos // (int(np.prod(values.shape[1:])) or 1)
+    raise InputError(
+        f"{source}: field {field!r} holds {int(values.ravel()[pos])} (uint64) at row "
+        f"{first_row + row}, above 2**63 - 1: batches carry it as int64 (torch has no "
+        "uint64), where it would wrap to a negative number. Fix: store it as float64 "
+        "(exact up to 2**53), e.g. m = m.astype('float64'), and write it again."
+    )
+
+
 def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                  obs_readers: dict[str, Any], a: int, b: int, ips: dict[str, np.ndarray],
                  dest: np.ndarray, shard_obs: int, buckets: BucketWriter,
@@ -366,10 +395,21 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
     parts: list[tuple[str, Any]] = []
     i = src.index
     for f in schema.fields:
+        if f.key in schema.dropped:  # left out in an earlier block: a placeholder
+            parts.append(_placeholder(f, b - a))
+            continue
         if f.kind in ("csr", "dense"):
-            block = readers[f.key].read(a, b, ips.get(f.key))
-            check_finite(src.label, f.key, block, first_row=a)  # NaN/inf refused, negatives ok
-            check_csr(src.label, f.key, block, first_row=a)  # indices inside [0, n_cols)
+            try:
+                block = readers[f.key].read(a, b, ips.get(f.key))
+                check_finite(src.label, f.key, block, first_row=a)  # NaN/inf refused
+                check_csr(src.label, f.key, block, first_row=a)  # indices inside [0, n_cols)
+                check_int64(src.label, f.key, block, first_row=a)  # uint64 that fits int64
+            except InputError as e:
+                if f.requested:
+                    raise
+                schema.drop(f.key, str(e))  # a field nobody asked for: left out
+                parts.append(_placeholder(f, b - a))
+                continue
             if value_check is not None:
                 value_check(src.label, f.key, block)
             if f.kind == "csr":
@@ -379,7 +419,14 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                 block = np.asarray(block.toarray() if sp.issparse(block) else block, f.dtype)
             parts.append((f.kind, take(block)))
             continue
-        values = obs_readers[f.key].read(a, b)
+        try:
+            values = obs_readers[f.key].read(a, b)
+        except InputError as e:
+            if f.requested:
+                raise
+            schema.drop(f.key, str(e))
+            parts.append(_placeholder(f, b - a))
+            continue
         if f.kind == "categorical":
             lut = f.luts[i] if f.luts else None  # type: ignore[index]
             if values.dtype.kind in "iu":

@@ -67,7 +67,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..store.collection import Collection, open_collection
-from ..store.inputs import InputSource
+from ..store.inputs import InputSource, open_inputs, warn_shared_obs_names
 from ..store.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -231,7 +231,9 @@ def create_anndata_collection(
     ----------
     adata_paths
         Inputs, mixed freely: ``.h5ad`` paths, AnnData zarr store paths, ``AnnData``
-        objects (in memory or backed). X may be CSR, CSC or dense.
+        objects (in memory or backed), legacy ``.h5ad`` files (anndata < 0.7) included.
+        X may be CSR, CSC, dense or absent (X is None in every input: a collection
+        without X).
     output_path
         The collection folder to create.
     shuffle
@@ -248,7 +250,8 @@ def create_anndata_collection(
         numeric, bool; strings become categorical, which is logged).
     layers, obsm
         Layers / obsm entries to carry; ``None``: those present (and readable) in all
-        inputs. An explicit name missing from an input is an :class:`InputError`.
+        inputs, others left out with a warning. An explicit name missing from an input,
+        or failing a rule, is an :class:`InputError`.
     n_obs_per_shard
         Rows per shard; default: derived from the memory ``max_memory`` leaves and the
         measured bytes per row, at most 2**20 (so it depends on the process' RSS too; pass
@@ -290,10 +293,18 @@ def create_anndata_collection(
     Raises
     ------
     InputError
-        A missing or non-AnnData input, duplicate var_names in an input, an inner join with
-        no genes, an obs column of different kinds across inputs, an unknown ``var_join``,
-        an existing output without ``overwrite``, a ``max_memory`` that leaves under 64 MB
-        once the process' RSS is subtracted. Nothing is written then.
+        A missing, damaged or non-AnnData input, the same input twice, duplicate var_names
+        in an input, an inner join with no genes, X in some inputs but not in others, a
+        field named in ``layers`` / ``obsm`` / ``obs_columns`` that the inputs cannot
+        agree on or that holds bad values (NaN / inf, complex numbers, dates, labels that
+        are no strings / numbers / booleans, uint64 above int64; see
+        :mod:`annbatch_torch.store.harmonize`), an unknown ``var_join``, an existing output
+        without ``overwrite``, a ``max_memory`` that leaves under 64 MB once the process'
+        RSS is subtracted. Nothing is left behind then. Fields *not* named that fail a rule
+        are left out with a warning and the reason in the manifest's ``unavailable``;
+        inputs without cells are skipped with a warning; inputs whose X is None give a
+        collection without X; obs_names shared by inputs are a warning (rows are
+        identified by row ids).
     """
     if var_join not in VAR_JOINS:
         raise InputError(f"var_join={var_join!r} is unknown; use 'inner' (genes in every "
@@ -328,10 +339,10 @@ def create_anndata_collection(
     sources: list[InputSource] = []
     tmp: Path | None = None
     try:
-        for i, obj in enumerate(adata_paths):
-            sources.append(InputSource(obj, i))
+        sources = open_inputs(adata_paths)  # the same input twice is refused
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
                                 _as_list(obsm))
+        warn_shared_obs_names([s for s in sources if s.n_obs])
         n_total = sum(s.n_obs for s in sources)
         work = _budget.working_memory(budget, n_total if shuffle else 0)
         shard_obs = int(n_obs_per_shard or _budget.shard_size(sources, schema, work, shuffle))
@@ -400,7 +411,7 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
             if len(arrays["pos"]) != n:
                 raise InputError(f"{tmp}: shard {s} received {len(arrays['pos'])} rows, "
                                  f"expected {n}; an input changed while being read?")
-            dtypes = write_shard(tmp / name, arrays, schema.fields, schema.var_names, opts)
+            dtypes = write_shard(tmp / name, arrays, schema.kept, schema.var_names, opts)
             del arrays
             release_memory()
             os.remove(buckets.path(s))
@@ -421,7 +432,7 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
     except PackageNotFoundError:
         created_by = "annbatch_torch"
     fields = {}
-    for f in schema.fields:
+    for f in schema.kept:
         shape = (None, int(f.width)) if f.kind in ("csr", "dense") else (None,)
         fields[f.key] = FieldInfo(
             kind=f.kind, dtype=dtypes.get(f.key, str(f.dtype)), shape=shape,
