@@ -57,10 +57,9 @@ class GeneSelection:
         if len(missing):
             raise SchemaError(
                 f"{where}: {len(missing)} of the {len(wanted)} var_names are not among its "
-                f"{len(src)} genes (e.g. {list(missing[:5])}). Read only genes it has, or "
-                "write a collection aligned to your gene list with "
-                "create_anndata_collection(..., var_names=[...]) (missing genes are zeros "
-                "there)."
+                f"{len(src)} genes (e.g. {list(missing[:5])}). Read only genes it has "
+                "(e.g. [g for g in var_names if g in set(collection.var_names)]), or check "
+                "that both use the same gene identifiers (symbols vs Ensembl IDs)."
             )
         #: the selected genes, in output order
         self.var_names = wanted
