@@ -441,7 +441,7 @@ def _info_anndata(path: Path, args: argparse.Namespace) -> int:
             print(json.dumps({
                 "path": str(src.path), "kind": src.kind, "collection": False,
                 "n_obs": src.n_obs, "n_vars": len(src.var_names),
-                "X": probe(src.matrices["X"]),
+                "X": probe(src.matrices["X"]) if "X" in src.matrices else None,
                 "layers": {k: probe(p) for k, p in layers.items()},
                 "obsm": {k: probe(p) for k, p in obsm.items()},
                 "obs": {c: {"kind": p.kind, "dtype": str(p.dtype),
@@ -460,7 +460,8 @@ def _info_anndata(path: Path, args: argparse.Namespace) -> int:
         print(f"cells       {src.n_obs:,}")
         print(f"genes       {len(src.var_names):,} (first: {_first(src.var_names)})")
         print(f"on disk     {_human(disk_usage(src.path)[0])}")
-        print(f"X           {matrix(src.matrices['X'])}")
+        print("X           " + (matrix(src.matrices["X"]) if "X" in src.matrices
+                                   else "(none: X is None)"))
         print("layers      " + (", ".join(f"{k} ({matrix(p)})" for k, p in layers.items())
                                 or "(none)"))
         print("obsm        " + (", ".join(f"{k} ({matrix(p)})" for k, p in obsm.items())
