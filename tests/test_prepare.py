@@ -91,3 +91,55 @@ def test_racing_processes_write_once(synthetic_h5ads: list[Path], tmp_path: Path
     rows = np.concatenate([b["index"].numpy() for b in got])
     np.testing.assert_array_equal(np.sort(rows), np.arange(len(names)))
     assert lock_path(store).name == "store.lock"  # the lock file beside the store
+
+
+def test_fingerprint_sees_content_not_mtime(tmp_path: Path) -> None:
+    from annbatch_torch.store.fingerprint import fingerprint
+
+    rng = np.random.default_rng(0)
+    big = tmp_path / "big.bin"  # larger than what is read whole: the sampled path
+    big.write_bytes(rng.bytes(8 << 20))
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x" * 1000)
+    folder = tmp_path / "store.zarr"
+    (folder / "X").mkdir(parents=True)
+    (folder / "zarr.json").write_text('{"node_type": "group"}')
+    (folder / "X" / "c0").write_bytes(rng.bytes(3 << 20))
+    before = {p: fingerprint(p) for p in (big, small, folder)}
+    for p in (big, small, folder / "X" / "c0", folder / "zarr.json"):
+        os.utime(p, (1, 1))  # touch: same content, another mtime
+    assert {p: fingerprint(p) for p in (big, small, folder)} == before
+    copy = tmp_path / "copy.bin"
+    copy.write_bytes(big.read_bytes())  # cp without -p
+    assert fingerprint(copy) == before[big]
+    for p, where in ((big, 0), (big, (8 << 20) - 1), (small, 500), (folder / "X" / "c0", 0),
+                     (folder / "zarr.json", 2)):
+        data = bytearray(p.read_bytes())
+        data[where] ^= 0xFF
+        p.write_bytes(bytes(data))
+        owner = folder if folder in p.parents else p
+        assert fingerprint(owner) != before[owner], (p, where)
+        data[where] ^= 0xFF
+        p.write_bytes(bytes(data))
+        assert fingerprint(owner) == before[owner]
+
+
+def test_a_touched_input_keeps_the_store_a_changed_one_rewrites_it(
+        synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    import shutil
+
+    inputs = [tmp_path / p.name for p in synthetic_h5ads]
+    for src, dst in zip(synthetic_h5ads, inputs):
+        shutil.copyfile(src, dst)
+    store = tmp_path / "store"
+    assert abt.prepare_collection(inputs, store, progress=False) is True
+    stamp = _stamp(store)
+    os.utime(inputs[0], None)  # touch
+    shutil.copyfile(inputs[1], tmp_path / "tmp.h5ad")
+    os.replace(tmp_path / "tmp.h5ad", inputs[1])  # cp without -p: new file, new mtime
+    assert abt.prepare_collection(inputs, store, progress=False) is False
+    assert _stamp(store) == stamp
+    a = ad.read_h5ad(inputs[0])
+    a.X = a.X * 2  # same shape, same size on disk (float32 values), other content
+    a.write_h5ad(inputs[0])
+    assert abt.prepare_collection(inputs, store, progress=False) is True

@@ -49,6 +49,7 @@ from .elements import (
     open_element,
     read_index,
 )
+from .fingerprint import fingerprint
 from .harmonize import (
     Harmonized,
     InputField,
@@ -796,13 +797,15 @@ class InputSource:
 
     # -- bookkeeping ----------------------------------------------------------------
     def record(self) -> dict[str, Any]:
-        """The manifest's description of this input (path, size, mtime, n_obs)."""
+        """The manifest's description of this input (path, size, mtime, content
+        fingerprint, n_obs)."""
         if self.path is None:
             return {"path": None, "name": self.label, "kind": self.kind, "size": None,
                     "mtime": None, "n_obs": self.n_obs}
         size, mtime = disk_usage(self.path)
         return {"path": str(self.path), "name": self.path.name, "kind": self.kind,
-                "size": size, "mtime": mtime, "n_obs": self.n_obs}
+                "size": size, "mtime": mtime, "fingerprint": fingerprint(self.path),
+                "n_obs": self.n_obs}
 
     def close(self) -> None:
         if self._h5 is not None:
