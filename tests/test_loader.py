@@ -263,12 +263,19 @@ def test_next_epoch_first_pool_is_read_ahead(small_collection: Collection,
     monkeypatch.setattr(PoolStream, "read", spy)
     n_pools = len(ds.plan(0))
     e0 = _epoch_batches(ds)
-    assert _ahead(ds) is not None  # epoch 1's first pool was read during epoch 0's last
+    ahead = _ahead(ds)
+    assert ahead is not None  # epoch 1's first pool was read during epoch 0's last
+    ahead.future.result()  # the read runs in the prefetch thread: wait for it
+    del ahead
     assert reads[-1] == (1, ds.plan(1)[0].pool_index)
     pickle.loads(pickle.dumps(ds))  # pickles without the pending read
     ds.set_epoch(1)
     reads.clear()
     e1 = _epoch_batches(ds)
+    ahead = _ahead(ds)
+    assert ahead is not None
+    ahead.future.result()
+    del ahead
     # epoch 1 did not read its first pool again; epoch 2's was read ahead instead
     assert [e for e, _ in reads] == [1] * (n_pools - 1) + [2]
     fresh = abt.AnnBatchDataset(small_collection, **kw)
