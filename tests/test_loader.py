@@ -398,6 +398,6 @@ def test_unshuffled_batches_arrive_in_order_from_workers(
     got = np.concatenate([b["index"].numpy()
                           for b in loader_cls(ds, batch_size=None, num_workers=num_workers)])
     np.testing.assert_array_equal(got, np.arange(small_collection.n_obs))
-    # the batches are the in-process ones
+    # as many batches as in-process
     ref = [b["index"].numpy() for b in abt.AnnBatchDataset(small_collection, **kw)]
     assert len(ref) == len(ds)

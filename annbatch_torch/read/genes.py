@@ -19,6 +19,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from ..errors import SchemaError
+from .csr import csr_view
 
 __all__ = ["GeneSelection"]
 
@@ -92,10 +93,9 @@ class GeneSelection:
             kept_before = np.concatenate([[0], np.cumsum(keep)])
             indptr = kept_before[m.indptr - lo].astype(m.indptr.dtype, copy=False)
             idx_dtype = m.indices.dtype if self.n_vars < np.iinfo(np.int32).max else np.int64
-            out = sp.csr_matrix(
-                (m.data[lo:hi][keep], new_cols[keep].astype(idx_dtype), indptr),
-                shape=(m.shape[0], self.n_vars),
-            )
+            # csr_view: the arrays are fresh and valid, scipy's checks would only copy them
+            out = csr_view(m.data[lo:hi][keep], new_cols[keep].astype(idx_dtype), indptr,
+                           (m.shape[0], self.n_vars))
             if self.reorders:
                 out.sort_indices()
             return out
