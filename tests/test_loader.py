@@ -4,6 +4,8 @@ workers of a plain DataLoader. Values are compared with the in-process dataset."
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -401,3 +403,39 @@ def test_unshuffled_batches_arrive_in_order_from_workers(
     # as many batches as in-process
     ref = [b["index"].numpy() for b in abt.AnnBatchDataset(small_collection, **kw)]
     assert len(ref) == len(ds)
+
+
+def test_a_read_thread_slow_to_let_go_of_its_task_keeps_no_pool_alive(
+        small_collection: Collection, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read thread keeps its task (function and arguments) until it gets to drop it, which
+    may be after the pool is complete (a busy machine preempts it between the two); a task
+    holding the pool's buffers then kept a dropped pool alive and the next took fresh
+    buffers (failed once in CI)."""
+    import concurrent.futures.thread as cft
+    import threading
+
+    from annbatch_torch.read.reader import PoolReader
+
+    release = threading.Event()
+    run = cft._WorkItem.run
+
+    def run_then_stall(self: Any) -> None:  # as if preempted right after the result is set
+        run(self)
+        if threading.current_thread().name.startswith("annbatch-read"):
+            release.wait(30)
+
+    monkeypatch.setattr(cft._WorkItem, "run", run_then_stall)
+    reader = PoolReader(small_collection, ["X"], threads=2)
+    try:
+        # rows of one shard: one task, so one read thread stalls and the other reads again
+        pool = reader.read(np.array([[0, 300]]))
+        assert pool["X"].nnz > 0
+        del pool
+        # every task of the read is done; its threads still hold their work items
+        assert len(reader.buffers._free_owners()) == len(reader.buffers._owners) == 2
+        again = reader.read(np.array([[0, 300]]))
+        assert reader.buffers.allocations == 2  # the first pool's buffers, reused
+        del again
+    finally:
+        release.set()
+        reader.close()

@@ -256,18 +256,24 @@ class PoolReader:
         data = self.buffers.take(nnz, np.dtype(info.dtype) if info is not None else els[0].dtype)
         indices = self.buffers.take(nnz, np.dtype(els[0].indices.dtype))
         buffers[field] = (data, indices, indptr)
+        # a read thread keeps its task's arguments until it gets to drop the task, which may
+        # be well after the result is seen (a busy machine preempts it in between); handed
+        # over in a list the task empties, the pool's buffers are not held by it past its
+        # return, so a dropped pool's buffers are free for the next pool at once
         return [
-            (p, ex.submit(self._read_csr_piece, el, p, data, indices,
-                          dests[p.out_start : p.out_start + (p.stop - p.start)]))
+            (p, ex.submit(self._read_csr_piece, el, p,
+                          [data, indices, dests[p.out_start : p.out_start + (p.stop - p.start)]]))
             for p, el in zip(pieces, els)
         ]
 
     @staticmethod
-    def _read_csr_piece(
-        el: CSRElement, p: Piece, data: np.ndarray, indices: np.ndarray, dests: np.ndarray
-    ) -> dict[int, int] | None:
-        """Read one piece into the pool; returns its indices chunks' CRCs (see
+    def _read_csr_piece(el: CSRElement, p: Piece, arrays: list[np.ndarray]
+                        ) -> dict[int, int] | None:
+        """Read one piece into the pool (``arrays``: data, indices and row destinations,
+        taken out of the list); returns its indices chunks' CRCs (see
         :meth:`CSRElement.read_rows_scatter`) or ``None`` when they are unknown."""
+        data, indices, dests = arrays
+        arrays.clear()
         if el.can_scatter:
             return el.read_rows_scatter(p.start, p.stop, data, indices, dests)
         lo, hi = el.nnz_range(p.start, p.stop)  # canonical order: one contiguous block
