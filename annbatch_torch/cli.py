@@ -114,6 +114,27 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def gene_list_file(text: str) -> list[str]:
+    """An argparse ``type``: a text file of gene names, one per line (blank lines and lines
+    starting with ``#`` are skipped), else an argument error naming the file."""
+    path = Path(text).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise argparse.ArgumentTypeError(
+            f"cannot read the gene list {text!r} ({why}); pass a text file with one gene "
+            "name per line") from None
+    genes = [g.strip() for g in lines if g.strip() and not g.lstrip().startswith("#")]
+    if not genes:
+        raise argparse.ArgumentTypeError(f"the gene list {text!r} names no gene; pass a text "
+                                         "file with one gene name per line")
+    return genes
+
+
+gene_list_file.__name__ = "gene list file"
+
+
 @dataclass(frozen=True)
 class Feed:
     """One command-line argument and the Python parameter it feeds.
@@ -576,6 +597,9 @@ def build_parser() -> CliParser:
     s.feed("--var-join", param="var_join", choices=["inner", "outer"],
            help="inner: genes present in every input; outer: every gene, absent ones are "
                 "zeros (default: %(default)s)")
+    s.feed("--var-names", param="var_names", type=gene_list_file, metavar="FILE",
+           help="align every input to this reference gene list (a text file, one gene per "
+                "line): missing genes are zeros, others dropped; --var-join is then unused")
     for flag, param, what in (("--obs", "obs_columns", "obs columns"),
                               ("--layers", "layers", "layers"),
                               ("--obsm", "obsm", "obsm entries")):

@@ -35,8 +35,9 @@ def lock_path(store_path: str | os.PathLike[str]) -> Path:
 
 def explicit_settings(collection_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The writer arguments in ``collection_kwargs`` that a current store must match
-    (``seed``, ``shuffle``, ``var_join``, and the ``layers`` / ``obsm`` / ``obs_columns``
-    it must hold); others (``progress``, ``max_memory``...) do not make a store stale."""
+    (``seed``, ``shuffle``, ``var_join``, ``var_names``, and the ``layers`` / ``obsm`` /
+    ``obs_columns`` it must hold); others (``progress``, ``max_memory``...) do not make a
+    store stale."""
     return {k: collection_kwargs[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS)
             if k in collection_kwargs}
 
@@ -108,7 +109,7 @@ def prepare_collection(
         The collection folder.
     **collection_kwargs
         Arguments of :func:`~annbatch_torch.create_anndata_collection`. Those that shape
-        the store (``seed``, ``shuffle``, ``var_join``, ``layers``, ``obsm``,
+        the store (``seed``, ``shuffle``, ``var_join``, ``var_names``, ``layers``, ``obsm``,
         ``obs_columns``) are compared with the existing store's manifest when given: a
         store written with another explicit ``seed`` is stale, one written with any seed
         is current when ``seed`` is not given.

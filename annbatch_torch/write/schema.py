@@ -1,15 +1,16 @@
-"""The collection's schema, resolved from the probes of every input.
-
-One var order (``"inner"``: genes of the first input that every input has; ``"outer"``:
-every gene, first-seen order), the fields to carry (X, layers, obsm, obs columns) and, for
-each, what the writer stores: X and layers as CSR, obsm dense, string obs columns as
-categoricals (their distinct values, sorted). Which fields, their kinds, dtypes, global
-categories with each input's local-to-global code table and ``ordered`` come from
-:func:`annbatch_torch.store.inputs.plan_fields`, the rules in-place reading follows too
-(:mod:`annbatch_torch.store.harmonize`): a field named in ``layers=`` / ``obsm=`` /
-``obs_columns=`` (and X) must pass them (else :class:`InputError`, before anything is
-written); any other field that does not is left out with a warning and the reason in the
-manifest's ``unavailable``. Inputs without cells take no part (skipped with a warning).
+"""The collection's schema, resolved from the probes of every input. One var order
+(``"inner"``: genes of the first input that every input has; ``"outer"``: every gene, first-
+seen order; or a reference gene list given as ``var_names=``, to which every input is
+aligned: genes it lacks are zeros, its other genes dropped), the fields to carry (X, layers,
+obsm, obs columns) and, for each, what the writer stores: X and layers as CSR, obsm dense,
+string obs columns as categoricals (their distinct values, sorted). Which fields, their
+kinds, dtypes, global categories with each input's local-to-global code table and
+``ordered`` come from :func:`annbatch_torch.store.inputs.plan_fields`, the rules in-place
+reading follows too (:mod:`annbatch_torch.store.harmonize`): a field named in ``layers=`` /
+``obsm=`` / ``obs_columns=`` (and X) must pass them (else :class:`InputError`, before
+anything is written); any other field that does not is left out with a warning and the
+reason in the manifest's ``unavailable``. Inputs without cells take no part (skipped with a
+warning).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pandas as pd
 from ..errors import InputError
 from ..store.inputs import InputSource, nonempty, plan_fields
 
-__all__ = ["OutField", "Schema", "resolve_schema"]
+__all__ = ["OutField", "Schema", "check_reference", "resolve_schema"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +67,53 @@ class Schema:
         return [f for f in self.fields if f.key not in self.dropped]
 
 
-def _resolve_vars(used: list[InputSource], sources: list[InputSource], var_join: str
-                  ) -> tuple[pd.Index, list, list]:
+def check_reference(var_names: Any) -> pd.Index:
+    """``var_names=`` of the writer as an index of unique gene names, or
+    :class:`InputError` saying what is wrong with it."""
+    if isinstance(var_names, str | bytes) or not hasattr(var_names, "__iter__"):
+        raise InputError(f"var_names={var_names!r} must be a list of gene names (e.g. "
+                         "var_names=list(reference.var_names)), not a single value.")
+    names = pd.Index(list(var_names), dtype=object)
+    if len(names) == 0:
+        raise InputError("var_names=[] names no gene; pass the reference gene list, or "
+                         "var_names=None to join the inputs' genes with var_join.")
+    bad = [v for v in names[:100_000] if not isinstance(v, str) or not v]
+    if bad:
+        raise InputError(f"var_names holds {bad[0]!r}, not a gene name (non-empty str); "
+                         "pass gene names as strings.")
+    if not names.is_unique:
+        dup = names[names.duplicated()].unique()
+        raise InputError(f"var_names names {len(dup)} gene(s) more than once (e.g. "
+                         f"{list(dup[:3])}); pass each gene once (e.g. "
+                         "list(dict.fromkeys(names))).")
+    return names
+
+
+def _align_to_reference(used: list[InputSource], reference: pd.Index) -> pd.Index:
+    """``reference``, after logging how each input's genes meet it; an input sharing none
+    of its genes is an :class:`InputError` (its rows would be all zeros)."""
+    for s in used:
+        have = int(pd.Index(s.var_names).isin(reference).sum())
+        if have == 0 and len(s.var_names):
+            raise InputError(
+                f"{s.label}: none of its {len(s.var_names)} genes (e.g. "
+                f"{list(s.var_names[:3])}) is in var_names (e.g. {list(reference[:3])}); its "
+                "cells would be all zeros. Fix: use the same gene identifiers in both "
+                "(symbols vs Ensembl IDs), or leave this input out."
+            )
+        missing, extra = len(reference) - have, len(s.var_names) - have
+        (logger.warning if have < len(reference) / 2 else logger.info)(
+            "%s: %d of the %d reference genes present; %d missing (written as zeros), %d "
+            "not in the reference (dropped).", s.label, have, len(reference), missing, extra)
+    return reference
+
+
+def _resolve_vars(used: list[InputSource], sources: list[InputSource], var_join: str,
+                  reference: pd.Index | None = None) -> tuple[pd.Index, list, list]:
     first = pd.Index(used[0].var_names)
-    if var_join == "inner":
+    if reference is not None:
+        names = _align_to_reference(used, reference)
+    elif var_join == "inner":
         common = set(first)
         for s in used[1:]:
             common.intersection_update(s.var_names)
@@ -106,10 +150,12 @@ _OMIT = {"X": "remove X from every input (del adata.X) to write a collection wit
 
 
 def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[str] | None,
-                   layers: list[str] | None, obsm: list[str] | None) -> Schema:
-    """The collection's var order, fields and global categories (see module docs)."""
+                   layers: list[str] | None, obsm: list[str] | None,
+                   reference: pd.Index | None = None) -> Schema:
+    """The collection's var order (``reference``: that gene list), fields and global
+    categories (see module docs)."""
     used = nonempty(sources)
-    var_names, maps, is_sorted = _resolve_vars(used, sources, var_join)
+    var_names, maps, is_sorted = _resolve_vars(used, sources, var_join, reference)
     requested = {"X": True, "layers": layers, "obsm": obsm, "obs": obs_columns}
     plan = plan_fields(used, requested=requested, omit=_OMIT, warn=True,
                        matrix_width=len(var_names))

@@ -23,7 +23,7 @@ from ..store.manifest import Manifest, read_manifest
 __all__ = ["store_is_current", "store_staleness", "RECORDED_SETTINGS", "FIELD_SETTINGS"]
 
 #: collection settings recorded in the manifest and compared by :func:`store_staleness`
-RECORDED_SETTINGS = ("seed", "shuffle", "var_join")
+RECORDED_SETTINGS = ("seed", "shuffle", "var_join", "var_names")
 #: writer arguments naming fields; a store lacking a field named there is stale
 FIELD_SETTINGS = {"layers": "layers/", "obsm": "obsm/", "obs_columns": "obs/"}
 
@@ -51,7 +51,8 @@ def store_staleness(
         The inputs it should have been written from, in order.
     settings
         Writer settings to compare with the manifest's record (``seed``, ``shuffle``,
-        ``var_join``), and field lists (``layers``, ``obsm``, ``obs_columns``) whose
+        ``var_join``, ``var_names``: the reference gene list, which makes ``var_join``
+        moot), and field lists (``layers``, ``obsm``, ``obs_columns``) whose
         fields the store must hold; keys missing or ``None`` here are not compared.
 
     Returns
@@ -89,7 +90,15 @@ def _manifest_staleness(
             return f"input {now['path']} was modified after the store was written"
     recorded_settings = {"seed": manifest.seed, "shuffle": manifest.shuffle,
                          "var_join": manifest.var_join}
-    for key in RECORDED_SETTINGS:
+    if settings.get("var_names") is not None:
+        wanted = [str(v) for v in settings["var_names"]]
+        if manifest.var_join != "reference" or manifest.var_names != wanted:
+            how = ("another reference gene list" if manifest.var_join == "reference"
+                   else f"var_join={manifest.var_join!r}")
+            return (f"it was written with {how} ({manifest.n_vars} genes), now var_names= "
+                    f"({len(wanted)} genes)")
+        settings = {k: v for k, v in settings.items() if k != "var_join"}  # moot then
+    for key in ("seed", "shuffle", "var_join"):
         if settings.get(key) is not None and recorded_settings[key] != settings[key]:
             return f"it was written with {key}={recorded_settings[key]!r}, now {settings[key]!r}"
     for key, prefix in FIELD_SETTINGS.items():

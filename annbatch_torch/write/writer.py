@@ -79,7 +79,7 @@ from ..store.manifest import (
 )
 from . import budget as _budget
 from .budget import parse_memory
-from .schema import Schema, resolve_schema
+from .schema import Schema, check_reference, resolve_schema
 from .shardio import (
     BucketWriter,
     bucket_segments,
@@ -101,6 +101,17 @@ DEFAULT_CHUNK_ELEMS = 1 << 16
 VAR_JOINS = ("inner", "outer")
 def _as_list(v: Any) -> list[Any] | None:
     return None if v is None else [v] if isinstance(v, str) else list(v)
+
+
+def shard_layout(n_total: int, shard_obs: int) -> str:
+    """How ``n_total`` rows fill shards of ``shard_obs``: ``"3 shards of 1,024 rows (the
+    last 652)"``, ``"1 shard of 700 rows"``."""
+    n = -(-n_total // shard_obs)
+    if n <= 1:
+        return f"1 shard of {n_total:,} rows"
+    last = n_total - (n - 1) * shard_obs
+    return f"{n} shards of {shard_obs:,} rows" + (f" (the last {last:,})" if last != shard_obs
+                                                  else "")
 
 
 # -- the public entry point --------------------------------------------------------------
@@ -212,6 +223,7 @@ def create_anndata_collection(
     shuffle: bool = True,
     seed: int | None = 0,
     var_join: str = "inner",
+    var_names: Sequence[str] | None = None,
     obs_columns: Sequence[str] | None = None,
     layers: Sequence[str] | None = None,
     obsm: Sequence[str] | None = None,
@@ -244,7 +256,12 @@ def create_anndata_collection(
         order. ``None`` draws one (recorded in the manifest).
     var_join
         ``"inner"``: genes present in every input; ``"outer"``: every gene, absent genes
-        are implicit zeros. Order: first-seen across inputs.
+        are implicit zeros. Order: first-seen across inputs. Not used with ``var_names``.
+    var_names
+        A reference gene list (e.g. a foundation model's vocabulary): the collection's genes
+        are exactly these, in this order; genes an input lacks are zeros for its cells,
+        genes not in the list are dropped (each input's counts are logged; a WARNING when
+        an input has under half of them). The manifest records ``var_join="reference"``.
     obs_columns
         obs columns to carry; ``None``: every column present in all inputs (categorical,
         numeric, bool; strings become categorical, which is logged).
@@ -295,7 +312,9 @@ def create_anndata_collection(
     InputError
         A missing, damaged or non-AnnData input, the same input twice, duplicate var_names
         in an input, an inner join with no genes, X in some inputs but not in others, a
-        field named in ``layers`` / ``obsm`` / ``obs_columns`` that the inputs cannot
+        input sharing no gene with ``var_names`` (or a ``var_names`` that is not a list
+        of unique gene names), a field named in ``layers`` / ``obsm`` / ``obs_columns``
+        that the inputs cannot
         agree on or that holds bad values (NaN / inf, complex numbers, dates, labels that
         are no strings / numbers / booleans, uint64 above int64; see
         :mod:`annbatch_torch.store.harmonize`), an unknown ``var_join``, an existing output
@@ -309,6 +328,9 @@ def create_anndata_collection(
     if var_join not in VAR_JOINS:
         raise InputError(f"var_join={var_join!r} is unknown; use 'inner' (genes in every "
                          "input) or 'outer' (all genes, absent ones are zeros).")
+    reference = None if var_names is None else check_reference(var_names)
+    if reference is not None:
+        var_join = "reference"
     budget = None if max_memory is None else parse_memory(max_memory)
     if n_obs_per_shard is not None and (int(n_obs_per_shard) != n_obs_per_shard
                                         or n_obs_per_shard < 1):
@@ -341,15 +363,14 @@ def create_anndata_collection(
     try:
         sources = open_inputs(adata_paths)  # the same input twice is refused
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
-                                _as_list(obsm))
+                                _as_list(obsm), reference)
         warn_shared_obs_names([s for s in sources if s.n_obs])
         n_total = sum(s.n_obs for s in sources)
         work = _budget.working_memory(budget, n_total if shuffle else 0)
         shard_obs = int(n_obs_per_shard or _budget.shard_size(sources, schema, work, shuffle))
-        n_shards = -(-n_total // shard_obs)
-        logger.info("Writing %d cells x %d genes (%s join) from %d inputs into %d shards of "
-                    "%d rows at %s.", n_total, len(schema.var_names), var_join, len(sources),
-                    n_shards, shard_obs, out)
+        logger.info("Writing %d cells x %d genes (%s join) from %d input(s) into %s at %s.",
+                    n_total, len(schema.var_names), var_join, len(sources),
+                    shard_layout(n_total, shard_obs), out)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = _sibling(out, "tmp")
         tmp.mkdir()

@@ -1,0 +1,195 @@
+"""create_anndata_collection(..., var_names=[...]): every input aligned to a reference gene
+list (genes it lacks are zeros, its other genes dropped, counts logged), recorded for
+prepare_collection, spoken by the CLI; and var columns kept where the inputs agree."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import annbatch_torch as abt
+from annbatch_torch import InputError
+from annbatch_torch.write.prepare import prepare_collection
+
+
+def _adata(tag: str, genes: list[str], n: int, *, dense: bool = False, seed: int = 0
+           ) -> ad.AnnData:
+    rng = np.random.default_rng(seed)
+    x = sp.random(n, len(genes), density=0.4, format="csr", random_state=rng,
+                  dtype=np.float64)
+    x.data = np.round(x.data * 9) + 1
+    xx: Any = x.toarray().astype(np.float32) if dense else x.astype(np.float32)
+    a = ad.AnnData(xx, obs=pd.DataFrame(index=[f"{tag}{i}" for i in range(n)]),
+                   var=pd.DataFrame(index=genes))
+    a.layers["counts"] = xx.copy() * 2
+    return a
+
+
+def _write(adatas: list[ad.AnnData], folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, a in enumerate(adatas):
+        p = folder / f"in{i}.h5ad"
+        a.write_h5ad(p)
+        paths.append(p)
+    return paths
+
+
+def _aligned(a: ad.AnnData, reference: list[str], layer: str | None = None) -> np.ndarray:
+    """``a``'s matrix with the reference's columns (zeros where ``a`` lacks the gene)."""
+    m = a.X if layer is None else a.layers[layer]
+    m = m.toarray() if sp.issparse(m) else np.asarray(m)
+    out = np.zeros((a.n_obs, len(reference)), dtype=np.float32)
+    cols = a.var_names.get_indexer(reference)
+    out[:, cols >= 0] = m[:, cols[cols >= 0]]
+    return out
+
+
+def _by_name(coll: abt.Collection) -> ad.AnnData:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parts = [ad.read_zarr(coll.shard_path(i)) for i in range(len(coll.shards))]
+    return ad.concat(parts, merge="first")
+
+
+def _check(coll: abt.Collection, adatas: list[ad.AnnData], reference: list[str]) -> None:
+    assert list(coll.var_names) == reference
+    assert coll.manifest.var_join == "reference"
+    got = _by_name(coll)
+    assert list(got.var_names) == reference
+    for a in adatas:
+        rows = got[list(a.obs_names)]
+        for layer in (None, "counts"):
+            m = rows.X if layer is None else rows.layers[layer]
+            assert sp.issparse(m)
+            np.testing.assert_array_equal(m.toarray(), _aligned(a, reference, layer))
+    # and the loader reads the same values
+    ds = abt.AnnBatchDataset(coll, batch_size=64, densify=True, return_index=True)
+    names = coll.obs_names_at(np.arange(coll.n_obs))
+    want = {n: r for a in adatas for n, r in zip(a.obs_names, _aligned(a, reference))}
+    seen = 0
+    for b in ds:
+        for i, row in zip(b["index"].numpy(), b["X"].numpy()):
+            np.testing.assert_array_equal(row, want[names[i]])
+            seen += 1
+    assert seen == coll.n_obs
+
+
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_inputs_are_aligned_to_any_reference(tmp_path_factory: pytest.TempPathFactory,
+                                             data: st.DataObject) -> None:
+    pool = [f"G{k}" for k in range(14)]
+    genes_a = data.draw(st.permutations(pool[:8]))[: data.draw(st.integers(2, 8))]
+    genes_b = data.draw(st.permutations(pool[4:]))[: data.draw(st.integers(2, 10))]
+    reference = data.draw(st.lists(st.sampled_from([*pool, "NEW1", "NEW2"]), min_size=1,
+                                   max_size=16, unique=True))
+    adatas = [_adata("a", list(genes_a), 37, seed=1),
+              _adata("b", list(genes_b), 29, dense=data.draw(st.booleans()), seed=2)]
+    known = set(genes_a) | set(genes_b)
+    folder = tmp_path_factory.mktemp("ref")
+    paths = _write(adatas, folder / "in")
+    if any(not set(reference) & set(a.var_names) for a in adatas):
+        with pytest.raises(InputError, match="none of its"):
+            abt.create_anndata_collection(paths, folder / "store", var_names=reference,
+                                          progress=False, n_obs_per_shard=32)
+        assert not (folder / "store").exists()
+        return
+    coll = abt.create_anndata_collection(paths, folder / "store", var_names=reference,
+                                         progress=False, n_obs_per_shard=32)
+    _check(coll, adatas, reference)
+    # genes no input has are all-zero columns
+    absent = [j for j, g in enumerate(reference) if g not in known]
+    assert coll.n_obs == 66
+    assert (_by_name(coll).X[:, absent].nnz == 0)
+
+
+def test_counts_are_logged_and_a_thin_match_warns(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    a = _adata("a", ["G0", "G1", "G2", "G3"], 20)
+    b = _adata("b", ["G3", "X1", "X2"], 20, seed=1)
+    paths = _write([a, b], tmp_path / "in")
+    reference = ["G0", "G1", "G2", "G3", "G9"]
+    with caplog.at_level(logging.INFO, logger="annbatch_torch"):
+        coll = abt.create_anndata_collection(paths, tmp_path / "store", var_names=reference,
+                                             progress=False)
+    _check(coll, [a, b], reference)
+    lines = {r.getMessage(): r.levelno for r in caplog.records if "reference genes" in r.message}
+    assert lines == {
+        f"{paths[0]}: 4 of the 5 reference genes present; 1 missing (written as zeros), 0 "
+        "not in the reference (dropped).": logging.INFO,
+        f"{paths[1]}: 1 of the 5 reference genes present; 4 missing (written as zeros), 2 "
+        "not in the reference (dropped).": logging.WARNING,
+    }
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    ("G0", "list of gene names"), ([], "names no gene"), (["G0", "G0", "G1"], "more than once"),
+    (["G0", 3], "not a gene name"), (["G0", ""], "not a gene name"),
+])
+def test_a_bad_reference_is_refused_before_anything_is_written(tmp_path: Path, bad: Any,
+                                                               match: str) -> None:
+    paths = _write([_adata("a", ["G0", "G1"], 10)], tmp_path / "in")
+    with pytest.raises(InputError, match=match):
+        abt.create_anndata_collection(paths, tmp_path / "store", var_names=bad, progress=False)
+    assert not (tmp_path / "store").exists()
+    assert list(tmp_path.iterdir()) == [tmp_path / "in"]
+
+
+def test_prepare_collection_rewrites_for_another_reference_only(tmp_path: Path) -> None:
+    paths = _write([_adata("a", ["G0", "G1", "G2"], 30)], tmp_path / "in")
+    store = tmp_path / "store"
+    assert prepare_collection(paths, store, var_names=["G2", "G0"], progress=False)
+    assert not prepare_collection(paths, store, var_names=["G2", "G0"], progress=False)
+    # var_join is moot with a reference: giving it too keeps the store
+    assert not prepare_collection(paths, store, var_names=["G2", "G0"], var_join="inner",
+                                  progress=False)
+    assert prepare_collection(paths, store, var_names=["G0", "G2"], progress=False)
+    assert list(abt.open_collection(store).var_names) == ["G0", "G2"]
+    assert prepare_collection(paths, store, var_join="inner", progress=False)
+    assert list(abt.open_collection(store).var_names) == ["G0", "G1", "G2"]
+    assert prepare_collection(paths, store, var_names=["G0", "G1", "G2"], progress=False)
+
+
+def test_the_cli_takes_a_gene_list_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                        ) -> None:
+    from annbatch_torch.cli import main
+
+    a = _adata("a", ["G0", "G1", "G2"], 30)
+    paths = _write([a], tmp_path / "in")
+    genes = tmp_path / "genes.txt"
+    genes.write_text("# a foundation model's genes\nG2\n\nG7\n G0 \n")
+    assert main(["-q", "shuffle", *map(str, paths), "-o", str(tmp_path / "store"),
+                 "--var-names", str(genes), "--no-progress"]) == 0
+    coll = abt.open_collection(tmp_path / "store")
+    _check(coll, [a], ["G2", "G7", "G0"])
+    for content, match in ((None, "cannot read the gene list"), ("# only\n\n", "names no gene")):
+        if content is None:
+            genes.unlink()
+        else:
+            genes.write_text(content)
+        assert main(["shuffle", str(paths[0]), "-o", str(tmp_path / "s2"), "--var-names",
+                     str(genes)]) == 2
+        err = capsys.readouterr().err
+        assert "error: argument --var-names" in err
+        assert match in err
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_the_writer_logs_rows_per_shard_not_the_capacity() -> None:
+    from annbatch_torch.write.writer import shard_layout
+
+    assert shard_layout(700, 446464) == "1 shard of 700 rows"
+    assert shard_layout(2700, 1024) == "3 shards of 1,024 rows (the last 652)"
+    assert shard_layout(2048, 1024) == "2 shards of 1,024 rows"
