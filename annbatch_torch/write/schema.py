@@ -1,16 +1,17 @@
-"""The collection's schema, resolved from the probes of every input. One var order
-(``"inner"``: genes of the first input that every input has; ``"outer"``: every gene, first-
-seen order; or a reference gene list given as ``var_names=``, to which every input is
-aligned: genes it lacks are zeros, its other genes dropped), the fields to carry (X, layers,
-obsm, obs columns) and, for each, what the writer stores: X and layers as CSR, obsm dense,
-string obs columns as categoricals (their distinct values, sorted). Which fields, their
-kinds, dtypes, global categories with each input's local-to-global code table and
-``ordered`` come from :func:`annbatch_torch.store.inputs.plan_fields`, the rules in-place
-reading follows too (:mod:`annbatch_torch.store.harmonize`): a field named in ``layers=`` /
-``obsm=`` / ``obs_columns=`` (and X) must pass them (else :class:`InputError`, before
-anything is written); any other field that does not is left out with a warning and the
-reason in the manifest's ``unavailable``. Inputs without cells take no part (skipped with a
-warning).
+"""The collection's schema, resolved from the probes of every input.
+
+One var order (``"inner"``: genes of the first input that every input has; ``"outer"``:
+every gene, first-seen order; or a reference gene list given as ``var_names=``, to which
+every input is aligned: genes it lacks are zeros, its other genes dropped), the fields to
+carry (X, layers, obsm, obs columns) and, for each, what the writer stores: X and layers as
+CSR, obsm dense, string obs columns as categoricals (their distinct values, sorted). Which
+fields, their kinds, dtypes, global categories with each input's local-to-global code table
+and ``ordered`` come from :func:`annbatch_torch.store.inputs.plan_fields`, the rules in-
+place reading follows too (:mod:`annbatch_torch.store.harmonize`): a field named in
+``layers=`` / ``obsm=`` / ``obs_columns=`` (and X) must pass them (else :class:`InputError`,
+before anything is written); any other field that does not is left out with a warning and
+the reason in the manifest's ``unavailable``. Inputs without cells take no part (skipped
+with a warning).
 """
 
 from __future__ import annotations
