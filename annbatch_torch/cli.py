@@ -413,6 +413,8 @@ def _info_collection(path: Path, args: argparse.Namespace) -> int:
     print(f"cells       {coll.n_obs:,}")
     print(f"genes       {coll.n_vars:,} (var_join={m.var_join}; first: "
           f"{_first(coll.var_names)})")
+    var_columns = list(coll.var.columns)
+    print("var         " + (", ".join(map(str, var_columns)) if var_columns else "(no columns)"))
     print(f"shards      {len(sizes)} of {min(sizes):,}-{max(sizes):,} rows" if sizes else
           "shards      0")
     print(f"on disk     {_human(disk_usage(coll.path)[0])}")

@@ -199,7 +199,8 @@ def test_translation_table_comes_from_the_flags() -> None:
     assert set(shuffle.feeds) <= set(params)  # every flag feeds a real parameter
     assert {f.param: f.flag for f in shuffle.feeds.values()} == {
         "adata_paths": "INPUT", "output_path": "--output", "seed": "--seed",
-        "shuffle": "--no-shuffle", "var_join": "--var-join", "obs_columns": "--obs",
+        "shuffle": "--no-shuffle", "var_join": "--var-join", "var_names": "--var-names",
+        "obs_columns": "--obs",
         "layers": "--layers", "obsm": "--obsm", "max_memory": "--max-memory",
         "n_obs_per_shard": "--shard-size", "overwrite": "--overwrite",
         "progress": "--no-progress", "zarr_format": "--zarr-format",
@@ -516,3 +517,20 @@ def test_info_prints_cells_per_category(small_collection: Any,
     counts = small_collection.category_counts("cell_type")
     for cat, n in counts.items():
         assert f"{cat} ({int(n):,})" in line
+
+
+def test_info_lists_the_var_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import anndata as ad
+    import numpy as np
+    import pandas as pd
+
+    a = ad.AnnData(np.ones((4, 3), dtype=np.float32),
+                   var=pd.DataFrame({"symbol": ["A", "B", "C"], "hv": [True, False, True]},
+                                    index=["g0", "g1", "g2"]))
+    a.obs_names = [f"c{i}" for i in range(4)]
+    from annbatch_torch import create_anndata_collection
+
+    create_anndata_collection([a], tmp_path / "store", progress=False)
+    assert main(["info", str(tmp_path / "store")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "var         symbol, hv" in lines

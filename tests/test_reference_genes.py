@@ -193,3 +193,90 @@ def test_the_writer_logs_rows_per_shard_not_the_capacity() -> None:
     assert shard_layout(700, 446464) == "1 shard of 700 rows"
     assert shard_layout(2700, 1024) == "3 shards of 1,024 rows (the last 652)"
     assert shard_layout(2048, 1024) == "2 shards of 1,024 rows"
+
+
+# -- var columns ------------------------------------------------------------------------
+def _with_var(a: ad.AnnData, **cols: Any) -> ad.AnnData:
+    for k, v in cols.items():
+        a.var[k] = v
+    return a
+
+
+def test_var_columns_the_inputs_agree_on_are_kept(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    symbols = {f"G{k}": f"SYM{k}" for k in range(8)}
+    ga, gb = ["G0", "G1", "G2", "G3", "G4"], ["G6", "G4", "G2", "G5", "G7"]  # G2, G4 shared
+    a = _with_var(_adata("a", ga, 20), symbol=[symbols[g] for g in ga],
+                  feature_types=pd.Categorical(["Gene Expression"] * 4 + ["Antibody"],
+                                               categories=["Gene Expression", "Antibody"]),
+                  n_cells=[1, 2, 3, 4, 5], highly_variable=[True, False, True, True, False],
+                  only_a=np.arange(5.0))
+    b = _with_var(_adata("b", gb, 20, seed=1), symbol=[symbols[g] for g in gb],
+                  feature_types=pd.Categorical(["Gene Expression", "Antibody",
+                                                "Gene Expression", "Peaks", "Antibody"]),
+                  n_cells=[9, 5, 7, 1, 1], highly_variable=[True, False, False, True, True])
+    paths = _write([a, b], tmp_path / "in")
+    with caplog.at_level(logging.WARNING, logger="annbatch_torch"):
+        coll = abt.create_anndata_collection(paths, tmp_path / "store", var_join="outer",
+                                             progress=False)
+    genes = ["G0", "G1", "G2", "G3", "G4", "G6", "G5", "G7"]
+    assert list(coll.var_names) == genes
+    var = coll.var
+    assert list(var.columns) == ["symbol", "feature_types"]
+    assert list(var["symbol"]) == [symbols[g] for g in genes]
+    assert list(var["feature_types"].astype(str)) == ["Gene Expression"] * 4 + [
+        "Antibody", "Gene Expression", "Peaks", "Antibody"]
+    # categories: the first input's, then new ones as first seen
+    assert list(var["feature_types"].cat.categories) == ["Gene Expression", "Antibody", "Peaks"]
+    assert coll.unavailable == {
+        "var/only_a": f"not in {paths[1]}'s var",
+        "var/n_cells": f"{paths[0]} and {paths[1]} disagree on gene 'G2' (3 vs 7)",
+        "var/highly_variable": f"{paths[0]} and {paths[1]} disagree on gene 'G2' (True vs "
+                               "False)",
+    }
+    warned = [r for r in caplog.records if "var columns not carried" in r.getMessage()]
+    assert len(warned) == 1
+    assert "n_cells" in warned[0].getMessage()
+    # each shard is an AnnData store whose var anndata reads as Collection.var does
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shard_var = ad.read_zarr(coll.shard_path(0)).var
+    pd.testing.assert_frame_equal(shard_var, var, check_names=False)
+
+
+def test_genes_no_input_holds_have_missing_metadata(tmp_path: Path) -> None:
+    a = _with_var(_adata("a", ["G0", "G1", "G2"], 12), symbol=["S0", "S1", "S2"],
+                  highly_variable=[True, False, True], n_cells=np.array([4, 0, 7], np.int32),
+                  mean=[0.5, 0.0, 1.5],
+                  kind=pd.Categorical(["a", "b", "a"]))
+    coll = abt.create_anndata_collection([a], tmp_path / "store", progress=False,
+                                         var_names=["G2", "NEW", "G0"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        var = ad.read_zarr(coll.shard_path(0)).var  # as anndata reads it
+    assert list(var.index) == ["G2", "NEW", "G0"]
+    assert list(var["symbol"].astype(object).where(var["symbol"].notna(), None)) == [
+        "S2", None, "S0"]
+    assert var["highly_variable"].dtype == "boolean"
+    assert list(var["highly_variable"].astype(object)) == [True, pd.NA, True]
+    assert var["n_cells"].dtype == "Int64"
+    assert list(var["n_cells"].astype(object)) == [7, pd.NA, 4]
+    np.testing.assert_array_equal(var["mean"].to_numpy(), [1.5, np.nan, 0.5])
+    assert list(var["kind"].astype(object).where(var["kind"].notna(), None)) == ["a", None, "a"]
+    assert coll.unavailable == {}
+    # Collection.var reads the same values (nullable ones as float64 with NaN)
+    cv = coll.var
+    np.testing.assert_array_equal(cv["n_cells"].to_numpy(dtype=float), [7.0, np.nan, 4.0])
+    assert list(cv["symbol"].astype(object).where(cv["symbol"].notna(), None)) == [
+        "S2", None, "S0"]
+
+
+def test_a_single_input_keeps_all_its_var_columns_legacy_files_too(
+        pbmc68k_reduced: Path, tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = ad.read_h5ad(pbmc68k_reduced).var
+    coll = abt.create_anndata_collection([pbmc68k_reduced], tmp_path / "store", progress=False)
+    assert list(want.columns) == ["n_counts", "means", "dispersions", "dispersions_norm",
+                                  "highly_variable"]
+    pd.testing.assert_frame_equal(coll.var, want, check_names=False)

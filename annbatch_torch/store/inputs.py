@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from ..errors import InputError
+from ..errors import AnnBatchError, InputError
 from .elements import (
     CategoricalElement,
     CSCElement,
@@ -61,6 +61,7 @@ from .harmonize import (
     note_strings,
 )
 from .manifest import field_name_problem
+from .metadata import read_dataframe
 
 __all__ = [
     "FieldPlan",
@@ -788,6 +789,19 @@ class InputSource:
             if limit is not None and len(seen) > limit + 1:
                 break
         return sorted(v for v in seen if isinstance(v, str))
+
+    def var_frame(self) -> pd.DataFrame:
+        """Its ``var`` dataframe (gene metadata, one row per var name); columns it cannot
+        read are left out with a warning, as :func:`~annbatch_torch.store.metadata.
+        read_dataframe` does."""
+        if self.adata is not None:
+            return self.adata.var.copy()
+        try:
+            return read_dataframe(self.group["var"], len(self.var_names), self.label, "var")
+        except (AnnBatchError, OSError, KeyError, ValueError) as e:
+            logger.warning("%s: its var columns are not read (%s: %s).", self.label,
+                           type(e).__name__, e)
+            return pd.DataFrame(index=pd.Index(self.var_names, dtype=object))
 
     def names(self, a: int, b: int) -> np.ndarray:
         """obs_names of rows ``[a, b)`` as an object array of str."""

@@ -25,6 +25,7 @@ import pandas as pd
 
 from ..errors import InputError
 from ..store.inputs import InputSource, nonempty, plan_fields
+from .varmeta import merge_var
 
 __all__ = ["OutField", "Schema", "check_reference", "resolve_schema"]
 
@@ -54,6 +55,8 @@ class Schema:
     unavailable: dict[str, str]  # fields in some inputs but not carried, and why
     #: fields not asked for that pass 1 found bad values in: not written, and why
     dropped: dict[str, str] = field(default_factory=dict)
+    #: gene metadata: the var columns the inputs agree on (:mod:`.varmeta`)
+    var: pd.DataFrame | None = None
 
     def drop(self, key: str, reason: str) -> None:
         """Leave out ``key`` (a field nobody asked for) once pass 1 found ``reason``."""
@@ -184,4 +187,9 @@ def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[
                                categories=None if info.categories is None
                                else list(info.categories),
                                ordered=info.ordered, luts=luts, requested=asked))
-    return Schema(var_names, maps, is_sorted, fields, dict(plan.unavailable))
+    unavailable = dict(plan.unavailable)
+    by_index = {s.index: k for k, s in enumerate(sources)}
+    var = merge_var([s.var_frame() for s in used], [s.label for s in used],
+                    [maps[by_index[s.index]] for s in used], var_names)
+    unavailable.update(var.dropped)
+    return Schema(var_names, maps, is_sorted, fields, unavailable, var=var.frame)

@@ -248,8 +248,10 @@ def _kwargs(opts: dict[str, Any], chunks: tuple[int, ...], shape: tuple[int, ...
 
 
 def write_shard(path: Path, arrays: dict[str, np.ndarray], fields: list[Any],
-                var_names: pd.Index, opts: dict[str, Any]) -> dict[str, str]:
-    """Write one shard (rows in position order) as an AnnData zarr store.
+                var_names: pd.Index, opts: dict[str, Any], var: pd.DataFrame | None = None
+                ) -> dict[str, str]:
+    """Write one shard (rows in position order) as an AnnData zarr store; ``var``: its
+    gene metadata (indexed by ``var_names``; default: the names alone).
 
     ``arrays`` is a loaded bucket (consumed: entries are dropped as they are written to
     bound memory). Returns the stored dtype of every field.
@@ -283,7 +285,7 @@ def write_shard(path: Path, arrays: dict[str, np.ndarray], fields: list[Any],
     obs_df = pd.DataFrame(obs, index=pd.Index(names, dtype=object))
     write_elem(g, "obs", obs_df, dataset_kwargs=_kwargs(opts, (chunk,), (max(n, 1),)))
     del obs_df, obs, names
-    write_elem(g, "var", pd.DataFrame(index=var_names),
+    write_elem(g, "var", var if var is not None else pd.DataFrame(index=var_names),
                dataset_kwargs=_kwargs(opts, (chunk,), (max(len(var_names), 1),)))
     for group in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
         write_elem(g, group, {})

@@ -4,7 +4,8 @@ Algorithm (out of core, exact global shuffle, every input read once, sequentiall
 
 1. Open and probe every input (nothing is loaded), resolve one schema: the var order
    (``"inner"``: genes of the first input that all inputs have; ``"outer"``: every gene,
-   in first-seen order), the fields to carry and the global (union) categories.
+   in first-seen order; or a reference ``var_names`` list), the fields to carry, the global
+   (union) categories, and the var columns every input agrees on (:mod:`.varmeta`).
 2. Draw one permutation of all ``N`` rows from ``seed`` (identity with ``shuffle=False``):
    input row ``g`` goes to output position ``pos[g]``; shard ``s`` holds positions
    ``[s*S, (s+1)*S)``.
@@ -320,7 +321,9 @@ def create_anndata_collection(
         :mod:`annbatch_torch.store.harmonize`), an unknown ``var_join``, an existing output
         without ``overwrite``, a ``max_memory`` that leaves under 64 MB once the process'
         RSS is subtracted. Nothing is left behind then. Fields *not* named that fail a rule
-        are left out with a warning and the reason in the manifest's ``unavailable``;
+        are left out with a warning and the reason in the manifest's ``unavailable``, as
+        are var columns some input lacks or two inputs disagree on (others are kept:
+        :attr:`Collection.var`);
         inputs without cells are skipped with a warning; inputs whose X is None give a
         collection without X; obs_names shared by inputs are a warning (rows are
         identified by row ids).
@@ -432,7 +435,8 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
             if len(arrays["pos"]) != n:
                 raise InputError(f"{tmp}: shard {s} received {len(arrays['pos'])} rows, "
                                  f"expected {n}; an input changed while being read?")
-            dtypes = write_shard(tmp / name, arrays, schema.kept, schema.var_names, opts)
+            dtypes = write_shard(tmp / name, arrays, schema.kept, schema.var_names, opts,
+                                 schema.var)
             del arrays
             release_memory()
             os.remove(buckets.path(s))
