@@ -39,6 +39,7 @@ from .read.reader import PoolReader, default_read_threads, describe_ranges
 from .resume import Resumer
 from .store.collection import Source
 from .store.inplace import as_source
+from .store.manifest import RAW_X
 from .world import SharedEpoch, World, distributed_rank_world
 
 __all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
@@ -144,9 +145,10 @@ class AnnBatchDataset(IterableDataset):
         ``batch_converter``. Needs ``num_workers=0``. ``"cpu"`` runs the same path on the
         host. Default ``None``: numpy/scipy batches on the host.
     var_names
-        Read only these genes of X and layers, in this order (a subset or reordering of the
-        source's genes, e.g. 2,000 highly variable genes of a 30,000-gene collection); each
-        must be a gene of the source. Default: all genes, in the source's order.
+        Read only these genes of X, layers and raw/X, in this order (a subset or reordering
+        of the source's genes, e.g. 2,000 highly variable genes of a 30,000-gene
+        collection); each must be a gene of the source (of its raw genes, for ``raw/X``).
+        Default: all genes, in the source's order.
     """
 
     def __init__(
@@ -196,8 +198,16 @@ class AnnBatchDataset(IterableDataset):
         self.source: Source = as_source(source)
         self.selector = normalize_selector(selector)
         self._validate_selector()
-        self.genes = (None if var_names is None else
-                      GeneSelection(self.source.var_names, var_names, self.source.describe()))
+        paths = {f.path for f in self.selector.values()}
+        by_var = any(p == "X" or p.startswith("layers/") for p in paths)
+        # each gene axis the selector reads is cut to var_names (and must hold them)
+        self.genes = (GeneSelection(self.source.var_names, var_names, self.source.describe())
+                      if var_names is not None and (by_var or RAW_X not in paths) else None)
+        raw_names = self.source.raw_var_names
+        self._raw_genes = (GeneSelection(raw_names, var_names, f"{self.source.describe()} "
+                                         "(raw)")
+                           if var_names is not None and raw_names is not None
+                           and RAW_X in paths else None)
         if not isinstance(mask_key, str) or not mask_key:
             raise ValueError(f"mask_key must be a non-empty string, got {mask_key!r}.")
         if even_batches == "pad" and self.return_index and mask_key == "index":
@@ -375,19 +385,25 @@ class AnnBatchDataset(IterableDataset):
     # -- iteration ----------------------------------------------------------------------
     @property
     def var_names(self) -> Any:
-        """The genes of X and layers in the batches (``var_names=`` or the source's)."""
-        return self.source.var_names if self.genes is None else self.genes.var_names
+        """The genes of X, layers and raw/X in the batches (``var_names=`` or the
+        source's)."""
+        genes = self.genes if self.genes is not None else self._raw_genes
+        return self.source.var_names if genes is None else genes.var_names
 
-    def _gene_paths(self) -> set[str]:
-        """Selected fields indexed by gene: X and layers."""
-        return {f.path for f in self.selector.values()
-                if f.path == "X" or f.path.startswith("layers/")}
+    def _gene_cuts(self) -> dict[str, GeneSelection]:
+        """Selected fields indexed by gene (X, layers, raw/X) and their genes to read."""
+        cuts = {}
+        for f in self.selector.values():
+            genes = self._raw_genes if f.path == RAW_X else self.genes
+            if genes is not None and (f.path in ("X", RAW_X) or f.path.startswith("layers/")):
+                cuts[f.path] = genes
+        return cuts
 
     def _pool_stream(self) -> PoolStream:
         if self._stream is None:
             paths = [f.path for f in self.selector.values()]
             reader = PoolReader(self.source, paths, threads=self.read_threads)
-            self._stream = PoolStream(reader, self.device, self.genes, self._gene_paths())
+            self._stream = PoolStream(reader, self.device, self._gene_cuts())
         return self._stream
 
     def drop_read_ahead(self) -> None:

@@ -134,6 +134,22 @@ def gene_list_file(text: str) -> list[str]:
 
 gene_list_file.__name__ = "gene list file"
 
+#: ``--raw`` values and the ``raw=`` they feed
+RAW_CHOICES = {"auto": None, "true": True, "false": False}
+
+
+def raw_choice(text: str) -> bool | None:
+    """An argparse ``type``: ``auto`` / ``true`` / ``false`` (any case) as ``raw=``."""
+    try:
+        return RAW_CHOICES[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"must be auto (carry raw when every input has it), true (require it) or false "
+            f"(leave it out), got {text!r}") from None
+
+
+raw_choice.__name__ = "auto, true or false"
+
 
 @dataclass(frozen=True)
 class Feed:
@@ -413,6 +429,8 @@ def _info_collection(path: Path, args: argparse.Namespace) -> int:
     print(f"cells       {coll.n_obs:,}")
     print(f"genes       {coll.n_vars:,} (var_join={m.var_join}; first: "
           f"{_first(coll.var_names)})")
+    if coll.raw_var_names is not None:
+        print(f"raw genes   {len(coll.raw_var_names):,} (first: {_first(coll.raw_var_names)})")
     var_columns = list(coll.var.columns)
     print("var         " + (", ".join(map(str, var_columns)) if var_columns else "(no columns)"))
     print(f"shards      {len(sizes)} of {min(sizes):,}-{max(sizes):,} rows" if sizes else
@@ -485,6 +503,8 @@ def _info_anndata(path: Path, args: argparse.Namespace) -> int:
         print(f"on disk     {_human(disk_usage(src.path)[0])}")
         print("X           " + (matrix(src.matrices["X"]) if "X" in src.matrices
                                    else "(none: X is None)"))
+        if "raw/X" in src.matrices:  # its columns are its raw genes
+            print(f"raw         {matrix(src.matrices['raw/X'])}")
         print("layers      " + (", ".join(f"{k} ({matrix(p)})" for k, p in layers.items())
                                 or "(none)"))
         print("obsm        " + (", ".join(f"{k} ({matrix(p)})" for k, p in obsm.items())
@@ -608,6 +628,9 @@ def build_parser() -> CliParser:
         s.feed(flag, param=param, nargs="*", metavar="NAME",
                help=f"{what} to carry (default: those in every input; the flag with no "
                     "NAME: none)")
+    s.feed("--raw", param="raw", type=raw_choice, metavar="auto|true|false",
+           help="AnnData's raw (raw.X and its genes): auto carries it when every input has "
+                "it, true requires it, false leaves it out (default: auto)")
     s.feed("--max-memory", param="max_memory", metavar="SIZE",
            help="peak RSS bound of the whole process, e.g. 4GB or 512MiB (default: "
                 f"{DEFAULT_WORK_MEMORY / 1e6:.0f} MB of buffers on top of what the process "

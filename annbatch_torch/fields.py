@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 __all__ = ["A", "Field", "FieldKind", "normalize_selector"]
 
-FieldKind = Literal["X", "layers", "obsm", "obs"]
-_KINDS: tuple[str, ...] = ("X", "layers", "obsm", "obs")
+FieldKind = Literal["X", "layers", "obsm", "obs", "raw"]
+_KINDS: tuple[str, ...] = ("X", "layers", "obsm", "obs", "raw")
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,10 @@ class Field:
     Parameters
     ----------
     kind
-        ``"X"``, ``"layers"``, ``"obsm"`` or ``"obs"``.
+        ``"X"``, ``"layers"``, ``"obsm"``, ``"obs"`` or ``"raw"`` (AnnData's ``raw``,
+        whose only matrix is ``X``: ``A.raw.X``, ``"raw/X"``).
     key
-        The layer / obsm / obs column name; ``None`` for ``X``.
+        The layer / obsm / obs column name; ``"X"`` for ``raw``; ``None`` for ``X``.
     transform
         Optional callable applied in the worker to this field's batch value (a numpy
         array, or a ``scipy.sparse.csr_matrix`` for sparse fields) before conversion
@@ -47,6 +48,9 @@ class Field:
             raise ValueError(f"Field kind {self.kind!r} is unknown; use one of {list(_KINDS)}.")
         if self.kind == "X" and self.key is not None:
             raise ValueError("A.X takes no key; use A.layers[...] for other matrices.")
+        if self.kind == "raw" and self.key != "X":
+            raise ValueError(f"raw holds one matrix, X: use A.raw.X ('raw/X'), not "
+                             f"raw/{self.key}.")
         if self.kind != "X" and (not isinstance(self.key, str) or not self.key):
             raise ValueError(f"A.{self.kind}[...] needs a non-empty string key, got {self.key!r}.")
 
@@ -65,12 +69,14 @@ class Field:
         return self.path
 
     def __repr__(self) -> str:
-        base = "A.X" if self.kind == "X" else f"A.{self.kind}[{self.key!r}]"
+        base = ("A.X" if self.kind == "X" else "A.raw.X" if self.kind == "raw"
+                else f"A.{self.kind}[{self.key!r}]")
         return base + (".with_transform(...)" if self.transform is not None else "")
 
     @classmethod
     def parse(cls, spec: str | Field) -> Field:
-        """Parse ``"X"``, ``"layers/NAME"``, ``"obsm/NAME"`` or ``"obs/NAME"``."""
+        """Parse ``"X"``, ``"layers/NAME"``, ``"obsm/NAME"``, ``"obs/NAME"`` or
+        ``"raw/X"``."""
         if isinstance(spec, Field):
             return spec
         if not isinstance(spec, str):
@@ -80,8 +86,8 @@ class Field:
         kind, sep, key = spec.partition("/")
         if not sep or kind not in _KINDS[1:] or not key:
             raise ValueError(
-                f"Cannot parse field string {spec!r}: use 'X', 'layers/NAME', 'obsm/NAME' "
-                "or 'obs/NAME'."
+                f"Cannot parse field string {spec!r}: use 'X', 'layers/NAME', 'obsm/NAME', "
+                "'obs/NAME' or 'raw/X'."
             )
         return cls(kind, key)  # type: ignore[arg-type]
 
@@ -97,10 +103,21 @@ class _Namespace:
         return f"A.{self._kind}"
 
 
+class _Raw:
+    """``A.raw``: AnnData's ``raw``, whose one matrix is ``A.raw.X``."""
+
+    X: Field = Field("raw", "X")
+
+    def __repr__(self) -> str:
+        return "A.raw"
+
+
 class _Accessor:
-    """Entry point for selectors: ``A.X``, ``A.layers[k]``, ``A.obsm[k]``, ``A.obs[k]``."""
+    """Entry point for selectors: ``A.X``, ``A.layers[k]``, ``A.obsm[k]``, ``A.obs[k]``,
+    ``A.raw.X``."""
 
     X: Field = Field("X")
+    raw = _Raw()
     layers = _Namespace("layers")
     obsm = _Namespace("obsm")
     obs = _Namespace("obs")

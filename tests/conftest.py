@@ -5,7 +5,9 @@ Both are session-scoped and shared by many test modules: treat them as read-only
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,26 @@ SMALL_N_OBS = (1200, 900, 600)
 SMALL_N_VARS = 200
 #: rows per shard of ``small_collection`` (2,700 cells -> shards of 1024, 1024, 652)
 SMALL_SHARD_OBS = 1024
+
+#: ``write_h5ads(adatas, folder)``: the paths written
+WriteH5ads = Callable[[Sequence[Any], Path], list[Path]]
+
+
+def _write_h5ads(adatas: Sequence[Any], folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, a in enumerate(adatas):
+        path = folder / f"in{i}.h5ad"
+        a.write_h5ad(path)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def write_h5ads() -> WriteH5ads:
+    """A function writing AnnData objects as ``folder/in0.h5ad``, ``in1.h5ad``, ... (the
+    folder is made) and returning their paths, in order."""
+    return _write_h5ads
 
 
 @pytest.fixture(scope="session")

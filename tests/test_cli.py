@@ -200,7 +200,7 @@ def test_translation_table_comes_from_the_flags() -> None:
     assert {f.param: f.flag for f in shuffle.feeds.values()} == {
         "adata_paths": "INPUT", "output_path": "--output", "seed": "--seed",
         "shuffle": "--no-shuffle", "var_join": "--var-join", "var_names": "--var-names",
-        "obs_columns": "--obs",
+        "obs_columns": "--obs", "raw": "--raw",
         "layers": "--layers", "obsm": "--obsm", "max_memory": "--max-memory",
         "n_obs_per_shard": "--shard-size", "overwrite": "--overwrite",
         "progress": "--no-progress", "zarr_format": "--zarr-format",

@@ -25,7 +25,7 @@ import logging
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anndata as ad
 import h5py
@@ -43,6 +43,9 @@ from annbatch_torch.store.inplace import InPlaceSource
 from annbatch_torch.store.inputs import InputSource
 from annbatch_torch.write.schema import resolve_schema
 
+if TYPE_CHECKING:
+    from conftest import WriteH5ads
+
 N_VARS = 5
 
 
@@ -56,13 +59,6 @@ def _adata(n: int, tag: str, **obs: Any) -> ad.AnnData:
     return a
 
 
-def _written(adatas: list[ad.AnnData], folder: Path) -> list[Path]:
-    paths = []
-    for i, a in enumerate(adatas):
-        p = folder / f"in{i}.h5ad"
-        a.write_h5ad(p)
-        paths.append(p)
-    return paths
 
 
 def _writer_schema(inputs: list[Any], **kw: Any) -> Any:
@@ -107,10 +103,11 @@ def _labels(ds: abt.AnnBatchDataset, key: str, cats: list[Any],
 ])
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_categories_of_two_kinds_are_refused_by_both_paths(
-        tmp_path: Path, first: list[Any], second: list[Any], kinds: str, on_disk: bool) -> None:
+        tmp_path: Path, first: list[Any], second: list[Any], kinds: str, on_disk: bool,
+        write_h5ads: WriteH5ads) -> None:
     a = _adata(20, "a", c=pd.Categorical(first * 10))
     b = _adata(20, "b", c=pd.Categorical(second * 10))
-    inputs: list[Any] = _written([a, b], tmp_path) if on_disk else [a, b]
+    inputs: list[Any] = write_h5ads([a, b], tmp_path) if on_disk else [a, b]
     second_name = re.escape(str(inputs[1]) if on_disk else "<AnnData #1>")
     want = rf"obs column 'c' has {kinds} in {second_name}.*two classes.*astype\(str\)"
     with pytest.raises(InputError, match=want) as writer:
@@ -161,12 +158,12 @@ def test_in_place_batches_carry_the_writers_labels_and_order(tmp_path: Path) -> 
 
 
 def test_ordered_categoricals_read_in_place_as_the_writer_stores_them(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, write_h5ads: WriteH5ads) -> None:
     grade = pd.Categorical(["lo", "hi"] * 10, categories=["lo", "hi"], ordered=True)
     a, b = _adata(20, "a", g=grade), _adata(20, "b", g=grade)
     coll = abt.create_anndata_collection([a, b], tmp_path / "same", progress=False)
     assert coll.fields["obs/g"].ordered is True
-    for inputs in ([a, b], _written([a, b], tmp_path)):
+    for inputs in ([a, b], write_h5ads([a, b], tmp_path)):
         assert InPlaceSource(inputs).fields["obs/g"].ordered is True
     b.obs["g"] = pd.Categorical(["lo", "hi"] * 10, categories=["hi", "lo"], ordered=True)
     caplog.set_level(logging.WARNING, logger="annbatch_torch")
@@ -256,10 +253,11 @@ def test_numeric_and_bool_columns_promote_alike(kinds: list[str]) -> None:
     assert (info.kind, np.dtype(info.dtype)) == (out.kind, out.dtype)
 
 
-def test_a_bool_and_a_numeric_column_read_in_place_as_numbers(tmp_path: Path) -> None:
+def test_a_bool_and_a_numeric_column_read_in_place_as_numbers(tmp_path: Path,
+                                                              write_h5ads: WriteH5ads) -> None:
     a = _adata(10, "a", v=np.arange(10) % 3 == 0)
     b = _adata(10, "b", v=np.arange(10, dtype=np.int32) * 7)
-    inputs = _written([a, b], tmp_path)
+    inputs = write_h5ads([a, b], tmp_path)
     coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False)
     ds = abt.AnnBatchDataset(inputs, selector={"v": A.obs["v"]}, batch_size=20,
                              shuffle=False)
@@ -269,11 +267,12 @@ def test_a_bool_and_a_numeric_column_read_in_place_as_numbers(tmp_path: Path) ->
     np.testing.assert_array_equal(batch["v"].numpy(), want)
 
 
-def test_a_float16_csr_file_reads_in_place_as_float32(tmp_path: Path) -> None:
+def test_a_float16_csr_file_reads_in_place_as_float32(tmp_path: Path,
+                                                      write_h5ads: WriteH5ads) -> None:
     """scipy.sparse has no float16: the writer stores such X as float32, and so must
     in-place reading (it failed in the first batch)."""
     a = _adata(12, "a")
-    (p,) = _written([a], tmp_path)
+    (p,) = write_h5ads([a], tmp_path)
     with h5py.File(p, "r+") as f:
         half = f["X/data"][...].astype(np.float16)
         del f["X/data"]
@@ -333,9 +332,10 @@ def _bad_input(tmp_path: Path, what: str) -> tuple[Any, str]:
 
 
 @pytest.mark.parametrize("what", ["missing", "text", "plain_hdf5", "folder", "object"])
-def test_inputs_that_are_not_anndata_are_refused_alike(tmp_path: Path, what: str) -> None:
+def test_inputs_that_are_not_anndata_are_refused_alike(tmp_path: Path, what: str,
+                                                       write_h5ads: WriteH5ads) -> None:
     tmp_path = tmp_path.resolve()  # the writer names inputs by their resolved path
-    good = _written([_adata(10, "a")], tmp_path)[0]
+    good = write_h5ads([_adata(10, "a")], tmp_path)[0]
     bad, match = _bad_input(tmp_path, what)
     with pytest.raises(InputError, match=match) as writer:
         abt.create_anndata_collection([good, bad], tmp_path / "out", progress=False)
@@ -345,21 +345,23 @@ def test_inputs_that_are_not_anndata_are_refused_alike(tmp_path: Path, what: str
 
 
 def test_a_home_relative_path_reads_in_place(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             write_h5ads: WriteH5ads) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    _written([_adata(10, "a")], tmp_path)
+    write_h5ads([_adata(10, "a")], tmp_path)
     assert abt.AnnBatchDataset("~/in0.h5ad").source.n_obs == 10
     assert InPlaceSource(["~/in0.h5ad"]).n_obs == 10
     coll = abt.create_anndata_collection("~/in0.h5ad", tmp_path / "out", progress=False)
     assert abt.AnnBatchDataset("~/out").source.n_obs == coll.n_obs == 10
 
 
-def test_an_h5ad_without_x_is_written_as_a_collection_without_x(tmp_path: Path) -> None:
+def test_an_h5ad_without_x_is_written_as_a_collection_without_x(tmp_path: Path,
+                                                                write_h5ads: WriteH5ads) -> None:
     # was test_an_h5ad_without_x_is_refused_by_the_writer_as_x_is_none: the writer now
     # writes such inputs (issue 17, A3), and selecting X says why it is absent
     a = ad.AnnData(obs=pd.DataFrame(index=[f"c{i}" for i in range(10)]),
                    obsm={"e": np.ones((10, 2), np.float32)})
-    (p,) = _written([a], tmp_path)
+    (p,) = write_h5ads([a], tmp_path)
     for inputs, name in (([a], "<AnnData #0>"), ([p], re.escape(str(p.resolve())))):
         coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
                                              overwrite=True)

@@ -31,7 +31,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anndata as ad
 import h5py
@@ -49,6 +49,9 @@ from annbatch_torch.errors import InputError, ReadError, SchemaError
 from annbatch_torch.store.inplace import InPlaceSource
 from annbatch_torch.store.inputs import InputSource
 from annbatch_torch.write.schema import resolve_schema
+
+if TYPE_CHECKING:
+    from conftest import WriteH5ads
 
 RESAVE = (r"python -c \"import anndata as ad; ad\.read_h5ad\('{inp}'\)"
           r"\.write_h5ad\('{out}'\)\"")
@@ -68,13 +71,6 @@ def _adata(n: int, tag: str, *, n_vars: int = 4, dense: bool = False, dtype: Any
     return a
 
 
-def _write(adatas: list[ad.AnnData], folder: Path) -> list[Path]:
-    out = []
-    for i, a in enumerate(adatas):
-        p = folder / f"in{i}.h5ad"
-        a.write_h5ad(p)
-        out.append(p)
-    return out
 
 
 def _collect(coll: Any) -> ad.AnnData:
@@ -246,8 +242,9 @@ def test_a_legacy_matrix_that_cannot_be_read_names_the_resave_command(tmp_path: 
 
 
 # -- A2: damaged and truncated files -------------------------------------------------------
-def test_a_truncated_h5ad_is_named_with_the_fix_on_both_paths(tmp_path: Path) -> None:
-    (p,) = _write([_adata(200, "a", n_vars=30)], tmp_path)
+def test_a_truncated_h5ad_is_named_with_the_fix_on_both_paths(tmp_path: Path,
+                                                              write_h5ads: WriteH5ads) -> None:
+    (p,) = write_h5ads([_adata(200, "a", n_vars=30)], tmp_path)
     data = p.read_bytes()
     p.write_bytes(data[: len(data) * 3 // 4])  # an interrupted download
     want = rf"{re.escape(str(p))}: cannot read the file .*truncated.*download or copy it again"
@@ -294,9 +291,10 @@ def _no_x(n: int, tag: str) -> ad.AnnData:
     return a
 
 
-def test_inputs_whose_x_is_none_are_written_with_their_layers(tmp_path: Path) -> None:
+def test_inputs_whose_x_is_none_are_written_with_their_layers(tmp_path: Path,
+                                                              write_h5ads: WriteH5ads) -> None:
     a, b = _no_x(20, "a"), _no_x(10, "b")
-    paths = _write([a, b], tmp_path)
+    paths = write_h5ads([a, b], tmp_path)
     coll = abt.create_anndata_collection(paths, tmp_path / "out", progress=False)
     assert set(coll.fields) == {"layers/counts", "obsm/emb", "obs/ct"}
     got = _collect(coll)[[*a.obs_names, *b.obs_names]]
@@ -362,7 +360,7 @@ def test_fields_nobody_asked_for_are_left_out_with_a_warning(
 
 
 def test_an_input_without_cells_is_skipped_and_decides_nothing(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, write_h5ads: WriteH5ads) -> None:
     """A 0-cell input: the writer refused the whole write; in place its float64 X, its
     categories and its other order made X float64, added a category and dropped
     ``ordered``. Now it is skipped (a warning) on both paths."""
@@ -370,7 +368,7 @@ def test_an_input_without_cells_is_skipped_and_decides_nothing(
     z = _adata(0, "z", dtype=np.float64,
                c=pd.Categorical([], categories=["v", "u", "q"], ordered=True))
     caplog.set_level(logging.WARNING, logger="annbatch_torch")
-    for inputs in ([a, z], [z, a], _write([a, z], tmp_path)):
+    for inputs in ([a, z], [z, a], write_h5ads([a, z], tmp_path)):
         coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
                                              overwrite=True)
         src = InPlaceSource(inputs)
@@ -387,9 +385,10 @@ def test_an_input_without_cells_is_skipped_and_decides_nothing(
 
 # -- A5: the same input twice, shared obs_names --------------------------------------------
 def test_the_same_input_twice_is_refused_on_both_paths(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       write_h5ads: WriteH5ads) -> None:
     a, b = _adata(10, "a"), _adata(10, "b")
-    pa, pb = _write([a, b], tmp_path)
+    pa, pb = write_h5ads([a, b], tmp_path)
     link = tmp_path / "link.h5ad"
     link.symlink_to(pa)
     monkeypatch.chdir(tmp_path)
@@ -426,12 +425,13 @@ def test_obs_names_shared_by_inputs_are_a_warning(tmp_path: Path,
 
 # -- A6: in place reads like a collection -------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
-def test_a_dense_x_reads_in_place_as_csr_like_a_collection(tmp_path: Path, dtype: Any) -> None:
+def test_a_dense_x_reads_in_place_as_csr_like_a_collection(tmp_path: Path, dtype: Any,
+                                                           write_h5ads: WriteH5ads) -> None:
     a, b = _adata(12, "a", dense=True, dtype=dtype), _adata(8, "b", dense=True, dtype=dtype)
     # sparse in one input (scipy has no float16), dense in the other
     a.layers["L"] = sp.csr_matrix(a.X.astype(np.float32) if dtype == np.float16 else a.X)
     b.layers["L"] = b.X.copy()
-    paths = _write([a, b], tmp_path)
+    paths = write_h5ads([a, b], tmp_path)
     for inputs in ([a, b], paths):
         coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
                                              overwrite=True, shuffle=False)  # rows in order
@@ -467,10 +467,11 @@ def test_a_sparse_obsm_reads_in_place_as_dense_like_a_collection(tmp_path: Path)
 
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_a_string_column_reads_in_place_as_the_writers_categorical(
-        tmp_path: Path, on_disk: bool, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, on_disk: bool, caplog: pytest.LogCaptureFixture,
+        write_h5ads: WriteH5ads) -> None:
     a = _adata(12, "a", donor=np.array(["d2", "d1", None, "d3"] * 3, dtype=object))
     b = _adata(6, "b", donor=pd.Categorical(["d4", "d1"] * 3))
-    inputs: list[Any] = _write([a, b], tmp_path) if on_disk else [a, b]
+    inputs: list[Any] = write_h5ads([a, b], tmp_path) if on_disk else [a, b]
     if on_disk:  # anndata writes repeated strings as a categorical: store strings instead
         with h5py.File(inputs[0], "r+") as f, \
                 ad.settings.override(allow_write_nullable_strings=True):
@@ -505,12 +506,13 @@ def test_string_ids_warn_alike_on_both_paths(tmp_path: Path,
     assert warned[0] == warned[1]
 
 
-def test_duplicate_var_names_are_refused_in_place_too(tmp_path: Path) -> None:
+def test_duplicate_var_names_are_refused_in_place_too(tmp_path: Path,
+                                                      write_h5ads: WriteH5ads) -> None:
     a = _adata(6, "a")
     a.var_names = ["g0", "g1", "g0", "g3"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        (p,) = _write([a], tmp_path)
+        (p,) = write_h5ads([a], tmp_path)
     match = r"var_names are not unique \(e\.g\. \['g0'\]\).*var_names_make_unique"
     for inputs in ([a], [p]):
         with pytest.raises(InputError, match=match) as writer:
@@ -523,11 +525,12 @@ def test_duplicate_var_names_are_refused_in_place_too(tmp_path: Path) -> None:
 # -- B1, B2, B8: values that are no numbers, labels that are no plain scalars ---------------
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_complex_numbers_are_refused_before_anything_is_written(tmp_path: Path,
-                                                                on_disk: bool) -> None:
+                                                                on_disk: bool,
+                                                                write_h5ads: WriteH5ads) -> None:
     """The writer wrote every shard and the manifest, then failed opening its own output
     ("manifest is damaged"); in place offered complex fields."""
     a = _adata(6, "a", z=np.arange(6) * (1 + 1j))
-    inputs: list[Any] = _write([a], tmp_path) if on_disk else [a]
+    inputs: list[Any] = write_h5ads([a], tmp_path) if on_disk else [a]
     _refused_by_both(inputs, tmp_path, "obs/z", r"obs column 'z' holds complex numbers "
                      r"\(complex128\).*Fix: keep the real part.*numpy\.abs",
                      obs_columns=["z"])
@@ -563,13 +566,14 @@ def test_categories_that_are_no_plain_labels_are_refused(tmp_path: Path, cats: l
 
 
 # -- B3: obsm shapes ----------------------------------------------------------------------
-def test_obsm_entries_that_are_not_2d_get_one_reason(tmp_path: Path) -> None:
+def test_obsm_entries_that_are_not_2d_get_one_reason(tmp_path: Path,
+                                                     write_h5ads: WriteH5ads) -> None:
     a, b = _adata(6, "a"), _adata(6, "b")
     a.obsm["t"], b.obsm["t"] = np.ones((6, 2, 3), np.float32), np.ones((6, 2, 3), np.float32)
     (tmp_path / "3d").mkdir()
     _refused_by_both([a, b], tmp_path / "3d", "obsm/t", r"obsm entry 't' is a 3-D array.*"
                      r"must be 2-D.*reshape\(adata\.n_obs, -1\)", obsm=["t"])
-    (p,) = _write([_adata(6, "c")], tmp_path)
+    (p,) = write_h5ads([_adata(6, "c")], tmp_path)
     with h5py.File(p, "r+") as f:
         f["obsm"]["v"] = np.arange(6.0)
         f["obsm/v"].attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anndata as ad
 import numpy as np
@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 import annbatch_torch as abt
 from annbatch_torch import InputError
 from annbatch_torch.write.prepare import prepare_collection
+
+if TYPE_CHECKING:
+    from conftest import WriteH5ads
 
 
 def _adata(tag: str, genes: list[str], n: int, *, dense: bool = False, seed: int = 0
@@ -35,14 +38,6 @@ def _adata(tag: str, genes: list[str], n: int, *, dense: bool = False, seed: int
     return a
 
 
-def _write(adatas: list[ad.AnnData], folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, a in enumerate(adatas):
-        p = folder / f"in{i}.h5ad"
-        a.write_h5ad(p)
-        paths.append(p)
-    return paths
 
 
 def _aligned(a: ad.AnnData, reference: list[str], layer: str | None = None) -> np.ndarray:
@@ -89,7 +84,7 @@ def _check(coll: abt.Collection, adatas: list[ad.AnnData], reference: list[str])
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_inputs_are_aligned_to_any_reference(tmp_path_factory: pytest.TempPathFactory,
-                                             data: st.DataObject) -> None:
+                                             data: st.DataObject, write_h5ads: WriteH5ads) -> None:
     pool = [f"G{k}" for k in range(14)]
     genes_a = data.draw(st.permutations(pool[:8]))[: data.draw(st.integers(2, 8))]
     genes_b = data.draw(st.permutations(pool[4:]))[: data.draw(st.integers(2, 10))]
@@ -99,7 +94,7 @@ def test_inputs_are_aligned_to_any_reference(tmp_path_factory: pytest.TempPathFa
               _adata("b", list(genes_b), 29, dense=data.draw(st.booleans()), seed=2)]
     known = set(genes_a) | set(genes_b)
     folder = tmp_path_factory.mktemp("ref")
-    paths = _write(adatas, folder / "in")
+    paths = write_h5ads(adatas, folder / "in")
     if any(not set(reference) & set(a.var_names) for a in adatas):
         with pytest.raises(InputError, match="none of its"):
             abt.create_anndata_collection(paths, folder / "store", var_names=reference,
@@ -116,10 +111,11 @@ def test_inputs_are_aligned_to_any_reference(tmp_path_factory: pytest.TempPathFa
 
 
 def test_counts_are_logged_and_a_thin_match_warns(tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+                                                  caplog: pytest.LogCaptureFixture,
+                                                  write_h5ads: WriteH5ads) -> None:
     a = _adata("a", ["G0", "G1", "G2", "G3"], 20)
     b = _adata("b", ["G3", "X1", "X2"], 20, seed=1)
-    paths = _write([a, b], tmp_path / "in")
+    paths = write_h5ads([a, b], tmp_path / "in")
     reference = ["G0", "G1", "G2", "G3", "G9"]
     with caplog.at_level(logging.INFO, logger="annbatch_torch"):
         coll = abt.create_anndata_collection(paths, tmp_path / "store", var_names=reference,
@@ -139,16 +135,18 @@ def test_counts_are_logged_and_a_thin_match_warns(tmp_path: Path,
     (["G0", 3], "not a gene name"), (["G0", ""], "not a gene name"),
 ])
 def test_a_bad_reference_is_refused_before_anything_is_written(tmp_path: Path, bad: Any,
-                                                               match: str) -> None:
-    paths = _write([_adata("a", ["G0", "G1"], 10)], tmp_path / "in")
+                                                               match: str,
+                                                               write_h5ads: WriteH5ads) -> None:
+    paths = write_h5ads([_adata("a", ["G0", "G1"], 10)], tmp_path / "in")
     with pytest.raises(InputError, match=match):
         abt.create_anndata_collection(paths, tmp_path / "store", var_names=bad, progress=False)
     assert not (tmp_path / "store").exists()
     assert list(tmp_path.iterdir()) == [tmp_path / "in"]
 
 
-def test_prepare_collection_rewrites_for_another_reference_only(tmp_path: Path) -> None:
-    paths = _write([_adata("a", ["G0", "G1", "G2"], 30)], tmp_path / "in")
+def test_prepare_collection_rewrites_for_another_reference_only(tmp_path: Path,
+                                                                write_h5ads: WriteH5ads) -> None:
+    paths = write_h5ads([_adata("a", ["G0", "G1", "G2"], 30)], tmp_path / "in")
     store = tmp_path / "store"
     assert prepare_collection(paths, store, var_names=["G2", "G0"], progress=False)
     assert not prepare_collection(paths, store, var_names=["G2", "G0"], progress=False)
@@ -162,12 +160,13 @@ def test_prepare_collection_rewrites_for_another_reference_only(tmp_path: Path) 
     assert prepare_collection(paths, store, var_names=["G0", "G1", "G2"], progress=False)
 
 
-def test_the_cli_takes_a_gene_list_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_the_cli_takes_a_gene_list_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        write_h5ads: WriteH5ads
                                         ) -> None:
     from annbatch_torch.cli import main
 
     a = _adata("a", ["G0", "G1", "G2"], 30)
-    paths = _write([a], tmp_path / "in")
+    paths = write_h5ads([a], tmp_path / "in")
     genes = tmp_path / "genes.txt"
     genes.write_text("# a foundation model's genes\nG2\n\nG7\n G0 \n")
     assert main(["-q", "shuffle", *map(str, paths), "-o", str(tmp_path / "store"),
@@ -203,7 +202,8 @@ def _with_var(a: ad.AnnData, **cols: Any) -> ad.AnnData:
 
 
 def test_var_columns_the_inputs_agree_on_are_kept(tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+                                                  caplog: pytest.LogCaptureFixture,
+                                                  write_h5ads: WriteH5ads) -> None:
     symbols = {f"G{k}": f"SYM{k}" for k in range(8)}
     ga, gb = ["G0", "G1", "G2", "G3", "G4"], ["G6", "G4", "G2", "G5", "G7"]  # G2, G4 shared
     a = _with_var(_adata("a", ga, 20), symbol=[symbols[g] for g in ga],
@@ -215,7 +215,7 @@ def test_var_columns_the_inputs_agree_on_are_kept(tmp_path: Path,
                   feature_types=pd.Categorical(["Gene Expression", "Antibody",
                                                 "Gene Expression", "Peaks", "Antibody"]),
                   n_cells=[9, 5, 7, 1, 1], highly_variable=[True, False, False, True, True])
-    paths = _write([a, b], tmp_path / "in")
+    paths = write_h5ads([a, b], tmp_path / "in")
     with caplog.at_level(logging.WARNING, logger="annbatch_torch"):
         coll = abt.create_anndata_collection(paths, tmp_path / "store", var_join="outer",
                                              progress=False)

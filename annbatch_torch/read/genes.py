@@ -11,7 +11,7 @@ dense pool is column-indexed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -76,12 +76,6 @@ class GeneSelection:
     @property
     def n_vars(self) -> int:
         return len(self.columns)
-
-    def apply(self, pool: Mapping[str, Any], paths: Collection[str]) -> dict[str, Any]:
-        """``pool`` with the fields ``paths`` cut to the selected genes (others as they are)."""
-        if self.identity:
-            return dict(pool)
-        return {p: (self.cut(v) if p in paths else v) for p, v in pool.items()}
 
     def cut(self, value: Any) -> Any:
         """One gene-indexed value (CSR or dense rows x source genes) cut to the selection."""

@@ -14,7 +14,7 @@ in the same process, and dropped otherwise.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -56,16 +56,16 @@ class PoolStream:
         Reads a pool's rows of the selected fields.
     device
         Hold pools on this device (:class:`DevicePool`); ``None``: host pools.
-    genes, gene_paths
-        Cut the fields ``gene_paths`` (X, layers) of every pool to these genes.
+    genes
+        ``{field path: genes}``: cut these fields (X, layers, raw/X) of every pool to
+        those genes.
     """
 
     def __init__(self, reader: PoolReader, device: torch.device | None = None,
-                 genes: GeneSelection | None = None, gene_paths: Collection[str] = ()) -> None:
+                 genes: Mapping[str, GeneSelection] | None = None) -> None:
         self.reader = reader
         self.device = device
-        self.genes = genes
-        self.gene_paths = frozenset(gene_paths)
+        self.genes = {p: g for p, g in (genes or {}).items() if not g.identity}
         self.ahead: ReadAhead | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -77,8 +77,9 @@ class PoolStream:
         """Read ``item``'s pool, laid out batch after batch in ``item.order``; ``shared``:
         host batches are densified into shared memory (in DataLoader workers)."""
         values = self.reader.read(item.ranges, item.order)
-        if self.genes is not None:  # cut before any upload: only the selected genes travel
-            values = self.genes.apply(values, self.gene_paths)
+        if self.genes:  # cut before any upload: only the selected genes travel
+            values = {p: (self.genes[p].cut(v) if p in self.genes else v)
+                      for p, v in values.items()}
         if self.device is not None:  # uploaded here: overlaps the current pool's batches
             return DevicePool(values, self.device)
         return HostPool(values, shared=shared)

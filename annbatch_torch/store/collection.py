@@ -87,6 +87,8 @@ class Source:
     #: per-shard row counts
     shard_sizes: list[int]
     var_names: pd.Index
+    #: the genes of field ``raw/X`` (AnnData's raw), ``None`` without it
+    raw_var_names: pd.Index | None = None
 
     def __init__(self) -> None:
         self._pid: int | None = None
@@ -289,6 +291,9 @@ class Collection(Source):
                 )
         self.shard_sizes = [s.n_obs for s in self.manifest.shards]
         self.var_names = pd.Index(self.manifest.var_names, name="var_names")
+        raw_names = self.manifest.raw_var_names
+        self.raw_var_names = None if raw_names is None else pd.Index(raw_names,
+                                                                     name="raw_var_names")
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -510,25 +515,42 @@ class Collection(Source):
             If shard 0 has no ``var`` group or its index disagrees with the manifest's
             var names.
         """
-        cached: pd.DataFrame | None = self.__dict__.get("_var")
+        return self._gene_frame("var", self.var_names)
+
+    @property
+    def raw_var(self) -> pd.DataFrame | None:
+        """Gene metadata of ``raw``: a :class:`pandas.DataFrame` indexed by
+        :attr:`raw_var_names`, read as :attr:`var` is (from shard 0's ``raw/var``); ``None``
+        when the collection carries no ``raw/X``."""
+        if self.raw_var_names is None:
+            return None
+        return self._gene_frame("raw/var", self.raw_var_names)
+
+    def _gene_frame(self, what: str, names: pd.Index) -> pd.DataFrame:
+        frames: dict[str, pd.DataFrame] = self.__dict__.setdefault("_gene_frames", {})
+        cached = frames.get(what)
         if cached is None:
             if not self.shard_sizes:
-                cached = pd.DataFrame(index=pd.Index(self.var_names, dtype=object, name=None))
+                cached = pd.DataFrame(index=pd.Index(names, dtype=object, name=None))
             else:
                 where = self.shard_name(0)
-                group = self.shard_group(0)
-                if "var" not in group:
+                node = self.shard_group(0)
+                for part in what.split("/"):
+                    if part not in node:
+                        raise CollectionError(
+                            f"{where}: the shard has no {what!r} group; the collection is "
+                            "damaged, rewrite it with create_anndata_collection(..., "
+                            "overwrite=True)."
+                        )
+                    node = node[part]
+                cached = read_dataframe(node, len(names), where, what)
+                if not cached.index.equals(names):
                     raise CollectionError(
-                        f"{where}: the shard has no 'var' group; the collection is damaged, "
-                        "rewrite it with create_anndata_collection(..., overwrite=True)."
+                        f"{where}: the {what} index differs from the manifest's "
+                        f"{'raw ' if what != 'var' else ''}var names; the collection is "
+                        "damaged, rewrite it."
                     )
-                cached = read_dataframe(group["var"], self.n_vars, where, "var")
-                if not cached.index.equals(self.var_names):
-                    raise CollectionError(
-                        f"{where}: the var index differs from the manifest's var names; the "
-                        "collection is damaged, rewrite it."
-                    )
-            self._var = cached
+            frames[what] = cached
         return cached.copy()
 
     def _check_node(self, shard: int, field: str, node: Any) -> None:

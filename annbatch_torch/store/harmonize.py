@@ -168,16 +168,18 @@ class Harmonized:
 
 # -- names and messages ------------------------------------------------------------------
 def target_kind(field: str) -> str | None:
-    """The kind a matrix field has on both paths: ``"csr"`` for X and layers, ``"dense"``
-    for obsm; ``None`` for an obs column."""
+    """The kind a matrix field has on both paths: ``"csr"`` for X, layers and raw/X,
+    ``"dense"`` for obsm; ``None`` for an obs column."""
     group = "X" if field == "X" else field.partition("/")[0]
-    return {"X": "csr", "layers": "csr", "obsm": "dense"}.get(group)
+    return {"X": "csr", "layers": "csr", "raw": "csr", "obsm": "dense"}.get(group)
 
 
 def field_expr(field: str) -> str:
     """How the user's code names ``field`` of an AnnData, e.g. ``adata.obs['c']``."""
     if field == "X":
         return "adata.X"
+    if field == "raw/X":
+        return "adata.raw.X"
     group, _, key = field.partition("/")
     return f"adata.{group}[{key!r}]"
 
@@ -185,6 +187,8 @@ def field_expr(field: str) -> str:
 def _what(field: str) -> str:
     if field == "X":
         return "X"
+    if field == "raw/X":
+        return "raw (raw.X)"
     group, _, key = field.partition("/")
     return {"layers": "layer", "obsm": "obsm entry", "obs": "obs column"}[group] + f" {key!r}"
 
@@ -200,6 +204,8 @@ def missing_reason(field: str, lacking: Sequence[str], having: Sequence[str], om
         where = f"it has {list(have)}" if field != "X" else "no input has X"
     fix = ("set it there (e.g. adata.X = adata.layers['counts']) and save the input again"
            if field == "X" else f"add it to {'that input' if len(lacking) == 1 else 'them'}")
+    if field == "raw/X" and not having:
+        where = "no input has raw"
     return (f"{few}: {'has' if len(lacking) == 1 else 'have'} no {_what(field)} ({where}); "
             f"a field is read from every input, so each needs it. Fix: {fix}, or {omit}.")
 
@@ -441,7 +447,7 @@ def harmonize_field(field: str, inputs: Sequence[InputField], omit: str,
     Parameters
     ----------
     field
-        The field string (``"X"``, ``"layers/k"``, ``"obsm/k"``, ``"obs/c"``).
+        The field string (``"X"``, ``"layers/k"``, ``"raw/X"``, ``"obsm/k"``, ``"obs/c"``).
     inputs
         Each input's description of the field, in input order (inputs without cells left
         out by the caller).

@@ -53,7 +53,7 @@ from .inputs import (
     plan_fields,
     warn_shared_obs_names,
 )
-from .manifest import MANIFEST_NAME, FieldInfo
+from .manifest import MANIFEST_NAME, RAW_X, FieldInfo
 
 __all__ = ["InPlaceSource", "as_source"]
 
@@ -64,6 +64,8 @@ _OMIT = "leave it out of the selector"
 def _memory_value(adata: Any, field: str) -> Any:
     if field == "X":
         return adata.X
+    if field == RAW_X:
+        return adata.raw.X
     kind, _, key = field.partition("/")
     container = getattr(adata, kind)
     return container[key]
@@ -177,17 +179,21 @@ class InPlaceSource(Source):
                     "reading needs one gene order. Write a collection instead: "
                     "create_anndata_collection(inputs, out, var_join='inner' or 'outer')."
                 )
+        raw_names, raw_why = _raw_var_names(sources)
         warn_shared_obs_names(sources)
         self._labels = [s.label for s in sources]
         self._paths: list[Path | None] = [s.path for s in sources]
         self._memory: list[Any] = [s.adata for s in sources]
         self._legacy = {i: s.group.parts for i, s in enumerate(sources)
                         if isinstance(s.group, LegacyStore)}
-        plan = plan_fields(sources, requested={}, warn=False,
-                           omit=dict.fromkeys(("X", "layers", "obsm", "obs"), _OMIT),
+        plan = plan_fields(sources, requested={} if raw_why is None else {"raw": False},
+                           warn=False,
+                           omit=dict.fromkeys(("X", "layers", "obsm", "obs", "raw"), _OMIT),
                            category_limit=MAX_LABEL_CATEGORIES,
                            too_many=lambda where, name, n: too_many_categories(where, name, n))
         self._unavailable: dict[str, str] = dict(plan.unavailable)
+        if raw_why is not None:
+            self._unavailable[RAW_X] = raw_why
         self._code_maps: dict[tuple[int, str], np.ndarray] = {}
         self._local: dict[tuple[int, str], tuple[Any, ...]] = {}
         self._planned = {name: h.info for name, h in plan.fields.items()}
@@ -211,10 +217,28 @@ class InPlaceSource(Source):
         self._elements = {}
         self.fields = fields
         self.var_names = pd.Index(first, name="var_names")
+        self.raw_var_names = (pd.Index(raw_names, name="raw_var_names")
+                              if raw_names is not None and RAW_X in fields else None)
         self.shard_sizes = [s.n_obs for s in sources]
 
     def __repr__(self) -> str:
         return f"InPlaceSource({self.describe()}, n_obs={self.n_obs}, fields={list(self.fields)})"
+
+
+def _raw_var_names(sources: list[InputSource]) -> tuple[pd.Index | None, str | None]:
+    """The inputs' one raw gene order, or why raw cannot be read in place (their raw genes
+    differ); ``(None, None)`` when some input has no raw (the field plan says so)."""
+    if any(s.raw_var_names is None for s in sources):
+        return None, None
+    first = pd.Index(sources[0].raw_var_names)
+    for s in sources[1:]:
+        if not pd.Index(s.raw_var_names).equals(first):
+            return None, (
+                f"{s.label}: raw.var_names differ from {sources[0].label}'s; in-place reading "
+                "needs one raw gene order. Write a collection instead (it joins raw genes "
+                "like X's): create_anndata_collection(inputs, out)."
+            )
+    return first, None
 
 
 def _looks_like_zarr(p: Path) -> bool:

@@ -60,7 +60,7 @@ from .harmonize import (
     no_x_reason,
     note_strings,
 )
-from .manifest import field_name_problem
+from .manifest import RAW_X, field_name_problem
 from .metadata import read_dataframe
 
 __all__ = [
@@ -316,10 +316,13 @@ def _legacy_matrix(node: Any) -> Any:
 
 
 def _decode_legacy(root: Any) -> dict[str, Any]:
-    """obs, var and obsm of a legacy file, decoded into memory (read once per input)."""
+    """obs, var, raw.var and obsm of a legacy file, decoded into memory (read once per
+    input)."""
     uns = root["uns"] if "uns" in root else None  # noqa: SIM401 - h5py groups have no get
     parts: dict[str, Any] = {"obs": _legacy_frame(root["obs"], uns),
                              "var": _legacy_frame(root["var"], uns)}
+    if "raw.var" in root and not hasattr(root["raw.var"], "keys"):
+        parts["raw.var"] = _legacy_frame(root["raw.var"], uns)
     if "obsm" in root:
         obsm = root["obsm"]
         if hasattr(obsm, "keys"):  # a group already: read its members by rows
@@ -346,6 +349,11 @@ class LegacyStore(_MemGroup):
         if "layers" in root:
             layers = root["layers"]
             members["layers"] = _MemGroup({k: _legacy_matrix(layers[k]) for k in layers})
+        if "raw.X" in root:  # raw as anndata < 0.7 wrote it: raw.X, raw.var at the root
+            raw = {"X": _legacy_matrix(root["raw.X"])}
+            if parts.get("raw.var") is not None:
+                raw["var"] = parts["raw.var"]
+            members["raw"] = _MemGroup(raw)
         super().__init__(members)
         self.root, self.parts = root, parts
 
@@ -617,6 +625,13 @@ class InputSource:
                 f"{self.label}: var_names are not unique (e.g. {dup}); genes cannot be aligned. "
                 "Fix: adata.var_names_make_unique() (or drop the duplicates) and save it again."
             )
+        raw_names = None if self.raw_var_names is None else pd.Index(self.raw_var_names)
+        if raw_names is not None and not raw_names.is_unique:
+            dup = raw_names[raw_names.duplicated()].unique()[:5].tolist()
+            self.matrices[RAW_X] = MatrixProbe("damaged", np.dtype(np.float32), (), why=(
+                f"{self.label}: raw.var_names are not unique (e.g. {dup}); raw genes cannot "
+                "be aligned. Fix: adata.raw.var_names_make_unique() (or drop the duplicates) "
+                "and save it again"))
 
     # -- opening --------------------------------------------------------------------
     def _open_disk(self, chunk_cache: bool) -> None:
@@ -636,6 +651,18 @@ class InputSource:
         self.obsm: dict[str, MatrixProbe] = {}
         if "X" in g:
             self.matrices["X"] = self._safe(MatrixProbe, _probe_disk_matrix, lambda: g["X"])
+        self.raw_var_names = None
+        if "raw" in g and _is_group(g["raw"]) and "X" in g["raw"]:
+            raw = g["raw"]
+            try:
+                self.raw_var_names = read_index(raw["var"])
+            except (KeyError, ValueError, TypeError, OSError) as e:
+                self.matrices[RAW_X] = MatrixProbe(
+                    "damaged", np.dtype(np.float32), (), why=damaged_reason(
+                        self.label, "raw/var", e))
+            else:
+                self.matrices[RAW_X] = self._safe(MatrixProbe, _probe_disk_matrix,
+                                                  lambda: raw["X"])
         for key, sub in (("layers", self.matrices), ("obsm", self.obsm)):
             if key in g:
                 for k in g[key]:
@@ -664,6 +691,10 @@ class InputSource:
         self.matrices.update({f"layers/{k}": _probe_memory_matrix(v) for k, v in a.layers.items()})
         self.obsm = {f"obsm/{k}": _probe_memory_matrix(v) for k, v in a.obsm.items()}
         self.obs = {c: _probe_memory_obs(a.obs[c]) for c in a.obs.columns}  # names as they are
+        self.raw_var_names = None
+        if a.raw is not None:
+            self.matrices[RAW_X] = _probe_memory_matrix(a.raw.X)
+            self.raw_var_names = np.asarray(a.raw.var_names, dtype=object)
 
     # -- what it holds --------------------------------------------------------------
     @property
@@ -690,18 +721,20 @@ class InputSource:
         """What it holds under ``field``, for the rules of :mod:`.harmonize` (an obs column
         with a non-string name is passed as ``column``)."""
         where = self.label
-        if field == "X" or field.startswith(("layers/", "obsm/")):
+        if field in ("X", RAW_X) or field.startswith(("layers/", "obsm/")):
             p = self.matrices.get(field) or self.obsm[field]
             if p.kind in ("unsupported", "damaged"):
                 return self._unsupported(field, p.kind, p.dtype, p.why)
             shape = p.shape
+            n_genes = len(self.raw_var_names if field == RAW_X else self.var_names)
             if not shape or shape[0] != self.n_obs or (not field.startswith("obsm/") and (
-                    len(shape) != 2 or shape[1] != len(self.var_names))):
+                    len(shape) != 2 or shape[1] != n_genes)):
                 want = (f"{self.n_obs} rows" if field.startswith("obsm/") else
-                        f"{self.n_obs} x {len(self.var_names)}")
+                        f"{self.n_obs} x {n_genes}")
+                of = "its raw" if field == RAW_X else "the AnnData"
                 return InputField(where, "damaged", p.dtype, why=(
-                    f"{where}: {field} has shape {shape} but the AnnData is {self.n_obs} x "
-                    f"{len(self.var_names)} (expected {want}); the file is inconsistent or "
+                    f"{where}: {field} has shape {shape} but {of} is {self.n_obs} x "
+                    f"{n_genes} (expected {want}); the file is inconsistent or "
                     f"damaged. Fix: re-save it from its source"))
             return InputField(where, p.kind, p.dtype, tuple(int(s) for s in shape[1:]))
         col = field[4:] if column is None else column
@@ -742,6 +775,8 @@ class InputSource:
             return self.group[kind][k] if k else self.group[kind]
         if key == "X":
             return self.adata.X
+        if key == RAW_X:
+            return self.adata.raw.X
         kind, _, k = key.partition("/")
         v = getattr(self.adata, kind)[k]
         return v.to_numpy() if isinstance(v, pd.DataFrame) else v
@@ -790,18 +825,21 @@ class InputSource:
                 break
         return sorted(v for v in seen if isinstance(v, str))
 
-    def var_frame(self) -> pd.DataFrame:
-        """Its ``var`` dataframe (gene metadata, one row per var name); columns it cannot
-        read are left out with a warning, as :func:`~annbatch_torch.store.metadata.
-        read_dataframe` does."""
+    def var_frame(self, raw: bool = False) -> pd.DataFrame:
+        """Its ``var`` dataframe (gene metadata, one row per var name; ``raw``: that of its
+        ``raw``); columns it cannot read are left out with a warning, as
+        :func:`~annbatch_torch.store.metadata.read_dataframe` does."""
+        names = self.raw_var_names if raw else self.var_names
         if self.adata is not None:
-            return self.adata.var.copy()
+            return (self.adata.raw.var if raw else self.adata.var).copy()
+        what = "raw/var" if raw else "var"
         try:
-            return read_dataframe(self.group["var"], len(self.var_names), self.label, "var")
+            group = self.group["raw"]["var"] if raw else self.group["var"]
+            return read_dataframe(group, len(names), self.label, what)
         except (AnnBatchError, OSError, KeyError, ValueError) as e:
-            logger.warning("%s: its var columns are not read (%s: %s).", self.label,
+            logger.warning("%s: its %s columns are not read (%s: %s).", self.label, what,
                            type(e).__name__, e)
-            return pd.DataFrame(index=pd.Index(self.var_names, dtype=object))
+            return pd.DataFrame(index=pd.Index(names, dtype=object))
 
     def names(self, a: int, b: int) -> np.ndarray:
         """obs_names of rows ``[a, b)`` as an object array of str."""
@@ -991,7 +1029,8 @@ def _too_many_strings(where: str, name: str, limit: int) -> str:
 
 def plan_fields(sources: Sequence[InputSource], *, requested: Mapping[str, Any],
                 omit: Mapping[str, str], warn: bool, matrix_width: int | None = None,
-                category_limit: int | None = None, too_many: Any = None) -> FieldPlan:
+                raw_width: int | None = None, category_limit: int | None = None,
+                too_many: Any = None) -> FieldPlan:
     """The fields to offer from ``sources`` (inputs with cells), each harmonised by the
     rules of :mod:`.harmonize`, the same way for the writer and in-place reading.
 
@@ -1000,8 +1039,9 @@ def plan_fields(sources: Sequence[InputSource], *, requested: Mapping[str, Any],
     sources
         The opened inputs, without those that have no cells (:func:`nonempty`).
     requested
-        ``{"X": bool, "layers": names | None, "obsm": names | None, "obs": names | None}``:
-        fields the user asked for (``None``: none named, take what every input has). A
+        ``{"X": bool, "layers": names | None, "obsm": names | None, "obs": names | None,
+        "raw": bool | None}``: fields the user asked for (``None``: none named, take what
+        every input has; ``"raw"``: ``True`` asks for ``raw/X``, ``False`` leaves it out). A
         field asked for must pass every rule (else :class:`InputError`); others that do
         not are left out with the reason in ``unavailable``. X is asked for when
         ``requested["X"]`` and any input has it; when no input has X it is left out.
@@ -1011,8 +1051,9 @@ def plan_fields(sources: Sequence[InputSource], *, requested: Mapping[str, Any],
     warn
         Log a warning for every field left out (the writer; in place the reason is given
         when the field is selected).
-    matrix_width
-        The width X and layers get (the writer's joined genes), else each input's.
+    matrix_width, raw_width
+        The width X and layers get (the writer's joined genes), and raw/X (its joined raw
+        genes), else each input's.
     category_limit, too_many
         In place: a categorical with more categories is not offered;
         ``too_many(where, field, n)`` says why.
@@ -1046,9 +1087,10 @@ def plan_fields(sources: Sequence[InputSource], *, requested: Mapping[str, Any],
                                                   have=sources[0].keys(group)), asked)
         described = [s.describe(name, column=key if group == "obs" else None)
                      for s in sources]
-        if matrix_width is not None and group in ("X", "layers"):
+        width = raw_width if group == "raw" else matrix_width
+        if width is not None and group in ("X", "layers", "raw"):
             described = [d if d.kind in ("unsupported", "damaged") else
-                         InputField(d.where, d.kind, d.dtype, (matrix_width,))
+                         InputField(d.where, d.kind, d.dtype, (width,))
                          for d in described]
         try:
             h = harmonize_field(name, described, omit[group],
@@ -1071,8 +1113,12 @@ def plan_fields(sources: Sequence[InputSource], *, requested: Mapping[str, Any],
         take("X", "X", "X", bool(requested.get("X")))
     else:
         plan.unavailable["X"] = no_x_reason(labels[0])
-    for group in ("layers", "obsm", "obs"):
+    for group in ("layers", "raw", "obsm", "obs"):
         asked = requested.get(group)
+        if group == "raw":
+            if asked is False:
+                continue
+            asked = ["X"] if asked else None
         keys = list(asked) if asked is not None else list(dict.fromkeys(
             k for s in sources for k in s.keys(group)))
         for key in keys:

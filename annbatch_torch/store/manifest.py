@@ -25,6 +25,7 @@ Layout (format version 1)::
       "shuffle": true, "seed": 0, "var_join": "inner",
       "inputs": [{"path": "/abs/a.h5ad", "size": 123, "mtime": 1.7e9, "n_obs": 50000}, …],
       "all_chunks_written": true,              # optional; then a missing chunk is damage
+      "raw_var_names_file": "raw_var_names.json",  # with field "raw/X": raw's genes
       "unavailable": {"obs/barcode": "why"}    # optional; input fields left out, and why
     }
 
@@ -52,6 +53,8 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "VAR_NAMES_NAME",
+    "RAW_VAR_NAMES_NAME",
+    "RAW_X",
     "FieldInfo",
     "ShardInfo",
     "Manifest",
@@ -64,7 +67,10 @@ FORMAT = "annbatch_torch.collection"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 VAR_NAMES_NAME = "var_names.json"
+RAW_VAR_NAMES_NAME = "raw_var_names.json"
 FIELD_KINDS = ("csr", "dense", "categorical", "numeric", "bool")
+#: the field of AnnData's ``raw`` matrix (its genes: :attr:`Manifest.raw_var_names`)
+RAW_X = "raw/X"
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,8 @@ class Manifest:
     #: missing chunk file is damage, not an implicit fill value; readers then check
     all_chunks_written: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the genes of ``raw/X`` (AnnData's ``raw``), when the collection carries it
+    raw_var_names: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -179,6 +187,9 @@ class Manifest:
             "var_join": self.var_join,
             "inputs": self.inputs,
             "all_chunks_written": self.all_chunks_written,
+            **({"raw_var_names_file": RAW_VAR_NAMES_NAME,
+                "raw_var_names_sha256": var_names_digest(self.raw_var_names)}
+               if self.raw_var_names is not None else {}),
             **({"extra": self.extra} if self.extra else {}),
         }
 
@@ -213,16 +224,16 @@ def _safe_child(root: Path, rel: Any, what: str, where: str) -> Path:
 
 
 def field_name_problem(name: Any) -> str | None:
-    """Why ``name`` cannot be a field, or ``None``. A field is ``X`` or
+    """Why ``name`` cannot be a field, or ``None``. A field is ``X``, ``raw/X`` or
     ``layers|obsm|obs/<key>``; the key names one store node (no ``/``, ``\\``, NUL,
     ``.``/``..``, not empty): field names become paths inside shards."""
     if not isinstance(name, str):
         return f"{name!r} is not a string"
     kind, sep, key = name.partition("/")
-    if name == "X":
+    if name in ("X", RAW_X):
         return None
     if not sep or kind not in ("layers", "obsm", "obs"):
-        return "it is not 'X', 'layers/NAME', 'obsm/NAME' or 'obs/NAME'"
+        return "it is not 'X', 'raw/X', 'layers/NAME', 'obsm/NAME' or 'obs/NAME'"
     if key in ("", ".", ".."):
         return f"the name {key!r} cannot name a folder"
     bad = [c for c in ("/", "\\", "\0") if c in key]
@@ -247,9 +258,13 @@ def _json_int(value: Any, name: str) -> int:
 
 
 def write_manifest(root: str | os.PathLike[str], manifest: Manifest) -> None:
-    """Write ``var_names.json`` then ``manifest.json`` (last) into ``root``, atomically."""
+    """Write ``var_names.json`` (and ``raw_var_names.json``) then ``manifest.json`` (last)
+    into ``root``, atomically."""
     root = Path(root)
-    for name, obj in ((VAR_NAMES_NAME, manifest.var_names), (MANIFEST_NAME, manifest.to_json())):
+    files: list[tuple[str, Any]] = [(VAR_NAMES_NAME, manifest.var_names)]
+    if manifest.raw_var_names is not None:
+        files.append((RAW_VAR_NAMES_NAME, manifest.raw_var_names))
+    for name, obj in (*files, (MANIFEST_NAME, manifest.to_json())):
         tmp = root / (name + ".tmp")
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1 if name == MANIFEST_NAME else None)
@@ -359,10 +374,11 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
         raise CollectionError(
             f"{vfile}: var names do not match the manifest's digest; rewrite the collection."
         )
+    raw_var_names = _read_raw_var_names(root, obj, fields, str(mpath))
     known = {
         "format", "format_version", "created_by", "n_obs", "n_vars", "var_names_file",
         "var_names_sha256", "shards", "fields", "shuffle", "seed", "var_join", "inputs", "extra",
-        "all_chunks_written",
+        "all_chunks_written", "raw_var_names_file", "raw_var_names_sha256",
     }
     for key, kind, ok in (("extra", "a JSON object", isinstance(obj.get("extra", {}), dict)),
                           ("inputs", "a JSON list of objects",
@@ -391,4 +407,30 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
         created_by=str(obj.get("created_by", "")),
         all_chunks_written=obj.get("all_chunks_written") is True,
         extra=extra,
+        raw_var_names=raw_var_names,
     )
+
+
+def _read_raw_var_names(root: Path, obj: dict[str, Any], fields: dict[str, FieldInfo],
+                        where: str) -> list[str] | None:
+    """The genes of ``raw/X`` (``raw_var_names.json``), checked against its width."""
+    if "raw_var_names_file" not in obj:
+        if RAW_X in fields:
+            raise CollectionError(f"{where}: field {RAW_X!r} has no 'raw_var_names_file'; the "
+                                  "manifest is damaged, rewrite the collection.")
+        return None
+    rfile = _safe_child(root, obj["raw_var_names_file"], "raw var names", where)
+    try:
+        with open(rfile) as f:
+            names = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CollectionError(f"{rfile}: cannot read the raw var names ({e}).") from e
+    width = fields[RAW_X].shape[1] if RAW_X in fields and len(fields[RAW_X].shape) > 1 else None
+    if not isinstance(names, list) or (width is not None and len(names) != width):
+        raise CollectionError(f"{rfile}: expected a JSON list of {width} raw var names; "
+                              "rewrite the collection.")
+    digest = obj.get("raw_var_names_sha256")
+    if digest is not None and digest != var_names_digest([str(v) for v in names]):
+        raise CollectionError(f"{rfile}: raw var names do not match the manifest's digest; "
+                              "rewrite the collection.")
+    return [str(v) for v in names]

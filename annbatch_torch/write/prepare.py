@@ -38,7 +38,7 @@ def explicit_settings(collection_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     (``seed``, ``shuffle``, ``var_join``, ``var_names``, and the ``layers`` / ``obsm`` /
     ``obs_columns`` it must hold); others (``progress``, ``max_memory``...) do not make a
     store stale."""
-    return {k: collection_kwargs[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS)
+    return {k: collection_kwargs[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS, "raw")
             if k in collection_kwargs}
 
 

@@ -25,9 +25,10 @@ import pandas as pd
 
 from ..errors import InputError
 from ..store.inputs import InputSource, nonempty, plan_fields
+from ..store.manifest import RAW_X
 from .varmeta import merge_var
 
-__all__ = ["OutField", "Schema", "check_reference", "resolve_schema"]
+__all__ = ["GeneAxis", "OutField", "Schema", "check_reference", "join_genes", "resolve_schema"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +48,38 @@ class OutField:
 
 
 @dataclass
+class GeneAxis:
+    """One gene axis of the collection (``var``, or ``raw``'s): its genes and, per input,
+    its column -> the axis' column (-1: dropped; ``None``: the same genes in order)."""
+
+    names: pd.Index
+    maps: list[np.ndarray | None]
+    sorted: list[bool]  # per input: its kept columns stay in increasing order
+
+
+@dataclass
 class Schema:
-    var_names: pd.Index
-    col_maps: list[np.ndarray | None]  # input column -> output column (-1: dropped)
-    col_sorted: list[bool]
+    genes: GeneAxis  # of X and layers
     fields: list[OutField]
     unavailable: dict[str, str]  # fields in some inputs but not carried, and why
     #: fields not asked for that pass 1 found bad values in: not written, and why
     dropped: dict[str, str] = field(default_factory=dict)
     #: gene metadata: the var columns the inputs agree on (:mod:`.varmeta`)
     var: pd.DataFrame | None = None
+    #: raw's genes and gene metadata, when raw/X is carried
+    raw_genes: GeneAxis | None = None
+    raw_var: pd.DataFrame | None = None
+
+    @property
+    def var_names(self) -> pd.Index:
+        return self.genes.names
+
+    def axis(self, key: str) -> GeneAxis:
+        """The gene axis of matrix field ``key`` (raw/X: raw's, else var's)."""
+        if key == RAW_X:
+            assert self.raw_genes is not None
+            return self.raw_genes
+        return self.genes
 
     def drop(self, key: str, reason: str) -> None:
         """Leave out ``key`` (a field nobody asked for) once pass 1 found ``reason``."""
@@ -93,50 +116,60 @@ def check_reference(var_names: Any) -> pd.Index:
     return names
 
 
-def _align_to_reference(used: list[InputSource], reference: pd.Index) -> pd.Index:
+def _align_to_reference(used: list[tuple[str, pd.Index]], reference: pd.Index, what: str
+                        ) -> pd.Index:
     """``reference``, after logging how each input's genes meet it; an input sharing none
     of its genes is an :class:`InputError` (its rows would be all zeros)."""
-    for s in used:
-        have = int(pd.Index(s.var_names).isin(reference).sum())
-        if have == 0 and len(s.var_names):
+    for label, genes in used:
+        have = int(genes.isin(reference).sum())
+        if have == 0 and len(genes):
             raise InputError(
-                f"{s.label}: none of its {len(s.var_names)} genes (e.g. "
-                f"{list(s.var_names[:3])}) is in var_names (e.g. {list(reference[:3])}); its "
-                "cells would be all zeros. Fix: use the same gene identifiers in both "
-                "(symbols vs Ensembl IDs), or leave this input out."
+                f"{label}: none of its {len(genes)} {'' if what == 'var' else what + ' '}genes "
+                f"(e.g. {list(genes[:3])}) is "
+                f"in var_names (e.g. {list(reference[:3])}); its cells would be all zeros. "
+                "Fix: use the same gene identifiers in both (symbols vs Ensembl IDs), or "
+                "leave this input out."
             )
-        missing, extra = len(reference) - have, len(s.var_names) - have
+        missing, extra = len(reference) - have, len(genes) - have
         (logger.warning if have < len(reference) / 2 else logger.info)(
-            "%s: %d of the %d reference genes present; %d missing (written as zeros), %d "
-            "not in the reference (dropped).", s.label, have, len(reference), missing, extra)
+            "%s: %d of the %d reference genes present%s; %d missing (written as zeros), %d "
+            "not in the reference (dropped).", label, have, len(reference),
+            "" if what == "var" else f" in {what}", missing, extra)
     return reference
 
 
-def _resolve_vars(used: list[InputSource], sources: list[InputSource], var_join: str,
-                  reference: pd.Index | None = None) -> tuple[pd.Index, list, list]:
-    first = pd.Index(used[0].var_names)
+def join_genes(used: list[tuple[str, pd.Index]], every: list[pd.Index | None], var_join: str,
+               reference: pd.Index | None = None, what: str = "var") -> GeneAxis:
+    """The genes of one axis from the inputs' (``used``: ``(label, genes)`` of the inputs
+    with cells; ``every``: every input's genes, ``None`` where it has none), by
+    ``var_join`` or aligned to ``reference``."""
+    first = used[0][1]
     if reference is not None:
-        names = _align_to_reference(used, reference)
+        names = _align_to_reference(used, reference, what)
     elif var_join == "inner":
         common = set(first)
-        for s in used[1:]:
-            common.intersection_update(s.var_names)
+        for _, genes in used[1:]:
+            common.intersection_update(genes)
         names = pd.Index([v for v in first if v in common], dtype=object)
-        if len(names) == 0 and any(len(s.var_names) for s in used):
-            other = next((s for s in used[1:] if not set(first) & set(s.var_names)),
-                         used[-1])
+        if len(names) == 0 and any(len(g) for _, g in used):
+            other = next((u for u in used[1:] if not set(first) & set(u[1])), used[-1])
             raise InputError(
-                f"{used[0].label} and {other.label}: var_join='inner' leaves no genes "
-                f"(e.g. {list(first[:3])} vs {list(other.var_names[:3])}). Fix: make the "
+                f"{used[0][0]} and {other[0]}: var_join='inner' leaves no "
+                f"{'genes' if what == 'var' else what + ' genes'} "
+                f"(e.g. {list(first[:3])} vs {list(other[1][:3])}). Fix: make the "
                 "inputs use the same gene identifiers (symbols vs Ensembl IDs), or pass "
                 "var_join='outer'."
             )
     else:
-        names = pd.Index(list(dict.fromkeys(v for s in used for v in s.var_names)),
-                         dtype=object)
-    maps, is_sorted = [], []
-    for s in sources:
-        m = names.get_indexer(pd.Index(s.var_names)).astype(np.int32)
+        names = pd.Index(list(dict.fromkeys(v for _, g in used for v in g)), dtype=object)
+    maps: list[np.ndarray | None] = []
+    is_sorted = []
+    for genes in every:
+        if genes is None:
+            maps.append(None)
+            is_sorted.append(True)
+            continue
+        m = names.get_indexer(genes).astype(np.int32)
         if len(m) == len(names) and np.array_equal(m, np.arange(len(names))):
             maps.append(None)
             is_sorted.append(True)
@@ -144,25 +177,53 @@ def _resolve_vars(used: list[InputSource], sources: list[InputSource], var_join:
             kept = m[m >= 0]
             maps.append(m)
             is_sorted.append(bool(np.all(np.diff(kept) > 0)))
-    return names, maps, is_sorted
+    return GeneAxis(names, maps, is_sorted)
+
+
+def _raw_axis(used: list[InputSource], sources: list[InputSource], var_join: str,
+              reference: pd.Index | None, raw: bool | None) -> tuple[GeneAxis | None, str | None]:
+    """raw's gene axis, or ``None`` and why it cannot be carried (``None`` when no input
+    has raw, or ``raw=False``)."""
+    if raw is False or not any(s.raw_var_names is not None for s in used):
+        return None, None
+    if any(s.raw_var_names is None for s in used):
+        return None, None  # plan_fields says which input lacks it
+    try:
+        axis = join_genes([(s.label, pd.Index(s.raw_var_names)) for s in used],
+                          [None if s.raw_var_names is None else pd.Index(s.raw_var_names)
+                           for s in sources], var_join, reference, "raw")
+    except InputError as e:
+        if raw:
+            raise
+        return None, str(e)
+    return axis, None
 
 
 #: how a writer's user leaves a field out, ending the fix of a refusal
 _OMIT = {"X": "remove X from every input (del adata.X) to write a collection without X",
          "layers": "leave it out with layers=[...]", "obsm": "leave it out with obsm=[...]",
-         "obs": "leave it out with obs_columns=[...]"}
+         "obs": "leave it out with obs_columns=[...]",
+         "raw": "leave it out with raw=False"}
 
 
 def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[str] | None,
                    layers: list[str] | None, obsm: list[str] | None,
-                   reference: pd.Index | None = None) -> Schema:
-    """The collection's var order (``reference``: that gene list), fields and global
-    categories (see module docs)."""
+                   reference: pd.Index | None = None, raw: bool | None = None) -> Schema:
+    """The collection's var order (``reference``: that gene list), fields, global
+    categories and raw (``raw``: asked for, left out, or carried when every input has it;
+    see module docs)."""
     used = nonempty(sources)
-    var_names, maps, is_sorted = _resolve_vars(used, sources, var_join, reference)
-    requested = {"X": True, "layers": layers, "obsm": obsm, "obs": obs_columns}
+    genes = join_genes([(s.label, pd.Index(s.var_names)) for s in used],
+                       [pd.Index(s.var_names) for s in sources], var_join, reference)
+    raw_genes, raw_why = _raw_axis(used, sources, var_join, reference, raw)
+    requested = {"X": True, "layers": layers, "obsm": obsm, "obs": obs_columns,
+                 "raw": raw if raw_why is None else False}
     plan = plan_fields(used, requested=requested, omit=_OMIT, warn=True,
-                       matrix_width=len(var_names))
+                       matrix_width=len(genes.names),
+                       raw_width=None if raw_genes is None else len(raw_genes.names))
+    if raw_why is not None:
+        plan.unavailable[RAW_X] = raw_why
+        logger.warning("%s is not carried: %s", RAW_X, raw_why)
     if not plan.fields:
         raise InputError(
             f"{', '.join(s.label for s in used)}: nothing to carry (no X, and no layer, obsm "
@@ -174,7 +235,7 @@ def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[
     for name, h in plan.fields.items():
         info = h.info
         group = name.partition("/")[0] if name != "X" else "X"
-        asked = group == "X" or requested[group] is not None
+        asked = group == "X" or requested[group] not in (None, False)
         if info.kind in ("csr", "dense"):
             fields.append(OutField(name, info.kind, np.dtype(info.dtype),
                                    width=int(info.shape[1] or 0), requested=asked))
@@ -190,6 +251,13 @@ def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[
     unavailable = dict(plan.unavailable)
     by_index = {s.index: k for k, s in enumerate(sources)}
     var = merge_var([s.var_frame() for s in used], [s.label for s in used],
-                    [maps[by_index[s.index]] for s in used], var_names)
+                    [genes.maps[by_index[s.index]] for s in used], genes.names)
     unavailable.update(var.dropped)
-    return Schema(var_names, maps, is_sorted, fields, unavailable, var=var.frame)
+    schema = Schema(genes, fields, unavailable, var=var.frame)
+    if RAW_X in plan.fields and raw_genes is not None:
+        raw_var = merge_var([s.var_frame(raw=True) for s in used], [s.label for s in used],
+                            [raw_genes.maps[by_index[s.index]] for s in used],
+                            raw_genes.names, what="raw/var")
+        unavailable.update(raw_var.dropped)
+        schema.raw_genes, schema.raw_var = raw_genes, raw_var.frame
+    return schema

@@ -29,6 +29,7 @@ import scipy.sparse as sp
 
 from ..errors import CollectionError, InputError
 from ..store.checks import check_csr, check_finite
+from ..store.manifest import RAW_X
 
 if TYPE_CHECKING:
     from ..store.inputs import InputSource
@@ -248,10 +249,11 @@ def _kwargs(opts: dict[str, Any], chunks: tuple[int, ...], shape: tuple[int, ...
 
 
 def write_shard(path: Path, arrays: dict[str, np.ndarray], fields: list[Any],
-                var_names: pd.Index, opts: dict[str, Any], var: pd.DataFrame | None = None
-                ) -> dict[str, str]:
+                var_names: pd.Index, opts: dict[str, Any], var: pd.DataFrame | None = None,
+                raw_var: pd.DataFrame | None = None) -> dict[str, str]:
     """Write one shard (rows in position order) as an AnnData zarr store; ``var``: its
-    gene metadata (indexed by ``var_names``; default: the names alone).
+    gene metadata (indexed by ``var_names``; default: the names alone); ``raw_var``: that
+    of raw, whose X is field ``raw/X``.
 
     ``arrays`` is a loaded bucket (consumed: entries are dropped as they are written to
     bound memory). Returns the stored dtype of every field.
@@ -289,6 +291,13 @@ def write_shard(path: Path, arrays: dict[str, np.ndarray], fields: list[Any],
                dataset_kwargs=_kwargs(opts, (chunk,), (max(len(var_names), 1),)))
     for group in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
         write_elem(g, group, {})
+    if any(f.key == RAW_X for f in fields):  # AnnData's raw: X, var, varm
+        assert raw_var is not None
+        raw = g.create_group("raw")
+        raw.attrs.update({"encoding-type": "raw", "encoding-version": "0.1.0"})
+        write_elem(raw, "var", raw_var,
+                   dataset_kwargs=_kwargs(opts, (chunk,), (max(len(raw_var), 1),)))
+        write_elem(raw, "varm", {})
     dtypes: dict[str, str] = {}
     for f in fields:
         parent, _, name = f.key.rpartition("/")
@@ -415,7 +424,8 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
             if value_check is not None:
                 value_check(src.label, f.key, block)
             if f.kind == "csr":
-                block = _remap(block, schema.col_maps[i], schema.col_sorted[i], int(f.width),
+                axis = schema.axis(f.key)
+                block = _remap(block, axis.maps[i], axis.sorted[i], int(f.width),
                                f.dtype)
             else:
                 block = np.asarray(block.toarray() if sp.issparse(block) else block, f.dtype)

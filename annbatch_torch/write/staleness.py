@@ -18,13 +18,14 @@ from typing import Any
 from ..errors import CollectionError
 from ..store.fingerprint import fingerprint
 from ..store.inputs import disk_usage
-from ..store.manifest import Manifest, read_manifest
+from ..store.manifest import RAW_X, Manifest, read_manifest
 
 __all__ = ["store_is_current", "store_staleness", "RECORDED_SETTINGS", "FIELD_SETTINGS"]
 
 #: collection settings recorded in the manifest and compared by :func:`store_staleness`
 RECORDED_SETTINGS = ("seed", "shuffle", "var_join", "var_names")
-#: writer arguments naming fields; a store lacking a field named there is stale
+#: writer arguments naming fields; a store lacking a field named there is stale (and
+#: ``raw=True``: one lacking raw/X)
 FIELD_SETTINGS = {"layers": "layers/", "obsm": "obsm/", "obs_columns": "obs/"}
 
 
@@ -52,7 +53,7 @@ def store_staleness(
     settings
         Writer settings to compare with the manifest's record (``seed``, ``shuffle``,
         ``var_join``, ``var_names``: the reference gene list, which makes ``var_join``
-        moot), and field lists (``layers``, ``obsm``, ``obs_columns``) whose
+        moot), and field lists (``layers``, ``obsm``, ``obs_columns``; ``raw=True``) whose
         fields the store must hold; keys missing or ``None`` here are not compared.
 
     Returns
@@ -101,6 +102,8 @@ def _manifest_staleness(
     for key in ("seed", "shuffle", "var_join"):
         if settings.get(key) is not None and recorded_settings[key] != settings[key]:
             return f"it was written with {key}={recorded_settings[key]!r}, now {settings[key]!r}"
+    if settings.get("raw") is True and RAW_X not in manifest.fields:
+        return "it lacks raw/X, asked for by raw=True"
     for key, prefix in FIELD_SETTINGS.items():
         missing = [f"{prefix}{n}" for n in settings.get(key) or () if
                    f"{prefix}{n}" not in manifest.fields]

@@ -72,6 +72,7 @@ from ..store.inputs import InputSource, open_inputs, warn_shared_obs_names
 from ..store.manifest import (
     FORMAT,
     MANIFEST_NAME,
+    RAW_X,
     FieldInfo,
     Manifest,
     ShardInfo,
@@ -228,6 +229,7 @@ def create_anndata_collection(
     obs_columns: Sequence[str] | None = None,
     layers: Sequence[str] | None = None,
     obsm: Sequence[str] | None = None,
+    raw: bool | None = None,
     n_obs_per_shard: int | None = None,
     max_memory: int | str | None = DEFAULT_MAX_MEMORY,
     overwrite: bool = False,
@@ -270,6 +272,12 @@ def create_anndata_collection(
         Layers / obsm entries to carry; ``None``: those present (and readable) in all
         inputs, others left out with a warning. An explicit name missing from an input,
         or failing a rule, is an :class:`InputError`.
+    raw
+        AnnData's ``raw`` (``raw.X`` and its genes, often all genes beside X's highly
+        variable ones): ``None`` carries it as field ``raw/X`` when every input has it
+        (else it is left out with a warning), ``True`` requires it, ``False`` leaves it
+        out. Its genes are joined like X's (``var_join``, ``var_names``) and kept apart
+        (:attr:`Collection.raw_var_names`); each shard stores it as AnnData does.
     n_obs_per_shard
         Rows per shard; default: derived from the memory ``max_memory`` leaves and the
         measured bytes per row, at most 2**20 (so it depends on the process' RSS too; pass
@@ -331,6 +339,9 @@ def create_anndata_collection(
     if var_join not in VAR_JOINS:
         raise InputError(f"var_join={var_join!r} is unknown; use 'inner' (genes in every "
                          "input) or 'outer' (all genes, absent ones are zeros).")
+    if raw not in (None, True, False):
+        raise InputError(f"raw={raw!r} must be None (carry raw when every input has it), "
+                         "True (require it) or False (leave it out).")
     reference = None if var_names is None else check_reference(var_names)
     if reference is not None:
         var_join = "reference"
@@ -366,7 +377,7 @@ def create_anndata_collection(
     try:
         sources = open_inputs(adata_paths)  # the same input twice is refused
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
-                                _as_list(obsm), reference)
+                                _as_list(obsm), reference, raw)
         warn_shared_obs_names([s for s in sources if s.n_obs])
         n_total = sum(s.n_obs for s in sources)
         work = _budget.working_memory(budget, n_total if shuffle else 0)
@@ -436,7 +447,7 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
                 raise InputError(f"{tmp}: shard {s} received {len(arrays['pos'])} rows, "
                                  f"expected {n}; an input changed while being read?")
             dtypes = write_shard(tmp / name, arrays, schema.kept, schema.var_names, opts,
-                                 schema.var)
+                                 schema.var, schema.raw_var)
             del arrays
             release_memory()
             os.remove(buckets.path(s))
@@ -475,5 +486,7 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
         created_by=created_by, all_chunks_written=True,
         extra={"writer": writer, **({"unavailable": schema.unavailable}
                                     if schema.unavailable else {})},
+        raw_var_names=None if schema.raw_genes is None or RAW_X not in fields
+        else [str(v) for v in schema.raw_genes.names],
     )
     write_manifest(tmp, manifest)
