@@ -169,6 +169,8 @@ class Feed:
         ``"negated"`` (``--no-x`` sets ``x`` to False) or ``"positional"``.
     metavar
         The value's placeholder in messages (``MAX_MEMORY``).
+    words
+        How the command line spells some Python values (``{"False": "false"}``).
     """
 
     param: str
@@ -176,6 +178,7 @@ class Feed:
     flag: str
     kind: str
     metavar: str = ""
+    words: tuple[tuple[str, str], ...] = ()
 
     def value(self, args: argparse.Namespace) -> Any:
         """The parameter's value from parsed arguments."""
@@ -188,6 +191,9 @@ class Feed:
             return self.flag if value == "True" else f"without {self.flag}"
         if self.kind == "negated":
             return self.flag if value == "False" else f"without {self.flag}"
+        words = dict(self.words)
+        if value in words:
+            return f"{self.flag} {words[value]}"
         if value == "None":
             return f"without {self.flag}"
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" \
@@ -235,8 +241,10 @@ class CliParser(argparse.ArgumentParser):
 
         A value option without an explicit ``default`` gets the library's default (from
         :attr:`signature`). An option whose action is ``store_true`` and whose name starts
-        with ``--no-`` feeds False.
+        with ``--no-`` feeds False. ``words`` (a keyword of this method): how the command
+        line spells Python values in messages (``{"False": "false"}``).
         """
+        words = tuple(kwargs.pop("words", {}).items())
         positional = not flags[0].startswith("-")
         store_true = kwargs.get("action") == "store_true"
         if (not positional and not store_true and "default" not in kwargs
@@ -250,7 +258,7 @@ class CliParser(argparse.ArgumentParser):
             kind = ("negated" if flag.startswith("--no-") else "flag") if store_true \
                 else "value"
         metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
-        self.feeds[param] = Feed(param, action.dest, flag, kind, metavar)
+        self.feeds[param] = Feed(param, action.dest, flag, kind, metavar, words)
         return action
 
     def api_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
@@ -282,7 +290,9 @@ def version() -> str:
 
 # -- the package's messages in the command's words -------------------------------------
 _START = r"(?<![\w./\\-])"  # a name starts here: not inside a word, a path or a flag
-_VALUE = r"""(?:'[^']*'|"[^"]*"|[^\s,;()'"]+)"""
+#: a Python value in a message: quoted, or bare up to a space, a separator or the full stop
+#: ending a sentence ("Pass overwrite=True." is ``True``)
+_VALUE = r"""(?:'[^']*'|"[^"]*"|[^\s,;()'"]+?(?=\.?(?:[\s,;()]|$)))"""
 
 
 def speak_cli(message: str, parser: CliParser) -> str:
@@ -629,6 +639,7 @@ def build_parser() -> CliParser:
                help=f"{what} to carry (default: those in every input; the flag with no "
                     "NAME: none)")
     s.feed("--raw", param="raw", type=raw_choice, metavar="auto|true|false",
+           words={repr(v): k for k, v in RAW_CHOICES.items()},
            help="AnnData's raw (raw.X and its genes): auto carries it when every input has "
                 "it, true requires it, false leaves it out (default: auto)")
     s.feed("--max-memory", param="max_memory", metavar="SIZE",

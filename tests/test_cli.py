@@ -222,6 +222,13 @@ def test_translation_table_comes_from_the_flags() -> None:
     assert speak("max_memory=100 MB is too small. Raise max_memory to at least "
                  "max_memory='415MB'.") == \
         "--max-memory 100 MB is too small. Raise --max-memory to at least --max-memory 415MB."
+    # a value ending a sentence keeps its full stop out (it read "with without --overwrite")
+    assert speak("refusing to delete it with overwrite=True. Remove it yourself.") == \
+        "refusing to delete it with --overwrite. Remove it yourself."
+    assert speak("use n_obs_per_shard=1024, or max_memory=1.5e9.") == \
+        "use --shard-size 1024, or --max-memory 1.5e9."
+    assert speak("leave it out with raw=False. raw=True requires it; raw=None.") == \
+        "leave it out with --raw false. --raw true requires it; --raw auto."
     # what no flag feeds, and names inside paths, stay as they are
     unchanged = ("zarr_shard_elems=5 and value_check stay; /data/max_memory/a.h5ad and "
                  "/tmp/test_max_memory0/store and my_overwrite=True are paths or not ours")

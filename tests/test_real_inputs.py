@@ -383,6 +383,24 @@ def test_an_input_without_cells_is_skipped_and_decides_nothing(
         abt.create_anndata_collection([z], tmp_path / "none", progress=False)
 
 
+def test_an_input_without_cells_may_lack_the_fields_the_others_have(
+        tmp_path: Path, write_h5ads: WriteH5ads) -> None:
+    """The writer crashed (KeyError in pass 1 and in the shard sizing) when a 0-cell input
+    lacked an obs column or X that the inputs with cells carry (found in review)."""
+    a = _adata(6, "a", ct=pd.Categorical(list("xy") * 3))
+    no_column = _adata(0, "e")
+    no_x = _adata(0, "f", ct=pd.Categorical([]))
+    no_x.X = None
+    for empty in (no_column, no_x):
+        for inputs in ([a, empty], write_h5ads([a, empty], tmp_path / "files")):
+            coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
+                                                 overwrite=True)
+            assert coll.n_obs == 6
+            assert {"X", "obs/ct"} <= set(coll.fields)
+            src = InPlaceSource(inputs)
+            assert {"X", "obs/ct"} <= set(src.fields)
+
+
 # -- A5: the same input twice, shared obs_names --------------------------------------------
 def test_the_same_input_twice_is_refused_on_both_paths(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch,

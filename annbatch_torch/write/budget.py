@@ -147,6 +147,7 @@ def _bucket_row_bytes(src: InputSource, schema: Schema) -> float:
 
 def shard_size(sources: list[InputSource], schema: Schema, work: int, shuffle: bool) -> int:
     """Rows per shard such that pass 2 holds a shard in about 80% of ``work`` bytes."""
+    sources = [s for s in sources if s.n_obs]  # inputs without cells take no part
     per_src = [_bucket_row_bytes(s, schema) for s in sources]
     n = np.array([s.n_obs for s in sources], dtype=np.float64)
     row = (float(np.dot(per_src, n) / n.sum()) * 1.1) if shuffle else max(per_src) * 1.5

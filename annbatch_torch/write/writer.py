@@ -419,6 +419,8 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
     try:
         with _progress(n_total, "shuffle 1/2: bucket", progress) as bar:
             for src in sources:
+                if not src.n_obs:  # takes no part (it may lack the fields the others have)
+                    continue
                 readers = {f.key: src.matrix_reader(f.key, csc_limit)
                            for f in schema.fields if f.kind in ("csr", "dense")}
                 obs = {f.key: src.obs_reader(f.key[4:])
