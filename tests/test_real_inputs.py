@@ -291,6 +291,29 @@ def _no_x(n: int, tag: str) -> ad.AnnData:
     return a
 
 
+def test_a_damaged_chunk_of_a_zarr_input_is_named_with_the_inputs_fix(tmp_path: Path) -> None:
+    """The writer raised blosc's bare RuntimeError (no file, no field); in place advised
+    rewriting the input as a collection (found in review)."""
+    a = _adata(3000, "a", n_vars=300)
+    p = tmp_path / "in.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a.write_zarr(p)
+    chunk = sorted(f for f in (p / "X" / "indices").rglob("*")
+                   if f.is_file() and not f.name.startswith((".", "zarr")))[0]
+    chunk.write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(InputError, match=rf"{p}: cannot read X rows .*damaged or truncated"
+                                         r".*Fix: download or copy it again"):
+        abt.create_anndata_collection([p], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(abt.ReadError) as e:
+        list(abt.AnnBatchDataset([p], batch_size=1000))
+    msg = str(e.value)
+    assert f"{p}: failed reading field 'X', input rows" in msg
+    assert "download or copy it again" in msg
+    assert "create_anndata_collection" not in msg
+
+
 def test_inputs_whose_x_is_none_are_written_with_their_layers(tmp_path: Path,
                                                               write_h5ads: WriteH5ads) -> None:
     a, b = _no_x(20, "a"), _no_x(10, "b")

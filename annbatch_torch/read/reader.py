@@ -144,10 +144,12 @@ class PoolReader:
     def _wrap(self, exc: BaseException, piece: Piece, field: str) -> ReadError:
         where = self.source.shard_name(piece.shard)
         msg = str(exc) if isinstance(exc, AnnBatchError) else f"{type(exc).__name__}: {exc}"
+        # a message that says what to do already (an input's damaged_reason) gets no other
+        fix = "" if "Fix:" in msg else " " + self.source.DAMAGE_FIX
+        what = self.source.PART
         return ReadError(
-            f"{where}: failed reading field {field!r}, shard rows [{piece.start}, {piece.stop}) "
-            f"(shard {piece.shard}): {msg}. The store may be damaged; rewrite it with "
-            "create_anndata_collection(..., overwrite=True)."
+            f"{where}: failed reading field {field!r}, {what} rows [{piece.start}, "
+            f"{piece.stop}) ({what} {piece.shard}): {msg.rstrip('.')}.{fix}"
         )
 
     def _element(self, piece: Piece, field: str) -> Any:
@@ -224,8 +226,7 @@ class PoolReader:
                 ) + (", ..." if len(pieces) > 4 else "")
                 raise ReadError(
                     f"{self.source.describe()}: failed assembling field {field!r} from "
-                    f"{ranges_txt} ({type(e).__name__}: {e}). The store may be damaged; "
-                    "rewrite it with create_anndata_collection(..., overwrite=True)."
+                    f"{ranges_txt} ({type(e).__name__}: {e}). {self.source.DAMAGE_FIX}"
                 ) from e
             out[field] = value[order] if field in permute_after else value
         return out
@@ -306,8 +307,8 @@ class PoolReader:
             raise ReadError(
                 f"{self.source.describe()}: field {field!r} holds column index "
                 f"{int(indices[bad])} outside [0, {n_cols}) (pool row {row}, read from "
-                f"{describe_ranges(self.source, self._ranges_of(pieces))}); the store is "
-                "damaged, rewrite it with create_anndata_collection(..., overwrite=True)."
+                f"{describe_ranges(self.source, self._ranges_of(pieces))}). "
+                f"{self.source.DAMAGE_FIX}"
             )
         if indptr[-1] < np.iinfo(np.int32).max:
             indptr = indptr.astype(np.int32)  # scipy would otherwise copy indices to int64

@@ -89,6 +89,11 @@ class Source:
     var_names: pd.Index
     #: the genes of field ``raw/X`` (AnnData's raw), ``None`` without it
     raw_var_names: pd.Index | None = None
+    #: what one shard is called in messages ("input" when reading inputs in place)
+    PART = "shard"
+    #: the fix a read failure's message ends with (what to do about damaged bytes)
+    DAMAGE_FIX = ("The store may be damaged; rewrite it with create_anndata_collection(..., "
+                  "overwrite=True).")
 
     def __init__(self) -> None:
         self._pid: int | None = None

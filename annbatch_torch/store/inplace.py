@@ -86,6 +86,10 @@ class InPlaceSource(Source):
         without cells is skipped with a warning.
     """
 
+    PART = "input"
+    DAMAGE_FIX = ("The input may be damaged or truncated (e.g. an interrupted download or "
+                  "copy): download or copy it again, or re-save it from its source.")
+
     def __init__(self, inputs: Sequence[Any]) -> None:
         super().__init__()
         if not inputs:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -824,6 +824,16 @@ class InputSource:
             if limit is not None and len(seen) > limit + 1:
                 break
         return sorted(v for v in seen if isinstance(v, str))
+
+    def named_read(self, what: str, read: Callable[[], Any]) -> Any:
+        """``read()``, whose failure to read bytes (a damaged chunk of a zarr input, say)
+        becomes an :class:`InputError` naming this input, ``what`` and the fix."""
+        try:
+            return read()
+        except AnnBatchError:
+            raise
+        except _H5_ERRORS as e:
+            raise InputError(damaged_reason(self.label, what, e)) from e
 
     def var_frame(self, raw: bool = False) -> pd.DataFrame:
         """Its ``var`` dataframe (gene metadata, one row per var name; ``raw``: that of its

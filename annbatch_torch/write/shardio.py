@@ -411,7 +411,8 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
             continue
         if f.kind in ("csr", "dense"):
             try:
-                block = readers[f.key].read(a, b, ips.get(f.key))
+                block = src.named_read(f"{f.key} rows [{a}, {b})", lambda f=f: readers[
+                    f.key].read(a, b, ips.get(f.key)))
                 check_finite(src.label, f.key, block, first_row=a)  # NaN/inf refused
                 check_csr(src.label, f.key, block, first_row=a)  # indices inside [0, n_cols)
                 check_int64(src.label, f.key, block, first_row=a)  # uint64 that fits int64
@@ -432,7 +433,8 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
             parts.append((f.kind, take(block)))
             continue
         try:
-            values = obs_readers[f.key].read(a, b)
+            values = src.named_read(f"{f.key} rows [{a}, {b})",
+                                    lambda f=f: obs_readers[f.key].read(a, b))
         except InputError as e:
             if f.requested:
                 raise
@@ -479,7 +481,9 @@ def iter_blocks(src: InputSource, readers: dict[str, Any], budget: int,
     a, n = 0, src.n_obs
     while a < n:
         b = min(n, a + max(1, min(1 << 20, int(budget // fixed))))
-        ips = {k: readers[k].indptr(a, b) for k in nnz_cost}
+        ips = {k: src.named_read(f"{k}/indptr rows [{a}, {b}]",
+                                 lambda k=k, a=a, b=b: readers[k].indptr(a, b))
+               for k in nnz_cost}
         cost = fixed * np.arange(1, b - a + 1, dtype=np.float64)
         for k, ip in ips.items():
             cost += (ip[1:] - ip[0]) * nnz_cost[k]
