@@ -392,8 +392,11 @@ def _categories(cats: list[Any], limit: int, ordered: bool = False,
             shown += f"; missing ({missing:,})"
     else:
         shown = ", ".join(map(str, cats[:limit]))
+    head = f"{len(cats)} categories{' (ordered)' if ordered else ''}"
+    if limit == 0:  # --max-categories 0: the count alone
+        return head
     more = f", ... (+{len(cats) - limit})" if len(cats) > limit else ""
-    return f"{len(cats)} categories{' (ordered)' if ordered else ''}: {shown}{more}"
+    return f"{head}: {shown}{more}"
 
 
 def _first(names: Any, n: int = 5) -> str:
@@ -567,20 +570,22 @@ def _bench(rest: list[str]) -> int:
                        "not the installed package. Clone the repository and run `make bench` "
                        "there.")
     extra: list[str] = []
-    if not _given(rest, "--out") and not {"-h", "--help"} & set(rest):
-        out = _bench_out(Path.cwd())
-        extra = ["--out", str(out)]
-        print(f"{PROG} bench: results go to {out} (--out DIR to choose; --out "
-              "benchmarks/results updates the repository's committed results)", flush=True)
+    announce = not _given(rest, "--out") and not {"-h", "--help"} & set(rest)
+    if announce:
+        extra = ["--out", str(_bench_out(Path.cwd()))]
     argv = sys.argv
     sys.argv = [str(script), *extra, *rest]
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        bench = runpy.run_path(str(script), run_name="annbatch_torch_bench")
+        bench["_parser"]().parse_args([*extra, *rest])  # bad options: one line, nothing run
+        if announce:
+            print(f"{PROG} bench: results go to {extra[1]} (--out DIR to choose; --out "
+                  "benchmarks/results updates the repository's committed results)", flush=True)
+        return int(bench["main"]([*extra, *rest]) or 0)
     except SystemExit as e:
         return _exit_status(e)
     finally:
         sys.argv = argv
-    return 0
 
 
 _PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {"demo": _demo, "bench": _bench}

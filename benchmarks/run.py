@@ -41,11 +41,14 @@ NEEDS_STORE = {*EXPERIMENTS, "ceiling_seq_zarr", "ceiling_seq_zarrs", "ceiling_s
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="annbatch-torch bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-obs", type=int, default=None, help="cells (default 100000)")
-    p.add_argument("--n-vars", type=int, default=None, help="genes (default 20000)")
-    p.add_argument("--batch-size", type=int, default=4096)
+    from annbatch_torch.cli import CliParser, int_at_least
+
+    p = CliParser(prog="annbatch-torch bench", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    count, positive = int_at_least(0), int_at_least(1)
+    p.add_argument("--n-obs", type=positive, default=None, help="cells (default 100000)")
+    p.add_argument("--n-vars", type=positive, default=None, help="genes (default 20000)")
+    p.add_argument("--batch-size", type=positive, default=4096)
     p.add_argument("--small", action="store_true",
                    help="20,000 x 2,000 cells, fewer batches (CI size)")
     p.add_argument("--only", default=None, help=f"comma-separated cases of: {', '.join(CASES)}")
@@ -57,21 +60,21 @@ def _parser() -> argparse.ArgumentParser:
                         "committed results; `annbatch-torch bench` without --out writes a new "
                         "folder ./annbatch-torch-bench/<timestamp> instead)")
     p.add_argument("--data-dir", type=Path, default=HERE / "data")
-    p.add_argument("--n-warmup", type=int, default=2, help="untimed batches first")
-    p.add_argument("--n-batches", type=int, default=None,
+    p.add_argument("--n-warmup", type=count, default=2, help="untimed batches first")
+    p.add_argument("--n-batches", type=positive, default=None,
                    help="timed batches per loader (default 40; 10 with --small)")
-    p.add_argument("--slow-batches", type=int, default=12,
+    p.add_argument("--slow-batches", type=positive, default=12,
                    help="at most this many timed batches for AnnLoader (~1 s per batch)")
-    p.add_argument("--memory-epochs", type=int, default=5)
+    p.add_argument("--memory-epochs", type=positive, default=5)
     p.add_argument("--max-memory", default="1GB",
                    help="writer max_memory: peak RSS bound of the writer process (default 1GB)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scd-block-size", type=int, default=4,
+    p.add_argument("--seed", type=count, default=0)
+    p.add_argument("--scd-block-size", type=positive, default=4,
                    help="scDataset BlockShuffling block_size (as in the arrayloader benchmarks)")
-    p.add_argument("--scd-fetch-factor", type=int, default=16)
-    p.add_argument("--seq-passes", type=int, default=2,
+    p.add_argument("--scd-fetch-factor", type=positive, default=16)
+    p.add_argument("--seq-passes", type=positive, default=2,
                    help="front-to-back passes over the store (the best one counts)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=positive, default=1,
                    help="rounds over all cases; the best round of each case counts (the "
                         "machine may be shared: the best round is the least disturbed)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
@@ -243,9 +246,9 @@ def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry (also ``annbatch-torch bench``)."""
     args = _parser().parse_args(argv)
-    n_obs = args.n_obs or (20_000 if args.small else 100_000)
-    n_vars = args.n_vars or (2_000 if args.small else 20_000)
-    n_batches = args.n_batches or (10 if args.small else 40)
+    n_obs = args.n_obs if args.n_obs is not None else (20_000 if args.small else 100_000)
+    n_vars = args.n_vars if args.n_vars is not None else (2_000 if args.small else 20_000)
+    n_batches = args.n_batches if args.n_batches is not None else (10 if args.small else 40)
     names = [n for n in CASES if n not in EXPERIMENTS]
     if args.experiments:
         names += list(EXPERIMENTS)

@@ -875,3 +875,21 @@ def test_in_place_inputs_with_different_genes(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"b\.h5ad: var_names differ from .*a\.h5ad.*"
                        "var_join='inner' or 'outer'"):
         AnnBatchDataset([pa, pb])
+
+
+def test_the_writer_leaves_out_or_refuses_what_no_reader_would_take(
+        h5ads: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-cell id column (past MAX_LABEL_CATEGORIES values) was written, and the opened
+    collection then refused it, also when the user had asked for it (found in review)."""
+    from annbatch_torch.write import schema
+
+    monkeypatch.setattr(schema, "MAX_LABEL_CATEGORIES", 100)  # barcode: 260 values
+    with pytest.raises(InputError, match=r"'obs/barcode' holds strings with more than 100 "
+                                         r"distinct values"):
+        abt.create_anndata_collection(h5ads, tmp_path / "asked", obs_columns=["barcode"],
+                                  progress=False)
+    assert not (tmp_path / "asked").exists()
+    coll = abt.create_anndata_collection(h5ads, tmp_path / "store", progress=False)
+    assert "obs/barcode" not in coll.fields
+    assert "more than 100 distinct values" in coll.unavailable["obs/barcode"]
+    assert "obs/cell_type" in coll.fields

@@ -146,7 +146,8 @@ def h5ad(synthetic_h5ads: list[Path]) -> str:
 
 @pytest.mark.parametrize(("extra", "expected"), [
     (["--max-memory", "lots"], "--max-memory lots cannot be parsed"),
-    (["--max-memory", "100MB"], "Raise --max-memory to at least --max-memory "),
+    (["--max-memory", "100MB"], "is too small: this process already uses"),
+    (["--max-memory", "100MB"], "Pass at least --max-memory "),
     (["--shard-size", "0"], "--shard-size 0 must be a positive integer"),
     (["--chunk-elems", "0"], "--chunk-elems 0 must be an integer >= 1"),
     (["--var-join", "outer", "--compressor", "foo"], "--compressor 'foo' unknown"),
@@ -219,9 +220,8 @@ def test_translation_table_comes_from_the_flags() -> None:
         "--var-join inner leaves no genes; pass --var-join outer."
     assert speak("with shuffle=False rows keep their order; progress=False hides bars") == \
         "with --no-shuffle rows keep their order; --no-progress hides bars"
-    assert speak("max_memory=100 MB is too small. Raise max_memory to at least "
-                 "max_memory='415MB'.") == \
-        "--max-memory 100 MB is too small. Raise --max-memory to at least --max-memory 415MB."
+    assert speak("max_memory='0.0001MB' is too small. Pass at least max_memory='415MB'.") == \
+        "--max-memory 0.0001MB is too small. Pass at least --max-memory 415MB."
     # a value ending a sentence keeps its full stop out (it read "with without --overwrite")
     assert speak("refusing to delete it with overwrite=True. Remove it yourself.") == \
         "refusing to delete it with --overwrite. Remove it yourself."
@@ -480,8 +480,15 @@ def test_bench_writes_outside_the_repository_by_default(
     fake = tmp_path / "repo"
     (fake / "benchmarks").mkdir(parents=True)
     (fake / "benchmarks" / "run.py").write_text(
-        "import sys, pathlib\n"
-        "pathlib.Path(sys.argv[0]).with_name('argv.txt').write_text(' '.join(sys.argv[1:]))\n"
+        "import argparse, pathlib\n"
+        "def _parser():\n"
+        "    p = argparse.ArgumentParser()\n"
+        "    p.add_argument('--out')\n"
+        "    p.add_argument('--small', action='store_true')\n"
+        "    return p\n"
+        "def main(argv):\n"
+        "    _parser().parse_args(argv)\n"
+        "    pathlib.Path(__file__).with_name('argv.txt').write_text(' '.join(argv))\n"
     )
     monkeypatch.setattr(cli, "_REPO", fake)
     cwd = tmp_path / "cwd"
@@ -501,8 +508,17 @@ def test_bench_writes_outside_the_repository_by_default(
                   ["--ou", "benchmarks/results"]):
         assert main(["bench", "--small", *given]) == 0
         assert argv_txt.read_text() == " ".join(["--small", *given])
-    assert main(["bench", "--help"]) == 0
-    assert argv_txt.read_text() == "--help"
+    capsys.readouterr()
+    assert main(["bench", "--help"]) == 0  # the benchmark's own help, nothing run
+    assert "--small" in capsys.readouterr().out
+    assert argv_txt.read_text() == "--small --ou benchmarks/results"
+    # a bad option: one line, no folder announced or made, nothing run
+    argv_txt.unlink()
+    assert main(["bench", "--small", "--bogus"]) == 2
+    captured = capsys.readouterr()
+    assert "results go to" not in captured.out
+    assert not argv_txt.exists()
+    assert not (cwd / "annbatch-torch-bench").exists()
 
 
 def test_benchmarks_run_keeps_its_documented_out_default() -> None:
@@ -541,3 +557,38 @@ def test_info_lists_the_var_columns(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["info", str(tmp_path / "store")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "var         symbol, hv" in lines
+
+
+def test_a_damaged_obs_chunk_is_a_user_error_with_the_fix(
+        small_collection: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """info counts categories: a truncated chunk there was an 'internal error' (status 1)
+    from rawzarr's ChunkError (found in review); the metadata API raised it bare too."""
+    import shutil
+
+    from annbatch_torch import CollectionError, open_collection
+
+    store = tmp_path / "store"
+    shutil.copytree(small_collection.path, store)
+    chunk = next(p for p in sorted((store / "shard_00000.zarr" / "obs" / "cell_type" /
+                                    "codes").rglob("*")) if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(b"garbage")
+    coll = open_collection(store)
+    for call in (lambda: coll.category_counts("cell_type"),
+                 lambda: coll.obs_at(range(10), "cell_type")):
+        with pytest.raises(CollectionError, match=r"shard_00000.*rewrite it with "
+                                                  r"create_anndata_collection"):
+            call()
+    assert main(["info", str(store)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("annbatch-torch: error: ")
+    assert "annbatch-torch shuffle ... --overwrite" in err[0]
+
+
+def test_info_with_no_categories_shown_gives_the_counts(
+        small_collection: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", str(small_collection.path), "--max-categories", "0"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines()
+                if ln.strip().startswith("obs/cell_type"))
+    n = len(small_collection.categories("cell_type"))
+    assert line.rstrip().endswith(f"{n} categories")  # was "N categories: , ... (+N)"

@@ -424,6 +424,56 @@ def test_an_input_without_cells_may_lack_the_fields_the_others_have(
             assert {"X", "obs/ct"} <= set(src.fields)
 
 
+def test_an_obs_column_named_index_follows_the_field_rule(tmp_path: Path) -> None:
+    """anndata refuses to write an obs column named '_index' (its index's name): the writer
+    failed after pass 1 with anndata's bare ValueError; in place offered it (review)."""
+    a = _adata(4, "a", _index=pd.Categorical(list("xyxy")), ct=pd.Categorical(list("uvuv")))
+    coll = abt.create_anndata_collection([a], tmp_path / "out", progress=False)
+    src = InPlaceSource([a])
+    for fields, unavailable in ((coll.fields, coll.unavailable), (src.fields, src.unavailable)):
+        assert "obs/_index" not in fields
+        assert "obs/ct" in fields
+        assert "'_index' is the name AnnData stores the obs index under" in unavailable[
+            "obs/_index"]
+    with pytest.raises(InputError, match="'_index' is the name AnnData stores"):
+        abt.create_anndata_collection([a], tmp_path / "asked", obs_columns=["_index"],
+                                      progress=False)
+    assert not (tmp_path / "asked").exists()
+
+
+def test_a_float32_column_with_nan_stays_float32_from_memory(tmp_path: Path,
+                                                             write_h5ads: WriteH5ads) -> None:
+    """From an in-memory AnnData it became float64 (twice the bytes), from its file float32
+    (found in review); nullable integers with missing values still become float64."""
+    v = np.array([0.5, np.nan, 2.0, 3.0], dtype=np.float32)
+    a = _adata(4, "a", v=v, k=pd.array([1, None, 3, 4], dtype="Int64"))
+    for inputs in ([a], write_h5ads([a], tmp_path / "files")):
+        coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
+                                             overwrite=True)
+        src = InPlaceSource(inputs)
+        for fields in (coll.fields, src.fields):
+            assert fields["obs/v"].dtype == "float32"
+            assert fields["obs/k"].dtype == "float64"
+
+
+def test_a_shard_size_past_the_cells_is_one_shard(tmp_path: Path) -> None:
+    """--shard-size 99999999999999999999 overflowed int64 in pass 1 (found in review)."""
+    coll = abt.create_anndata_collection([_adata(30, "a")], tmp_path / "out", progress=False,
+                                         n_obs_per_shard=10**20)
+    assert coll.shard_sizes == [30]
+
+
+def test_a_collection_given_as_an_input_is_named_as_one(small_collection: Any,
+                                                        tmp_path: Path) -> None:
+    """It was read as a zarr store without obs (GroupNotFoundError's text; review)."""
+    for call in (lambda: abt.create_anndata_collection([small_collection.path],
+                                                       tmp_path / "out", progress=False),
+                 lambda: InPlaceSource([small_collection.path])):
+        with pytest.raises(InputError, match=r"is an annbatch_torch collection, not an "
+                                             r"AnnData input\. Read it with AnnBatchDataset"):
+            call()
+
+
 # -- A5: the same input twice, shared obs_names --------------------------------------------
 def test_the_same_input_twice_is_refused_on_both_paths(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch,
@@ -432,11 +482,16 @@ def test_the_same_input_twice_is_refused_on_both_paths(tmp_path: Path,
     pa, pb = write_h5ads([a, b], tmp_path)
     link = tmp_path / "link.h5ad"
     link.symlink_to(pa)
+    hard = tmp_path / "hard.h5ad"
+    os.link(pa, hard)
     monkeypatch.chdir(tmp_path)
     backed = ad.read_h5ad(pb, backed="r")
     cases = [([pa, pb, "in0.h5ad"], r"input #0 \(.*in0\.h5ad\) and input #2 .* are the same "
                                     r"file"),
              ([pa, link], r"input #0 .* and input #1 .* are the same file"),
+             # each named by its own path (both were named by the second: review)
+             ([pa, hard], r"input #0 \(.*in0\.h5ad\) and input #1 \(.*hard\.h5ad\) are the "
+                          r"same file"),
              ([pb, backed], r"input #0 .* and input #1 .* are the same file"),
              ([a, b, a], r"input #0 \(<AnnData #0>\) and input #2 \(<AnnData #2>\) are the "
                          r"same AnnData object")]

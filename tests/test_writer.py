@@ -270,15 +270,15 @@ def test_max_memory_below_the_baseline_is_refused(synthetic_h5ads: list[Path],
                                                   tmp_path: Path) -> None:
     """This process already uses more than 64 MB (numpy, torch, zarr): nothing is left."""
     out = tmp_path / "store"
-    with pytest.raises(InputError, match=r"max_memory=64 MB is too small") as info:
+    with pytest.raises(InputError, match=r"max_memory='64MB' is too small") as info:
         create_anndata_collection(synthetic_h5ads, out, max_memory="64MB", progress=False)
     msg = str(info.value)
     rss = _writer_budget.current_rss()
     assert rss is not None
     assert rss > 64 * 10**6
     assert "already uses" in msg
-    assert "Raise max_memory to at least max_memory='" in msg
-    need = int(msg.split("max_memory='")[1].split("MB'")[0]) * 10**6
+    assert "Pass at least max_memory='" in msg
+    need = int(msg.split("at least max_memory='")[1].split("MB'")[0]) * 10**6
     assert need > rss + _writer_budget.MIN_WORK_MEMORY
     assert not out.exists()
     no_temp_left(tmp_path)
@@ -290,11 +290,13 @@ def test_budget_subtracts_the_baseline_rss(synthetic_h5ads: list[Path], tmp_path
     """Buffers are sized from max_memory minus the measured RSS, permutation and reserve."""
     n = sum(ad.read_h5ad(p, backed="r").n_obs for p in synthetic_h5ads)
     seen: list[int] = []
+    sized: list[int] = []  # rows per shard the budget allows (the writer caps them at n)
     real = _writer_budget.shard_size
 
     def spy(sources: object, schema: object, work: int, shuffle: bool) -> int:
         seen.append(work)
-        return real(sources, schema, work, shuffle)  # type: ignore[arg-type]
+        sized.append(real(sources, schema, work, shuffle))  # type: ignore[arg-type]
+        return sized[-1]
 
     monkeypatch.setattr(_writer_budget, "shard_size", spy)
     per_shard = []
@@ -303,7 +305,8 @@ def test_budget_subtracts_the_baseline_rss(synthetic_h5ads: list[Path], tmp_path
         coll = create_anndata_collection(synthetic_h5ads, tmp_path / f"s{i}",
                                          max_memory="200MB", progress=False)
         assert seen[-1] == 200 * 10**6 - rss - 4 * n - _writer_budget.RESERVE
-        per_shard.append(coll.manifest.extra["writer"]["n_obs_per_shard"])
+        per_shard.append(sized[-1])
+        assert coll.manifest.extra["writer"]["n_obs_per_shard"] == min(sized[-1], n)
     assert per_shard[1] < 0.55 * per_shard[0]
     # a baseline above the budget leaves nothing: refused, naming the measured RSS
     monkeypatch.setattr(_writer_budget, "current_rss", lambda: 190 * 10**6)
@@ -443,6 +446,17 @@ def test_existing_output(synthetic_h5ads: list[Path], tmp_path: Path) -> None:
     with pytest.raises(InputError, match="overlaps the input"):
         create_anndata_collection(synthetic_h5ads[:1], synthetic_h5ads[0], overwrite=True,
                                   progress=False)
+    # through a symbolic link to the input's folder too (it wrote inside a zarr input)
+    zarr_in = tmp_path / "data" / "in.zarr"
+    zarr_in.parent.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ad.read_h5ad(synthetic_h5ads[2]).write_zarr(zarr_in)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    with pytest.raises(InputError, match="overlaps the input"):
+        create_anndata_collection([zarr_in], tmp_path / "link" / "in.zarr" / "coll",
+                                  progress=False)
+    assert not (zarr_in / "coll").exists()
 
 
 # -- atomicity -----------------------------------------------------------------------------

@@ -13,11 +13,12 @@ and reopens in whichever process reads it (safe under ``fork`` and ``spawn``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -48,6 +49,26 @@ logger = logging.getLogger(__name__)
 #: (cell types, donors, datasets: hundreds to tens of thousands). Integer ids in a numeric
 #: obs column remain selectable.
 MAX_LABEL_CATEGORIES = 100_000
+
+
+T = TypeVar("T")
+
+
+def _damage_is_collection_error(method: Callable[..., T]) -> Callable[..., T]:
+    """``method`` of a collection, whose failures to read bytes (a truncated or corrupted
+    chunk) raise :class:`CollectionError` with the rewrite fix, as batch reads do."""
+
+    @functools.wraps(method)
+    def wrapped(self: Source, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except CollectionError:
+            raise
+        except (OSError, RuntimeError) as e:  # e.g. rawzarr's ChunkError, a codec's error
+            raise CollectionError(f"{self.describe()}: {type(e).__name__}: {e}. "
+                                  f"{self.DAMAGE_FIX}") from e
+
+    return wrapped
 
 
 def too_many_categories(where: str, field: str, n: int) -> str:
@@ -320,6 +341,7 @@ class Collection(Source):
         state["_obs_names"] = {}  # per process: a spawned worker reads its own when asked
         return state
 
+    @_damage_is_collection_error
     def obs_names_at(self, rows: Any) -> pd.Index:
         """The obs_names (cell names) of global row ids ``rows``.
 
@@ -407,6 +429,7 @@ class Collection(Source):
             f"{what}s are {cols}."
         )
 
+    @_damage_is_collection_error
     def obs_at(self, rows: Any, columns: str | Sequence[str] | None = None) -> pd.DataFrame:
         """obs columns of global row ids ``rows``, without reading ``X``.
 
@@ -459,6 +482,7 @@ class Collection(Source):
                              if info.kind == "categorical" else out)
         return pd.DataFrame(data, index=self.obs_names_at(ids))
 
+    @_damage_is_collection_error
     def category_counts(self, column: str) -> pd.Series:
         """Cells per category of categorical obs ``column``, counted from the shards' codes.
 
@@ -531,6 +555,7 @@ class Collection(Source):
             return None
         return self._gene_frame("raw/var", self.raw_var_names)
 
+    @_damage_is_collection_error
     def _gene_frame(self, what: str, names: pd.Index) -> pd.DataFrame:
         frames: dict[str, pd.DataFrame] = self.__dict__.setdefault("_gene_frames", {})
         cached = frames.get(what)

@@ -60,7 +60,7 @@ from .harmonize import (
     no_x_reason,
     note_strings,
 )
-from .manifest import RAW_X, field_name_problem
+from .manifest import RAW_X, field_name_problem, looks_like_collection
 from .metadata import read_dataframe
 
 __all__ = [
@@ -401,6 +401,11 @@ def open_store(path: Path, *, chunk_cache: bool = True,
     if path.is_dir():
         import zarr
 
+        if looks_like_collection(path):
+            raise InputError(
+                f"{path}: is an annbatch_torch collection, not an AnnData input. Read it with "
+                "AnnBatchDataset(path) or open_collection(path); to write a new collection, "
+                "pass the inputs it was written from (its manifest lists them under 'inputs').")
         try:
             group: Any = zarr.open_group(str(path), mode="r")
         except Exception as e:
@@ -514,10 +519,10 @@ def _probe_memory_obs(s: pd.Series) -> ObsProbe:
     if isinstance(dt, pd.DatetimeTZDtype):
         return ObsProbe("unsupported", np.dtype("M8[ns]"), why=f"dtype {dt}", n_rows=n)
     if pd.api.types.is_numeric_dtype(dt) or pd.api.types.is_bool_dtype(dt):
-        if s.hasnans or not isinstance(dt, np.dtype):
-            return ObsProbe("numeric", np.dtype("f8") if s.hasnans else np.dtype(dt.numpy_dtype),
-                            n_rows=n)
-        return ObsProbe("numeric", dt, n_rows=n)
+        base = dt if isinstance(dt, np.dtype) else np.dtype(dt.numpy_dtype)
+        if s.hasnans and base.kind != "f":  # missing integers / booleans: float64 NaN
+            base = np.dtype("f8")
+        return ObsProbe("numeric", base, n_rows=n)
     if isinstance(dt, np.dtype) and dt.kind in "mM":
         return ObsProbe("unsupported", dt, why=f"dtype {dt}", n_rows=n)
     if pd.api.types.is_string_dtype(dt) or dt is np.dtype(object):
@@ -930,13 +935,13 @@ def open_inputs(objs: Sequence[Any], *, chunk_cache: bool = False) -> list[Input
     twice = _same_as(targets)
     if twice is not None:
         i, j = twice
-        t = targets[j]
-        what = (f"the same file ({Path(t).resolve()})" if isinstance(t, Path)
+        ti, tj = targets[i], targets[j]
+        what = (f"the same file ({Path(tj).resolve()})" if isinstance(tj, Path)
                 else "the same AnnData object")
         raise InputError(
-            f"input #{i} ({input_label(i, t if isinstance(t, Path) else None)}) and input #{j} "
-            f"({input_label(j, t if isinstance(t, Path) else None)}) are {what}; its cells "
-            "would be read twice. Fix: pass each input once."
+            f"input #{i} ({input_label(i, ti if isinstance(ti, Path) else None)}) and input "
+            f"#{j} ({input_label(j, tj if isinstance(tj, Path) else None)}) are {what}; its "
+            "cells would be read twice. Fix: pass each input once."
         )
     sources: list[InputSource] = []
     try:

@@ -236,6 +236,8 @@ def field_name_problem(name: Any) -> str | None:
         return "it is not 'X', 'raw/X', 'layers/NAME', 'obsm/NAME' or 'obs/NAME'"
     if key in ("", ".", ".."):
         return f"the name {key!r} cannot name a folder"
+    if kind == "obs" and key == "_index":
+        return "'_index' is the name AnnData stores the obs index under"
     bad = [c for c in ("/", "\\", "\0") if c in key]
     if bad:
         return f"the name {key!r} holds {bad[0]!r}, which cannot be part of a folder name"

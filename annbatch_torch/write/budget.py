@@ -39,17 +39,27 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 def parse_memory(value: int | float | str) -> int:
     """Bytes from an int or a string like ``"512MB"``, ``"2GiB"`` or ``"1.5G"``.
 
-    ``K/M/G/T`` (with or without ``B``) are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024.
+    ``K/M/G/T`` (with or without ``B``) are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024;
+    a number may have an exponent (``"1e9"``).
     """
     if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
         return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", str(value).lower())
-    if not m or float(m.group(1)) <= 0:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?\s*",
+                     str(value).lower())
+    if not m:
         raise InputError(
             f"max_memory={value!r} cannot be parsed; pass bytes (an int) or a string such as "
             "'512MB' or '2GiB'."
         )
+    if float(m.group(1)) <= 0:
+        raise InputError(f"max_memory={value!r} must be more than 0 bytes; pass a size such "
+                         "as '2GB', or leave it out for the default budget.")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def _mb(n: int) -> str:
+    """``n`` bytes as a ``max_memory`` string, e.g. ``"415MB"`` (``"0.0001MB"`` for 100)."""
+    return f"{n / 1e6:.4g}MB"
 
 
 def current_rss() -> int | None:
@@ -104,13 +114,13 @@ def working_memory(max_memory: int | None, n_cells: int) -> int:
     if work < MIN_WORK_MEMORY:
         need = -(-(rss + perm + RESERVE + MIN_WORK_MEMORY) // 10**6)
         raise InputError(
-            f"max_memory={max_memory / 1e6:.0f} MB is too small: this process already uses "
+            f"max_memory={_mb(max_memory)!r} is too small: this process already uses "
             f"{rss / 1e6:.0f} MB (measured RSS: interpreter, libraries, open inputs, data in "
             f"memory), the permutation of {n_cells} cells takes {perm / 1e6:.0f} MB and "
             f"{RESERVE / 1e6:.0f} MB are reserved for zarr's threads, leaving "
             f"{max(work, 0) / 1e6:.0f} MB for the writer's buffers (at least "
-            f"{MIN_WORK_MEMORY / 1e6:.0f} MB needed). Raise max_memory to at least "
-            f"max_memory='{need}MB' (peak RSS of the whole process stays under it)."
+            f"{MIN_WORK_MEMORY / 1e6:.0f} MB needed). Pass at least max_memory='{need}MB' "
+            "(peak RSS of the whole process stays under it)."
         )
     logger.info("max_memory %.0f MB: baseline RSS %.0f MB, permutation %.0f MB, reserve "
                 "%.0f MB, %.0f MB for the writer's buffers.", max_memory / 1e6, rss / 1e6,

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import InputError
+from ..store.collection import MAX_LABEL_CATEGORIES, too_many_categories
 from ..store.inputs import InputSource, nonempty, plan_fields
 from ..store.manifest import RAW_X
 from .varmeta import merge_var
@@ -218,9 +219,11 @@ def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[
     raw_genes, raw_why = _raw_axis(used, sources, var_join, reference, raw)
     requested = {"X": True, "layers": layers, "obsm": obsm, "obs": obs_columns,
                  "raw": raw if raw_why is None else False}
+    # a categorical past the label limit is refused by every reader: not written either
     plan = plan_fields(used, requested=requested, omit=_OMIT, warn=True,
                        matrix_width=len(genes.names),
-                       raw_width=None if raw_genes is None else len(raw_genes.names))
+                       raw_width=None if raw_genes is None else len(raw_genes.names),
+                       category_limit=MAX_LABEL_CATEGORIES, too_many=too_many_categories)
     if raw_why is not None:
         plan.unavailable[RAW_X] = raw_why
         logger.warning("%s is not carried: %s", RAW_X, raw_why)

@@ -118,8 +118,9 @@ def shard_layout(n_total: int, shard_obs: int) -> str:
 
 # -- the public entry point --------------------------------------------------------------
 def _check_output(out: Path, overwrite: bool, sources_paths: list[Path]) -> None:
+    real = out.resolve()  # through symbolic links, as the inputs' paths are
     for p in sources_paths:
-        if p == out or out in p.parents or p in out.parents:
+        if p == real or real in p.parents or p in real.parents:
             raise InputError(f"{out}: the output overlaps the input {p}; choose another "
                              "output_path.")
     if not (out.exists() or out.is_symlink()):
@@ -382,6 +383,7 @@ def create_anndata_collection(
         n_total = sum(s.n_obs for s in sources)
         work = _budget.working_memory(budget, n_total if shuffle else 0)
         shard_obs = int(n_obs_per_shard or _budget.shard_size(sources, schema, work, shuffle))
+        shard_obs = min(shard_obs, max(n_total, 1))  # more rows than cells: one shard
         logger.info("Writing %d cells x %d genes (%s join) from %d input(s) into %s at %s.",
                     n_total, len(schema.var_names), var_join, len(sources),
                     shard_layout(n_total, shard_obs), out)
