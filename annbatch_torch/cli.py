@@ -417,6 +417,10 @@ def _info(args: argparse.Namespace, parser: CliParser) -> int:
     try:
         group = open_store(path)
     except AnnBatchError as e:
+        if path.is_dir() and not any(path.iterdir()):
+            raise CliError(f"{path}: an empty folder, neither a collection nor an AnnData "
+                           "store. Write a collection there with: annbatch-torch shuffle "
+                           f"INPUT ... -o {path} --overwrite") from e
         if path.is_dir():  # a folder: say what a collection folder lacks
             return _info_collection(path, args)
         raise CliError(f"{path}: a file, not a collection folder (a collection is a folder "

@@ -592,3 +592,18 @@ def test_info_with_no_categories_shown_gives_the_counts(
                 if ln.strip().startswith("obs/cell_type"))
     n = len(small_collection.categories("cell_type"))
     assert line.rstrip().endswith(f"{n} categories")  # was "N categories: , ... (+N)"
+
+
+def test_an_output_under_a_file_and_info_on_an_empty_folder_say_so(
+        h5ad: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both printed only 'File exists' / an interrupted-write guess (found in review)."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    assert main(["shuffle", h5ad, "-o", str(blocker / "store"), "--no-progress"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"{blocker} is a file, so no folder can be made inside it" in line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["info", str(empty)]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"{empty}: an empty folder, neither a collection nor an AnnData store" in line

@@ -123,6 +123,10 @@ def _check_output(out: Path, overwrite: bool, sources_paths: list[Path]) -> None
         if p == real or real in p.parents or p in real.parents:
             raise InputError(f"{out}: the output overlaps the input {p}; choose another "
                              "output_path.")
+    blocker = next((q for q in out.parents if q.exists() and not q.is_dir()), None)
+    if blocker is not None:
+        raise InputError(f"{out}: {blocker} is a file, so no folder can be made inside it; "
+                         "choose another output_path.")
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
