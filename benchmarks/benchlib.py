@@ -2,7 +2,8 @@
 
 * :class:`MemoryMonitor` polls the RSS of this process and of every child process (the
   DataLoader workers) in a background thread and keeps per-process peaks; the true peak
-  of this process comes from ``getrusage`` (the kernel's high-water mark).
+  of this process comes from the kernel's high-water mark of this process image
+  (``VmHWM``, see :func:`peak_rss_self_mb`).
 * :func:`time_batches` drives any batch iterator: a few warm-up batches, then a fixed
   number of timed batches, collecting the labels of each timed batch.
 * :func:`batch_entropy` / :func:`random_batch_entropy` give the shuffle-quality score:
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -38,8 +40,23 @@ MB = 1024.0 * 1024.0
 
 
 def peak_rss_self_mb() -> float:
-    """Peak resident set size of this process so far (kernel high-water mark), in MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak resident set size of this process image so far, in MiB.
+
+    Linux: ``VmHWM`` of ``/proc/self/status``, the high-water mark of this process image
+    (reset at exec). Not ``getrusage().ru_maxrss``: Linux carries the parent's high-water
+    mark into a fork+exec'd child's, so every case started from a large parent (one that
+    generated the inputs in-process, say) reported the parent's peak. Elsewhere
+    ``ru_maxrss`` (KiB on Linux and BSD, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / MB if sys.platform == "darwin" else peak / 1024.0
 
 
 def rss_mb(pid: int | None = None) -> float:

@@ -65,3 +65,17 @@ def test_case_in_own_process_and_only_merges(tmp_path: Path) -> None:
     assert r["main_peak_rss_mb"] > 10  # measured in the case's own process
     res = _run(tmp_path, "--only", "annbatch")  # same configuration: results are merged
     assert set(res["cases"]) == {"ceiling_inmemory", "annbatch"}
+
+
+def test_a_case_reports_its_own_peak_not_its_parents() -> None:
+    """Linux carries a parent's ru_maxrss into a fork+exec'd child: every case started from
+    a large parent reported the parent's peak (issue 18). The child here allocates nothing."""
+    import numpy as np
+
+    big = np.ones(400 * 2**20 // 8)  # ~400 MiB, touched: the parent's high-water mark
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+            "from benchlib import peak_rss_self_mb; print(peak_rss_self_mb())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert big.sum() > 0
+    assert float(out) < 200, out  # an interpreter with numpy; the parent is above 400
