@@ -27,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zarr.codecs import BytesCodec, Crc32cCodec
 
+from annbatch_torch import AnnBatchDataset
 from annbatch_torch.datasets import write_synthetic_h5ads
 from annbatch_torch.errors import ReadError
 from annbatch_torch.read.reader import PoolReader
@@ -44,14 +45,17 @@ DTYPES = ("int32", "int64", "float32")
 
 # -- helpers ----------------------------------------------------------------------------
 def write_raw(
-    path: Path, values: np.ndarray, chunk: int, crc: bool, fill_value: Any = None
+    path: Path, values: np.ndarray, chunk: int, crc: bool, fill_value: Any = None,
+    per_shard: int | None = None,
 ) -> RawZarrArray:
-    """``values`` as a zarr v3 array of raw little-endian chunks (+ CRC-32C if ``crc``)."""
+    """``values`` as a zarr v3 array of raw little-endian chunks (+ CRC-32C if ``crc``);
+    ``per_shard``: inside zarr v3 shard files of that many chunks."""
     chunks = (chunk, *values.shape[1:])
     a = zarr.create_array(
         store=str(path),
         shape=values.shape,
         chunks=chunks,
+        shards=None if per_shard is None else (chunk * per_shard, *values.shape[1:]),
         dtype=values.dtype,
         compressors=[Crc32cCodec()] if crc else None,
         filters=None,
@@ -63,6 +67,7 @@ def write_raw(
     assert raw is not None
     assert raw.crc == crc
     assert raw.chunk_rows == chunk
+    assert raw.per_shard == (per_shard or 0)
     return raw
 
 
@@ -114,6 +119,7 @@ def runs_cases(draw: st.DrawFn) -> dict[str, Any]:
         "n": n, "chunk": chunk, "starts": starts, "stop": stop, "dests": dests,
         "out_len": pos, "dtype": draw(st.sampled_from(DTYPES)), "crc": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**32 - 1)),
+        "per_shard": draw(st.one_of(st.none(), st.integers(1, 5))),
     }
 
 
@@ -124,7 +130,8 @@ def test_read_runs_matches_numpy_reference(case: dict[str, Any]) -> None:
     dtype = case["dtype"]
     src = source_values(rng, case["n"], dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        raw = write_raw(Path(tmp) / "a", src, case["chunk"], case["crc"])
+        raw = write_raw(Path(tmp) / "a", src, case["chunk"], case["crc"],
+                        per_shard=case["per_shard"])
         out = np.full(case["out_len"], sentinel(dtype), dtype=dtype)
         ref = reference(src, case["starts"], case["stop"], case["dests"], out)
         raw.read_runs(case["starts"], case["stop"], case["dests"], out)
@@ -138,17 +145,18 @@ def test_read_runs_matches_numpy_reference(case: dict[str, Any]) -> None:
     cols=st.integers(1, 3),
     dtype=st.sampled_from(DTYPES),
     crc=st.booleans(),
+    per_shard=st.one_of(st.none(), st.integers(1, 4)),
     data=st.data(),
 )
 def test_read_into_and_getitem(n: int, chunk: int, cols: int, dtype: str, crc: bool,
-                               data: st.DataObject) -> None:
+                               per_shard: int | None, data: st.DataObject) -> None:
     rng = np.random.default_rng(n * 1000 + chunk)
     src = source_values(rng, n * cols, dtype)
     src = src.reshape(n, cols) if cols > 1 else src
     lo = data.draw(st.integers(0, n), label="lo")
     hi = data.draw(st.integers(lo, n), label="hi")
     with tempfile.TemporaryDirectory() as tmp:
-        raw = write_raw(Path(tmp) / "a", src, chunk, crc)
+        raw = write_raw(Path(tmp) / "a", src, chunk, crc, per_shard=per_shard)
         out = np.full((hi - lo, *src.shape[1:]), sentinel(dtype), dtype=dtype)
         raw.read_into(lo, hi, out)
         np.testing.assert_array_equal(out, src[lo:hi])
@@ -285,6 +293,72 @@ def test_oversize_chunk_raises(tmp_path: Path) -> None:
     with pytest.raises(ChunkError):
         raw.read_runs(np.array([31]), 32, np.array([0]), np.zeros(1, dtype=np.float32))
     np.testing.assert_array_equal(raw[:30], src[:30])
+
+
+# -- inside zarr v3 shard files ----------------------------------------------------------
+def test_shard_files_hold_the_chunks_and_their_index_is_checked(tmp_path: Path) -> None:
+    import pickle
+
+    src = np.arange(1, 101, dtype=np.float32)
+    raw = write_raw(tmp_path / "a", src, 10, crc=True, per_shard=4)  # 3 files: 4 + 4 + 2
+    assert (raw.nchunks, raw.nchunks_initialized) == (3, 3)
+    np.testing.assert_array_equal(raw[...], src)
+    again = pickle.loads(pickle.dumps(raw))  # no lock or cached index travels
+    np.testing.assert_array_equal(again[35:77], src[35:77])
+    # a flipped byte in shard 1's index: its chunks are refused, the others still read
+    p = chunk_path(raw, 1)
+    body = bytearray(p.read_bytes())
+    body[-10] ^= 0x01
+    p.write_bytes(bytes(body))
+    fresh = open_raw(tmp_path / "a")
+    assert fresh is not None
+    with pytest.raises(ChunkError, match="shard index checksum mismatch"):
+        fresh[40:41]
+    np.testing.assert_array_equal(fresh[:40], src[:40])
+    np.testing.assert_array_equal(fresh[80:], src[80:])
+    # a flipped byte in a chunk of shard 2: its checksum
+    p2 = chunk_path(raw, 2)
+    body = bytearray(p2.read_bytes())
+    body[5] ^= 0x01
+    p2.write_bytes(bytes(body))
+    with pytest.raises(ChunkError, match="checksum mismatch"):
+        open_raw(tmp_path / "a")[80:81]  # type: ignore[index]
+    # a truncated shard file: its index no longer fits where it says
+    p2.write_bytes(p2.read_bytes()[:30])
+    with pytest.raises(ChunkError):
+        open_raw(tmp_path / "a")[80:81]  # type: ignore[index]
+
+
+def test_a_missing_shard_or_inner_chunk_is_damage_where_every_chunk_was_written(
+        tmp_path: Path) -> None:
+    src = np.arange(1, 41, dtype=np.int32)
+    raw = write_raw(tmp_path / "a", src, 10, crc=True, per_shard=2)
+    chunk_path(raw, 1).unlink()
+    fresh = open_raw(tmp_path / "a")
+    assert fresh is not None
+    assert fresh.nchunks_initialized == 1
+    np.testing.assert_array_equal(fresh[20:], np.zeros(20, np.int32))  # zarr: fill value
+    fresh.require_chunks = True  # a collection's writer wrote every chunk
+    with pytest.raises(ChunkError, match="is missing"):
+        fresh[25:26]
+    np.testing.assert_array_equal(fresh[:20], src[:20])
+
+
+@pytest.mark.parametrize("shard_elems", [None, 1 << 12])
+def test_a_sharded_collection_reads_the_same_through_the_fast_path(
+        synthetic_h5ads: list[Path], tmp_path: Path, shard_elems: int | None) -> None:
+    coll = create_anndata_collection(synthetic_h5ads, tmp_path / "s", seed=0, progress=False,
+                                     n_obs_per_shard=1024, zarr_chunk_elems=1 << 10,
+                                     zarr_shard_elems=shard_elems)
+    el = coll.element(0, "X")
+    assert el.can_scatter  # raw chunks read by rawzarr, sharded or not
+    assert el.data.per_shard == (0 if shard_elems is None else 4)
+    ref = create_anndata_collection(synthetic_h5ads, tmp_path / "ref", seed=0, progress=False,
+                                    n_obs_per_shard=1024, compressor="lz4")
+    kw: dict[str, Any] = dict(batch_size=128, seed=5, return_index=True, densify=True)
+    for a, b in zip(AnnBatchDataset(coll, **kw), AnnBatchDataset(ref, **kw)):
+        np.testing.assert_array_equal(a["index"].numpy(), b["index"].numpy())
+        np.testing.assert_array_equal(a["X"].numpy(), b["X"].numpy())
 
 
 # -- CSRElement.read_rows_scatter ---------------------------------------------------------

@@ -592,6 +592,8 @@ class Collection(Source):
             (f"{field}/{k}", node[k]) for k in node.array_keys()
         ]
         for name, arr in arrays:
+            if hasattr(arr, "require_chunks"):  # rawzarr: an absent inner chunk is damage too
+                arr.require_chunks = True
             have, want = int(arr.nchunks_initialized), int(arr.nchunks)
             if have < want:
                 raise CollectionError(
