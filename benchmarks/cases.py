@@ -99,7 +99,8 @@ def case_writer(cfg: Config) -> Result:
 
     writer = abt.create_anndata_collection
     params = inspect.signature(writer).parameters
-    kwargs: dict[str, Any] = {"seed": cfg["seed"], "overwrite": True}
+    kwargs: dict[str, Any] = {"seed": cfg["seed"], "overwrite": True,
+                              **cfg.get("writer_kwargs", {})}
     if cfg.get("max_memory") is not None:
         kwargs["max_memory"] = cfg["max_memory"]
     if "obs_columns" in params:
@@ -604,6 +605,63 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
 }
 
 
+# -- cold: the page cache dropped before the case ---------------------------------------
+def drop_page_cache() -> str | None:
+    """Drop Linux's page cache (``sync; echo 3 > /proc/sys/vm/drop_caches``); why not, or
+    ``None`` when done (needs root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        return f"cannot drop the page cache ({e.strerror or e}); cold cases need root on Linux"
+    return None
+
+
+def _cold(name: str) -> Callable[[Config], Result]:
+    warm = CASES[name]
+
+    def case(cfg: Config) -> Result:
+        # the first epoch only, from disk: no warm-up, no batch of a second epoch
+        per_epoch = max(1, cfg["n_obs"] // cfg["batch_size"] - 1)
+        cfg = dict(cfg, n_warmup=0, n_batches=min(cfg["n_batches"], per_epoch), seq_passes=1)
+        why = drop_page_cache()
+        if why is not None:
+            return {"status": "skipped", "reason": why}
+        out = warm(cfg)
+        out["cold"] = True
+        return out
+
+    case.__doc__ = (f"{' '.join((warm.__doc__ or name).split())} Cold: the page cache is "
+                    "dropped first and only the first epoch's batches are timed.")
+    return case
+
+
+def case_ceiling_disk_cold(cfg: Config) -> Result:
+    """The disk's cold sequential read bandwidth (one large input file, 8 MiB reads) divided
+    by the collection's bytes per cell: the most cells/s any loader could read from disk on
+    that layout."""
+    big = max(cfg["paths"], key=lambda p: Path(p).stat().st_size)
+    store_bytes = sum(f.stat().st_size for f in Path(cfg["store"]).rglob("*") if f.is_file())
+    why = drop_page_cache()
+    if why is not None:
+        return {"status": "skipped", "reason": why}
+    buf = bytearray(8 << 20)
+    n = 0
+    t0 = time.perf_counter()
+    with open(big, "rb", buffering=0) as f:
+        while True:
+            k = f.readinto(buf)
+            if not k:
+                break
+            n += k
+    seconds = time.perf_counter() - t0
+    per_cell = store_bytes / cfg["n_obs"]
+    return {"cells_per_s": n / seconds / per_cell, "seconds": seconds, "cold": True,
+            "disk_mb_per_s": n / seconds / 2**20, "file_bytes": n,
+            "store_bytes_per_cell": per_cell, "file": str(big)}
+
+
 # -- registry ---------------------------------------------------------------------------
 CASES: dict[str, Callable[[Config], Result]] = {
     "writer": case_writer,
@@ -625,6 +683,12 @@ CASES: dict[str, Callable[[Config], Result]] = {
     "memory": case_memory,
     **EXPERIMENTS,
 }
+#: cases also run cold (``run.py --cold``) as ``<name>_cold``
+COLD = ("ours_sparse_w0", "ours_dense_w0", "ours_sparse_w2", "ours_dense_w2", "annbatch",
+        "ceiling_seq_raw")
+CASES.update({f"{n}_cold": _cold(n) for n in COLD})
+CASES["ceiling_disk_cold"] = case_ceiling_disk_cold
+COLD_CASES = (*(f"{n}_cold" for n in COLD), "ceiling_disk_cold")
 
 
 def run_case(name: str, cfg: Config) -> Result:

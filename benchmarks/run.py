@@ -5,6 +5,8 @@ Usage:
     python benchmarks/run.py                 # 100,000 x 20,000, batch 4096 (minutes)
     python benchmarks/run.py --small         # 20,000 x 2,000 (CI size)
     python benchmarks/run.py --only ours_dense_w0,scdataset_w0
+    python benchmarks/run.py --cold --repeat 3   # also from disk: page cache dropped (root)
+    python benchmarks/run.py --shard-elems 4194304   # a collection in zarr v3 shard files
 
 Builds two grouped h5ad files with annbatch_torch.datasets.write_synthetic_h5ads (cached
 under benchmarks/data/), runs every case of benchmarks/cases.py in its own fresh process,
@@ -30,12 +32,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import report  # noqa: E402
-from cases import CASES, EXPERIMENTS  # noqa: E402
+from cases import CASES, COLD_CASES, EXPERIMENTS  # noqa: E402
 
 __all__ = ["main", "build_data", "run_cases", "best_of"]
 
 #: cases that read the collection written by the ``writer`` case
-NEEDS_STORE = {*EXPERIMENTS, "ceiling_seq_zarr", "ceiling_seq_zarrs", "ceiling_seq_raw",
+NEEDS_STORE = {*EXPERIMENTS, *COLD_CASES, "ceiling_seq_zarr", "ceiling_seq_zarrs",
+               "ceiling_seq_raw",
                "ours_dense_w0",
                "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2", "memory"}
 
@@ -80,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     p.add_argument("--rebuild", action="store_true", help="regenerate the h5ad inputs")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--cold", action="store_true",
+                   help="also run the cold cases (<case>_cold: the page cache is dropped "
+                        "first and the first epoch timed; and ceiling_disk_cold); needs root")
+    p.add_argument("--shard-elems", type=positive, default=None, metavar="N",
+                   help="write the collection in zarr v3 shard files of N elements "
+                        "(zarr_shard_elems; default: the writer's)")
+    p.add_argument("--compressor", default=None,
+                   help="the collection's codec (raw, lz4, zstd; default: the writer's)")
     p.add_argument("--in-process", action="store_true",
                    help="run the cases in this process (fast smoke tests; RSS figures are "
                         "then not per loader)")
@@ -249,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     n_obs = args.n_obs if args.n_obs is not None else (20_000 if args.small else 100_000)
     n_vars = args.n_vars if args.n_vars is not None else (2_000 if args.small else 20_000)
     n_batches = args.n_batches if args.n_batches is not None else (10 if args.small else 40)
-    names = [n for n in CASES if n not in EXPERIMENTS]
+    names = [n for n in CASES if n not in EXPERIMENTS and n not in COLD_CASES]
     if args.experiments:
         names += list(EXPERIMENTS)
+    if args.cold:
+        names += list(COLD_CASES)
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
         unknown = [n for n in names if n not in CASES]
@@ -263,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
     paths, folder = build_data(args.data_dir, n_obs, n_vars, args.seed, args.rebuild,
                                args.quiet)
-    store = folder / "collection"
+    writer_kwargs = {k: v for k, v in (("zarr_shard_elems", args.shard_elems),
+                                       ("compressor", args.compressor)) if v is not None}
+    store = folder / ("collection" + "".join(f"_{k}-{v}" for k, v in writer_kwargs.items()))
     if ("writer" not in names and NEEDS_STORE & set(names)
             and not (store / "manifest.json").exists()):
         names.insert(0, "writer")  # the loaders need the collection
@@ -278,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "slow_batches": args.slow_batches, "memory_epochs": args.memory_epochs,
         "max_memory": args.max_memory, "n_classes": n_classes,
         "scd_block_size": args.scd_block_size, "scd_fetch_factor": args.scd_fetch_factor,
-        "seq_passes": args.seq_passes,
+        "seq_passes": args.seq_passes, "writer_kwargs": writer_kwargs,
     }
     key = {k: cfg[k] for k in ("n_obs", "n_vars", "batch_size", "seed")}
     results: dict[str, Any] = {"cases": {}}
