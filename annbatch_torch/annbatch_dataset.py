@@ -205,7 +205,7 @@ class AnnBatchDataset(IterableDataset):
                       if var_names is not None and (by_var or RAW_X not in paths) else None)
         raw_names = self.source.raw_var_names
         self._raw_genes = (GeneSelection(raw_names, var_names, f"{self.source.describe()} "
-                                         "(raw)")
+                                         "(raw)", attr="raw_var_names")
                            if var_names is not None and raw_names is not None
                            and RAW_X in paths else None)
         if not isinstance(mask_key, str) or not mask_key:

@@ -119,7 +119,7 @@ def gene_list_file(text: str) -> list[str]:
     starting with ``#`` are skipped), else an argument error naming the file."""
     path = Path(text).expanduser()
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM from Excel: not a gene
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise argparse.ArgumentTypeError(
@@ -450,6 +450,10 @@ def _info_collection(path: Path, args: argparse.Namespace) -> int:
         print(f"raw genes   {len(coll.raw_var_names):,} (first: {_first(coll.raw_var_names)})")
     var_columns = list(coll.var.columns)
     print("var         " + (", ".join(map(str, var_columns)) if var_columns else "(no columns)"))
+    raw_var = coll.raw_var
+    if raw_var is not None:
+        print("raw var     " + (", ".join(map(str, raw_var.columns)) if len(raw_var.columns)
+                                else "(no columns)"))
     print(f"shards      {len(sizes)} of {min(sizes):,}-{max(sizes):,} rows" if sizes else
           "shards      0")
     print(f"on disk     {_human(disk_usage(coll.path)[0])}")

@@ -118,6 +118,7 @@ def test_python_dash_m(tmp_path: Path) -> None:
     assert r.returncode == 0
     assert "shuffle" in r.stdout
     assert "info" in r.stdout
+    (tmp_path / "shard_00000.zarr").mkdir()  # a folder left by an interrupted write
     r = subprocess.run([sys.executable, "-m", "annbatch_torch.cli", "info", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2
@@ -184,7 +185,7 @@ def test_existing_output_and_missing_input_speak_flags(
 
 def test_collection_errors_name_the_shuffle_command(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "half").mkdir()  # a folder without manifest.json: an interrupted write
+    (tmp_path / "half" / "shard_00000.zarr").mkdir(parents=True)  # an interrupted write
     assert main(["info", str(tmp_path / "half")]) == 2
     line = _error_line(capsys.readouterr().err)
     assert "manifest.json is missing" in line

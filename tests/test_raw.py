@@ -242,3 +242,21 @@ def test_raw_selectors() -> None:
         Field.parse("raw/counts")
     with pytest.raises(ValueError, match="'raw/X'"):
         Field.parse("rawX")
+
+
+def test_duplicate_raw_genes_follow_the_field_rule(tmp_path: Path,
+                                                   write_h5ads: WriteH5ads) -> None:
+    """The writer crashed in pandas (InvalidIndexError) with the default inner join."""
+    a = _with_raw("a", 12, ["g0", "g1", "g2", "g3"], ["g0", "g1"], 1)
+    raw = a.raw.to_adata()
+    raw.var_names = ["g0", "g1", "g1", "g3"]
+    a.raw = raw
+    for inputs in ([a], write_h5ads([a], tmp_path / "in")):
+        coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
+                                             overwrite=True)
+        assert "raw/X" not in coll.fields
+        assert "raw.var_names are not unique" in coll.unavailable["raw/X"]
+        with pytest.raises(InputError, match=r"raw\.var_names are not unique"):
+            abt.create_anndata_collection(inputs, tmp_path / "asked", progress=False,
+                                          raw=True)
+        assert not (tmp_path / "asked").exists()

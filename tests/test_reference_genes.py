@@ -153,7 +153,9 @@ def test_prepare_collection_rewrites_for_another_reference_only(tmp_path: Path,
     # var_join is moot with a reference: giving it too keeps the store
     assert not prepare_collection(paths, store, var_names=["G2", "G0"], var_join="inner",
                                   progress=False)
-    assert prepare_collection(paths, store, var_names=["G0", "G2"], progress=False)
+    # a generator is read once (the staleness check emptied it before the writer ran)
+    assert prepare_collection(paths, store, var_names=(g for g in ["G0", "G2"]),
+                              progress=False)
     assert list(abt.open_collection(store).var_names) == ["G0", "G2"]
     assert prepare_collection(paths, store, var_join="inner", progress=False)
     assert list(abt.open_collection(store).var_names) == ["G0", "G1", "G2"]
@@ -168,7 +170,8 @@ def test_the_cli_takes_a_gene_list_file(tmp_path: Path, capsys: pytest.CaptureFi
     a = _adata("a", ["G0", "G1", "G2"], 30)
     paths = write_h5ads([a], tmp_path / "in")
     genes = tmp_path / "genes.txt"
-    genes.write_text("# a foundation model's genes\nG2\n\nG7\n G0 \n")
+    # saved by Excel or Notepad: a byte-order mark first (it became part of 'G2')
+    genes.write_bytes("\ufeff# a foundation model's genes\nG2\n\nG7\n G0 \n".encode())
     assert main(["-q", "shuffle", *map(str, paths), "-o", str(tmp_path / "store"),
                  "--var-names", str(genes), "--no-progress"]) == 0
     coll = abt.open_collection(tmp_path / "store")
@@ -280,3 +283,44 @@ def test_a_single_input_keeps_all_its_var_columns_legacy_files_too(
     assert list(want.columns) == ["n_counts", "means", "dispersions", "dispersions_norm",
                                   "highly_variable"]
     pd.testing.assert_frame_equal(coll.var, want, check_names=False)
+
+
+# -- found in review --------------------------------------------------------------------
+def test_a_categorical_and_a_string_var_column_merge(tmp_path: Path,
+                                                     write_h5ads: WriteH5ads) -> None:
+    """The writer crashed (.cat on the string column)."""
+    a = _with_var(_adata("a", ["G0", "G1", "G2"], 10), symbol=pd.Categorical(["A", "B", "C"],
+                                                                            ordered=True))
+    b = _with_var(_adata("b", ["G0", "G1", "G2"], 10, seed=1), symbol=["A", "B", "C"])
+    for inputs in ([a, b], write_h5ads([a, b], tmp_path / "in")):
+        coll = abt.create_anndata_collection(inputs, tmp_path / "out", progress=False,
+                                             overwrite=True)
+        sym = coll.var["symbol"]
+        assert list(sym.astype(str)) == ["A", "B", "C"]
+        assert isinstance(sym.dtype, pd.CategoricalDtype)
+        assert not sym.cat.ordered  # one input has no order
+
+
+def test_nullable_and_wide_integer_var_columns(tmp_path: Path) -> None:
+    """pandas' nullable Int64 / Float64 (what anndata reads from a file) crashed the writer
+    from memory; uint64 above int64 crashed it once a gene was missing; nullable columns
+    came back from Collection.var as float64 although the shards hold them nullable."""
+    a = _with_var(_adata("a", ["G0", "G1", "G2"], 10),
+                  n=pd.array([1, None, 3], dtype="Int64"),
+                  f=pd.array([0.5, None, 1.5], dtype="Float64"),
+                  flag=pd.array([True, None, False], dtype="boolean"),
+                  big=np.array([2**63 + 5, 1, 2], dtype=np.uint64),
+                  small=np.array([7, 8, 9], dtype=np.uint64))
+    coll = abt.create_anndata_collection([a], tmp_path / "out", progress=False,
+                                         var_names=["G2", "NEW", "G0", "G1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shard_var = ad.read_zarr(coll.shard_path(0)).var
+    var = coll.var
+    pd.testing.assert_frame_equal(var, shard_var, check_names=False)
+    assert list(var["n"].astype(object)) == [3, pd.NA, 1, pd.NA]
+    assert list(var["flag"].astype(object)) == [False, pd.NA, True, pd.NA]
+    np.testing.assert_array_equal(var["f"].to_numpy(dtype=float, na_value=np.nan),
+                                  [1.5, np.nan, 0.5, np.nan])
+    assert list(var["small"].astype(object)) == [9, pd.NA, 7, 8]
+    assert list(var["big"].astype(object)) == [2, pd.NA, 2**63 + 5, 1]  # UInt64

@@ -35,6 +35,9 @@ class GeneSelection:
         The genes to read, in the order wanted; each must be a gene of the source, once.
     where
         Names the source in error messages.
+    attr
+        The source's attribute holding ``source_var_names``, named in the fix
+        (``"raw_var_names"`` for raw).
 
     Raises
     ------
@@ -43,7 +46,7 @@ class GeneSelection:
     """
 
     def __init__(self, source_var_names: Sequence[str], var_names: Sequence[str],
-                 where: str = "the source") -> None:
+                 where: str = "the source", attr: str = "var_names") -> None:
         wanted = pd.Index([str(v) for v in var_names]) if not isinstance(var_names, str) else None
         if wanted is None or len(wanted) == 0:
             raise SchemaError(f"var_names must be a non-empty list of gene names, got "
@@ -59,7 +62,7 @@ class GeneSelection:
             raise SchemaError(
                 f"{where}: {len(missing)} of the {len(wanted)} var_names are not among its "
                 f"{len(src)} genes (e.g. {list(missing[:5])}). Read only genes it has "
-                "(e.g. [g for g in var_names if g in set(collection.var_names)]), or check "
+                f"(e.g. [g for g in var_names if g in set(collection.{attr})]), or check "
                 "that both use the same gene identifiers (symbols vs Ensembl IDs)."
             )
         #: the selected genes, in output order

@@ -207,13 +207,32 @@ def as_categorical(codes: np.ndarray, categories: Any, ordered: bool) -> pd.Cate
     )
 
 
+def _nullable(node: Any, n_rows: int) -> Any:
+    """A nullable-integer / nullable-boolean column as pandas' ``Int64``-style / ``boolean``
+    array (values and mask as stored), else ``None``."""
+    from .elements import encoding_type
+
+    if node is None or encoding_type(node) not in ("nullable-integer", "nullable-boolean"):
+        return None
+    try:
+        values, mask = np.asarray(node["values"][...]), np.asarray(node["mask"][...], bool)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if values.shape != (n_rows,) or mask.shape != (n_rows,):
+        return None  # the element reader reports the damage
+    if values.dtype.kind == "b":
+        return pd.arrays.BooleanArray(values, mask)
+    return pd.arrays.IntegerArray(values, mask)
+
+
 def read_dataframe(group: Any, n_rows: int, where: str, what: str) -> pd.DataFrame:
     """An AnnData dataframe group (``var``) as a :class:`pandas.DataFrame`.
 
     Columns are read as :mod:`annbatch_torch.store.elements` reads obs columns
     (:func:`~annbatch_torch.store.elements.open_element`): categoricals become
     :class:`pandas.Categorical` with the stored categories, strings object arrays of str,
-    numeric and bool as stored, nullable integers / booleans float64 with NaN where missing.
+    numeric and bool as stored, nullable integers / booleans as pandas' nullable arrays
+    (``Int64``, ``boolean``, ..., as anndata reads them).
     Columns in the order of the ``column-order`` attribute (else the group's, the index
     excepted). A column stored in an encoding :func:`open_element` cannot read (e.g. a
     nested dataframe or an awkward array) is left out with a logged warning.
@@ -250,6 +269,13 @@ def read_dataframe(group: Any, n_rows: int, where: str, what: str) -> pd.DataFra
     data: dict[str, Any] = {}
     for col in columns:
         name = f"{what}/{col}"
+        try:
+            nullable = _nullable(group[col], n_rows)
+        except KeyError:
+            nullable = None
+        if nullable is not None:
+            data[col] = nullable
+            continue
         try:
             el = open_element(group[col], name, where)
         except (InputError, KeyError) as e:

@@ -133,5 +133,10 @@ def prepare_collection(
     """
     if not adata_paths:
         raise ValueError("prepare_collection needs at least one input (adata_paths is empty).")
+    if collection_kwargs.get("var_names") is not None and not isinstance(
+            collection_kwargs["var_names"], str | bytes):
+        # read once: the staleness check and the writer both use it (a generator would be
+        # empty for the second)
+        collection_kwargs["var_names"] = list(collection_kwargs["var_names"])
     return write_if_stale(adata_paths, store_path, explicit_settings(collection_kwargs),
                           collection_kwargs)

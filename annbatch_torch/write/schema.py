@@ -189,6 +189,12 @@ def _raw_axis(used: list[InputSource], sources: list[InputSource], var_join: str
         return None, None
     if any(s.raw_var_names is None for s in used):
         return None, None  # plan_fields says which input lacks it
+    damaged = next((s.matrices[RAW_X] for s in used if s.matrices[RAW_X].kind == "damaged"),
+                   None)
+    if damaged is not None:  # e.g. raw.var_names that are not unique: no axis to join
+        if raw:
+            raise InputError(damaged.why + ".")
+        return None, damaged.why
     try:
         axis = join_genes([(s.label, pd.Index(s.raw_var_names)) for s in used],
                           [None if s.raw_var_names is None else pd.Index(s.raw_var_names)

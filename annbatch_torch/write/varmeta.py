@@ -65,29 +65,43 @@ def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return eq | (na & nb)
 
 
+def _numpy_dtype(s: pd.Series) -> np.dtype:
+    """A column's numpy dtype (pandas' nullable ``Int64`` / ``Float64`` / ``boolean``: the
+    one they hold)."""
+    dt = s.dtype
+    return np.dtype(getattr(dt, "numpy_dtype", dt))
+
+
 def _build(values: np.ndarray, missing: np.ndarray, kinds: list[str],
            columns: list[pd.Series]) -> Any:
-    """The kept column's values in the collection's dtype (see the module docs)."""
+    """The kept column's values in the collection's dtype (see the module docs), or a
+    string: why it cannot be kept."""
     kind = kinds[0] if len(set(kinds)) == 1 else "category" if "category" in kinds else "float"
     if kind == "category":
         cats: dict[Any, None] = {}
-        for c in columns:
-            if isinstance(c.dtype, pd.CategoricalDtype):
-                cats.update(dict.fromkeys(c.cat.categories))
+        categorical = [c for c in columns if isinstance(c.dtype, pd.CategoricalDtype)]
+        for c in categorical:
+            cats.update(dict.fromkeys(c.cat.categories))
         cats.update(dict.fromkeys(sorted(set(values[~missing]) - set(cats))))
-        orders = [list(c.cat.categories) for c in columns]
-        ordered = all(c.cat.ordered for c in columns) and all(o == orders[0] for o in orders)
+        orders = [list(c.cat.categories) for c in categorical]
+        ordered = (len(categorical) == len(columns) and all(c.cat.ordered for c in categorical)
+                   and all(o == orders[0] for o in orders))
         return pd.Categorical(values, categories=list(cats), ordered=ordered)
     if kind == "str":
         return pd.Categorical(values) if missing.any() else values.astype(str).astype(object)
     if kind == "bool":
         return pd.array(values, dtype="boolean") if missing.any() else values.astype(bool)
     if kind == "int":
-        if missing.any():
-            return pd.array(values, dtype="Int64")
-        return values.astype(np.result_type(*[c.dtype for c in columns]))
-    dtype = np.result_type(*[c.dtype for c in columns]) if kinds == ["float"] * len(kinds) \
-        else np.dtype(np.float64)
+        dtype = np.result_type(*[_numpy_dtype(c) for c in columns])
+        if not missing.any() and not any(c.hasnans for c in columns):
+            return values.astype(dtype)
+        unsigned = dtype.kind == "u"
+        present = values[~missing]
+        if present.size and not unsigned and max(present) > np.iinfo(np.int64).max:
+            return "its values do not fit int64 once missing genes are added"
+        return pd.array(values, dtype="UInt64" if unsigned else "Int64")
+    floats = [_numpy_dtype(c) for c in columns]
+    dtype = np.result_type(*floats) if kinds == ["float"] * len(kinds) else np.dtype(np.float64)
     out = np.full(len(values), np.nan, dtype=dtype)
     out[~missing] = values[~missing].astype(dtype)
     return out
@@ -174,9 +188,12 @@ def merge_var(frames: Sequence[pd.DataFrame], labels: Sequence[str],
             continue
         missing |= owner < 0
         values[missing] = np.nan
-        out[c] = _build(values, missing, [kd for kd in kinds if kd is not None], columns)
+        built = _build(values, missing, [kd for kd in kinds if kd is not None], columns)
+        if isinstance(built, str):
+            dropped[key] = built
+            continue
+        out[c] = built
     if dropped:
         logger.warning("%s columns not carried: %s", what,
-                       "; ".join(f"{k.partition('/')[2] if what == 'var' else k} ({v})"
-                                 for k, v in dropped.items()))
+                       "; ".join(f"{k[len(what) + 1:]} ({v})" for k, v in dropped.items()))
     return VarMeta(out, dropped)
