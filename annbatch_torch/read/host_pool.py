@@ -15,6 +15,7 @@ from typing import Any
 
 import scipy.sparse as sp
 
+from .buffers import DenseBuffers
 from .csr import densify_csr, row_slice
 
 __all__ = ["HostPool"]
@@ -30,11 +31,15 @@ class HostPool:
         already in the order batches are cut (batch ``b`` is rows ``[b * bs, (b + 1) * bs)``).
     shared
         Densify into shared memory (set in DataLoader workers).
+    dense
+        Dense batch arrays to reuse once the consumer let go of them (not with ``shared``).
     """
 
-    def __init__(self, values: Mapping[str, Any], *, shared: bool = False) -> None:
+    def __init__(self, values: Mapping[str, Any], *, shared: bool = False,
+                 dense: DenseBuffers | None = None) -> None:
         self.values: dict[str, Any] = dict(values)
         self.shared = shared
+        self.dense = None if shared else dense
         self.n_pool_rows = next((int(v.shape[0]) for v in self.values.values()), 0)
 
     def __len__(self) -> int:
@@ -62,7 +67,7 @@ class HostPool:
         for path, value in self.values.items():
             part = row_slice(value, start, stop)
             if sp.issparse(part) and (densify is True or (densify and path in densify)):
-                part = densify_csr(part, shared=self.shared)
+                part = densify_csr(part, shared=self.shared, buffers=self.dense)
             out[path] = part
         return out
 

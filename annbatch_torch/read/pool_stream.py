@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..sampling import WorkItem
+from .buffers import DenseBuffers
 from .device_pool import DevicePool
 from .genes import GeneSelection
 from .host_pool import HostPool
@@ -67,6 +68,8 @@ class PoolStream:
         self.device = device
         self.genes = {p: g for p, g in (genes or {}).items() if not g.identity}
         self.ahead: ReadAhead | None = None
+        #: dense batch arrays reused across batches and pools (host pools)
+        self.dense = DenseBuffers()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -82,7 +85,7 @@ class PoolStream:
                       for p, v in values.items()}
         if self.device is not None:  # uploaded here: overlaps the current pool's batches
             return DevicePool(values, self.device)
-        return HostPool(values, shared=shared)
+        return HostPool(values, shared=shared, dense=self.dense)
 
     def pools(self, items: Sequence[WorkItem], *, prefetch: bool, shared: bool = False,
               upcoming: Callable[[], WorkItem | None] | None = None
