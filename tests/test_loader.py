@@ -456,7 +456,7 @@ def test_dense_batches_reuse_arrays_only_once_let_go(small_collection: Collectio
     del kept
     for _ in abt.AnnBatchDataset(small_collection, **kw):  # a new stream, fresh buffers
         pass
-    for b in ds:  # the first stream again: arrays of dropped batches come back
+    for _ in ds:  # the first stream again: arrays of dropped batches come back
         pass
     for idx, x in views:
         for i, row in zip(idx.numpy(), x.numpy()):

@@ -85,8 +85,9 @@ class DenseBuffers:
     A fresh array of a 4096 x 20000 batch is 328 MB whose first touch costs page faults;
     one the consumer dropped (nothing but this cache references it: a tensor made with
     ``torch.from_numpy`` holds a reference) is handed out again, to be zeroed and filled.
-    A training loop still holds the previous batch while the next one is made, so a few
-    are kept.
+    A training loop still holds the previous batch while the next one is made: two are
+    kept (the one in use and the one being made), so at most two batches' worth of dense
+    memory stays allocated.
 
     Parameters
     ----------
@@ -94,7 +95,7 @@ class DenseBuffers:
         Arrays remembered for reuse.
     """
 
-    def __init__(self, keep: int = 3) -> None:
+    def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self.allocations = 0  # arrays allocated (not reused) so far
         self._owners: list[np.ndarray] = []
