@@ -263,14 +263,16 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in CASES if n not in EXPERIMENTS and n not in COLD_CASES]
     if args.experiments:
         names += list(EXPERIMENTS)
-    if args.cold:
-        names += list(COLD_CASES)
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
         unknown = [n for n in names if n not in CASES]
         if unknown:
             print(f"unknown case(s) {unknown}; cases: {', '.join(CASES)}", file=sys.stderr)
             return 2
+    if args.cold:  # the cold twins of the chosen cases, and the disk ceiling
+        cold = [c for c in COLD_CASES if c.removesuffix("_cold") in names
+                or (not args.only and c.endswith("_cold"))]
+        names += [c for c in [*cold, "ceiling_disk_cold"] if c not in names]
     if args.skip:
         names = [n for n in names if n not in set(args.skip.split(","))]
 
