@@ -471,3 +471,25 @@ def test_dense_batches_reuse_arrays_only_once_let_go(small_collection: Collectio
         n += 1
     assert ds2._stream is not None
     assert ds2._stream.dense.allocations <= 4 < n  # the last batch's shape differs
+
+
+def test_batches_densified_in_the_main_process_reuse_arrays_once_let_go(
+        small_collection: Collection) -> None:
+    kw: dict[str, Any] = dict(batch_size=100, chunk_size=64, preload_nchunks=4,
+                              densify=True, return_index=True, seed=4)
+    ref = {int(i): r for b in abt.AnnBatchDataset(small_collection, **kw)
+           for i, r in zip(b["index"].numpy(), b["X"].numpy().copy())}
+    loader = abt.AnnBatchDataLoader(abt.AnnBatchDataset(small_collection, **kw),
+                                    num_workers=2)
+    kept = list(loader)  # workers send CSR, the main process densifies
+    assert len({b["X"].data_ptr() for b in kept}) == len(kept)
+    for b in kept:
+        for i, row in zip(b["index"].numpy(), b["X"].numpy()):
+            np.testing.assert_array_equal(row, ref[int(i)])
+    it = iter(loader)
+    n = 0
+    for b in it:
+        i, x = b["index"].numpy(), b["X"].numpy()
+        np.testing.assert_array_equal(x[0], ref[int(i[0])])
+        n += 1
+    assert it._dense.allocations <= 4 < n

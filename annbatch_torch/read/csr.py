@@ -138,8 +138,9 @@ def row_slice(value: Any, lo: int, hi: int) -> Any:
                     (hi - lo, value.shape[1]))
 
 
-def csr_tensor_to_dense(t: torch.Tensor) -> torch.Tensor:
-    """Densify a CPU ``torch.sparse_csr_tensor`` with scipy (float32 stays float32)."""
+def csr_tensor_to_dense(t: torch.Tensor, buffers: DenseBuffers | None = None) -> torch.Tensor:
+    """Densify a CPU ``torch.sparse_csr_tensor`` with scipy (float32 stays float32);
+    ``buffers``: into a reused array (see :func:`densify_csr`)."""
     m = csr_view(t.values().numpy(), t.col_indices().numpy(), t.crow_indices().numpy(),
                  (int(t.shape[0]), int(t.shape[1])))
-    return torch.from_numpy(densify_csr(m))
+    return torch.from_numpy(densify_csr(m, buffers=buffers))

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import get_worker_info
 
+from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
 __all__ = ["DensifyPolicy", "Densifying"]
@@ -78,13 +79,14 @@ class DensifyPolicy:
         the user's ``worker_init_fn`` (picklable for ``spawn``)."""
         return _Install(self, user_fn)
 
-    def finish(self, batch: Any) -> Any:
-        """Densify :attr:`main_keys` of a batch that arrived from a worker (in place)."""
+    def finish(self, batch: Any, buffers: DenseBuffers | None = None) -> Any:
+        """Densify :attr:`main_keys` of a batch that arrived from a worker (in place;
+        ``buffers``: into reused arrays)."""
         if self.where == "main" and isinstance(batch, dict):
             for k in self.main_keys:
                 v = batch.get(k)
                 if isinstance(v, torch.Tensor) and v.layout == torch.sparse_csr:
-                    batch[k] = csr_tensor_to_dense(v)
+                    batch[k] = csr_tensor_to_dense(v, buffers)
         return batch
 
 
@@ -107,12 +109,14 @@ class Densifying:
     def __init__(self, it: Iterator[Any], policy: DensifyPolicy) -> None:
         self._it = it
         self._policy = policy
+        # one array per densified key for the batch in use and the one being made
+        self._dense = DenseBuffers(keep=2 * max(1, len(policy.main_keys)))
 
     def __iter__(self) -> Densifying:
         return self
 
     def __next__(self) -> Any:
-        return self._policy.finish(next(self._it))
+        return self._policy.finish(next(self._it), self._dense)
 
     def __len__(self) -> int:
         return len(self._it)  # type: ignore[arg-type]

@@ -68,8 +68,11 @@ class PoolStream:
         self.device = device
         self.genes = {p: g for p, g in (genes or {}).items() if not g.identity}
         self.ahead: ReadAhead | None = None
-        #: dense batch arrays reused across batches and pools (host pools)
-        self.dense = DenseBuffers()
+        #: dense batch arrays reused across batches and pools (host pools): two per sparse
+        #: field (the batch in use and the one being made)
+        sparse = [f for f in reader.fields
+                  if getattr(reader.source.fields.get(f), "kind", None) == "csr"]
+        self.dense = DenseBuffers(keep=2 * max(1, len(sparse)))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
