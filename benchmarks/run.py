@@ -270,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown case(s) {unknown}; cases: {', '.join(CASES)}", file=sys.stderr)
             return 2
     if args.cold:  # the cold twins of the chosen cases, and the disk ceiling
-        cold = [c for c in COLD_CASES if c.removesuffix("_cold") in names
-                or (not args.only and c.endswith("_cold"))]
+        cold = [c for c in COLD_CASES if c.removesuffix("_cold") in names]
         names += [c for c in [*cold, "ceiling_disk_cold"] if c not in names]
     if args.skip:
         names = [n for n in names if n not in set(args.skip.split(","))]

@@ -59,8 +59,6 @@ def _adata(n: int, tag: str, **obs: Any) -> ad.AnnData:
     return a
 
 
-
-
 def _writer_schema(inputs: list[Any], **kw: Any) -> Any:
     sources = [InputSource(x, i) for i, x in enumerate(inputs)]
     try:

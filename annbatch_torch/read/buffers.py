@@ -13,7 +13,49 @@ import numpy as np
 __all__ = ["BufferCache", "DenseBuffers"]
 
 
-class BufferCache:
+class _Reused:
+    """Arrays handed out again once nothing but this object references them: the
+    bookkeeping :class:`BufferCache` and :class:`DenseBuffers` share (what is remembered,
+    which are free, a fresh state in a forked child and after unpickling)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.allocations = 0  # arrays allocated (not reused) so far
+        self._owners: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"keep": self.keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _Reused.__init__(self, state["keep"])
+
+    def _after_fork(self) -> None:
+        """A forked child starts afresh: the lock may have been copied held."""
+        if self._pid != os.getpid():
+            _Reused.__init__(self, self.keep)
+
+    def _free_owners(self) -> list[np.ndarray]:
+        # references to a free array: the list, the loop variable, getrefcount's argument
+        return [o for o in self._owners if sys.getrefcount(o) <= 3]
+
+    def _remember(self, owner: np.ndarray, free: list[np.ndarray]) -> None:
+        """Count a fresh ``owner`` and keep it for reuse, in place of a free one when
+        ``keep`` are kept already."""
+        self.allocations += 1
+        if len(self._owners) >= self.keep and free:
+            self._owners = [o for o in self._owners if o is not free[0]]
+        if len(self._owners) < self.keep:
+            self._owners.append(owner)
+
+    def clear(self) -> None:
+        """Forget every array (arrays still in use elsewhere stay valid)."""
+        with self._lock:
+            self._owners.clear()
+
+
+class BufferCache(_Reused):
     """Reusable pool buffers, never handed out while anything still uses them.
 
     Fresh 100-MB buffers cost page faults on first touch (~20% of a pool read here). A
@@ -28,28 +70,13 @@ class BufferCache:
     """
 
     def __init__(self, keep: int = 6) -> None:
-        self.keep = keep
-        self.allocations = 0  # buffers allocated (not reused) so far
-        self._owners: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"keep": self.keep}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["keep"])  # type: ignore[misc]
-
-    def _free_owners(self) -> list[np.ndarray]:
-        # references to a free buffer: the list, the loop variable, getrefcount's argument
-        return [o for o in self._owners if sys.getrefcount(o) <= 3]
+        super().__init__(keep)
 
     def take(self, n: int, dtype: np.dtype) -> np.ndarray:
         """An uninitialised 1-D array of ``n`` items of ``dtype``."""
         dtype = np.dtype(dtype)
         nbytes = n * dtype.itemsize
-        if self._pid != os.getpid():  # a forked child: the lock may have been copied held
-            self.__init__(self.keep)  # type: ignore[misc]
+        self._after_fork()
         with self._lock:
             free = self._free_owners()
             fits = [o for o in free if o.nbytes >= nbytes]
@@ -62,24 +89,15 @@ class BufferCache:
                 return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
             # room to grow: pools' sizes vary; pages never touched cost no memory (RSS)
             owner = np.empty(nbytes + nbytes // 2 + 64, dtype=np.uint8)
-            self.allocations += 1
-            if len(self._owners) >= self.keep and free:
-                self._owners = [o for o in self._owners if o is not free[0]]
-            if len(self._owners) < self.keep:
-                self._owners.append(owner)
+            self._remember(owner, free)
             return owner[:nbytes].view(dtype)
-
-    def clear(self) -> None:
-        """Forget every buffer (memory still in use elsewhere stays valid)."""
-        with self._lock:
-            self._owners.clear()
 
     @property
     def nbytes(self) -> int:
         return sum(o.nbytes for o in self._owners)
 
 
-class DenseBuffers:
+class DenseBuffers(_Reused):
     """Dense batch arrays reused once the consumer has let go of them.
 
     A fresh array of a 4096 x 20000 batch is 328 MB whose first touch costs page faults;
@@ -96,37 +114,16 @@ class DenseBuffers:
     """
 
     def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self.allocations = 0  # arrays allocated (not reused) so far
-        self._owners: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"keep": self.keep}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["keep"])  # type: ignore[misc]
+        super().__init__(keep)
 
     def take(self, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
         """An array of ``shape`` and ``dtype`` with arbitrary contents (zero it)."""
-        if self._pid != os.getpid():  # a forked child: the lock may have been copied held
-            self.__init__(self.keep)  # type: ignore[misc]
+        self._after_fork()
         with self._lock:
-            # references to a free array: the list, the loop variable, getrefcount's argument
-            free = [o for o in self._owners if sys.getrefcount(o) <= 3]
+            free = self._free_owners()
             for o in free:
                 if o.shape == shape and o.dtype == dtype:
                     return o
             out = np.empty(shape, dtype=dtype)
-            self.allocations += 1
-            if len(self._owners) >= self.keep and free:
-                self._owners = [o for o in self._owners if o is not free[0]]
-            if len(self._owners) < self.keep:
-                self._owners.append(out)
+            self._remember(out, free)
             return out
-
-    def clear(self) -> None:
-        """Forget every array (arrays still in use elsewhere stay valid)."""
-        with self._lock:
-            self._owners.clear()

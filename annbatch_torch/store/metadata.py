@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CollectionError, InputError, ReadError
-from .elements import CategoricalElement, Element, open_element, read_index
+from .elements import CategoricalElement, Element, encoding_type, open_element, read_index
 
 __all__ = [
     "MISSING_CATEGORY",
@@ -210,9 +210,7 @@ def as_categorical(codes: np.ndarray, categories: Any, ordered: bool) -> pd.Cate
 def _nullable(node: Any, n_rows: int) -> Any:
     """A nullable-integer / nullable-boolean column as pandas' ``Int64``-style / ``boolean``
     array (values and mask as stored), else ``None``."""
-    from .elements import encoding_type
-
-    if node is None or encoding_type(node) not in ("nullable-integer", "nullable-boolean"):
+    if encoding_type(node) not in ("nullable-integer", "nullable-boolean"):
         return None
     try:
         values, mask = np.asarray(node["values"][...]), np.asarray(node["mask"][...], bool)
