@@ -660,8 +660,8 @@ def build_parser() -> CliParser:
                 f"{DEFAULT_WORK_MEMORY / 1e6:.0f} MB of buffers on top of what the process "
                 "already uses)")
     s.feed("--shard-size", param="n_obs_per_shard", type=int, metavar="ROWS",
-           help="rows per shard (default: derived from the memory budget and the bytes per "
-                "row; not bounded by --max-memory when given)")
+           help="rows per shard (default: 131072, fewer when --max-memory is tight; written "
+                "in blocks that fit --max-memory)")
     s.feed("--overwrite", param="overwrite", action="store_true",
            help="replace an existing collection (the old one is removed only once the new "
                 "one is complete)")
@@ -671,6 +671,9 @@ def build_parser() -> CliParser:
            help="zarr format of the shards (default: %(default)s)")
     s.feed("--chunk-elems", param="zarr_chunk_elems", type=int, metavar="N",
            help="elements per zarr chunk of X and layers; obsm chunks hold N // width rows "
+                "(default: %(default)s)")
+    s.feed("--shard-elems", param="zarr_shard_elems", type=int, metavar="N",
+           help="elements per zarr shard file of X, layers and obsm; 0: one file per chunk "
                 "(default: %(default)s)")
     s.feed("--compressor", param="compressor", metavar="CODEC",
            help="raw (uncompressed + CRC-32C, fastest reads), lz4, zstd or none (no "

@@ -115,7 +115,8 @@ def case_writer(cfg: Config) -> Result:
         coll = writer(cfg["paths"], cfg["store"], **kwargs)
         seconds = time.perf_counter() - t0
         cpu = clock.read()
-    store_bytes = sum(f.stat().st_size for f in Path(cfg["store"]).rglob("*") if f.is_file())
+    files = [f for f in Path(cfg["store"]).rglob("*") if f.is_file()]
+    store_bytes = sum(f.stat().st_size for f in files)
     out = {
         "seconds": seconds,
         "cells_per_s": coll.n_obs / seconds,
@@ -124,6 +125,9 @@ def case_writer(cfg: Config) -> Result:
         "n_shards": len(coll.shard_sizes),
         "shard_sizes": list(coll.shard_sizes),
         "store_mb": store_bytes / 2**20,
+        "files": len(files),
+        "files_per_million_cells": len(files) * 1e6 / max(coll.n_obs, 1),
+        "bytes_per_cell": store_bytes / max(coll.n_obs, 1),
         "kwargs": {k: v for k, v in kwargs.items() if k != "overwrite"},
         "layout": _store_layout(Path(cfg["store"])),
         "cpu": cpu,
@@ -597,6 +601,8 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
     "exp_sparse_w0_threads1": _experiment(False, 0, read_threads=1),
     "exp_sparse_w0_threads2": _experiment(False, 0, read_threads=2),
     "exp_dense_w0_threads2": _experiment(True, 0, read_threads=2),
+    "exp_sparse_w0_threads8": _experiment(False, 0, read_threads=8),
+    "exp_sparse_w0_threads16": _experiment(False, 0, read_threads=16),
     "exp_sparse_w0_noprefetch": _experiment(False, 0, prefetch=False),
     "exp_dense_w0_noprefetch": _experiment(True, 0, prefetch=False),
     "exp_sparse_w0_chunk256": _experiment(False, 0, chunk_size=256, preload_nchunks=64),
@@ -642,7 +648,8 @@ def case_ceiling_disk_cold(cfg: Config) -> Result:
     by the collection's bytes per cell: the most cells/s any loader could read from disk on
     that layout."""
     big = max(cfg["paths"], key=lambda p: Path(p).stat().st_size)
-    store_bytes = sum(f.stat().st_size for f in Path(cfg["store"]).rglob("*") if f.is_file())
+    files = [f for f in Path(cfg["store"]).rglob("*") if f.is_file()]
+    store_bytes = sum(f.stat().st_size for f in files)
     why = drop_page_cache()
     if why is not None:
         return {"status": "skipped", "reason": why}
@@ -685,7 +692,7 @@ CASES: dict[str, Callable[[Config], Result]] = {
 }
 #: cases also run cold (``run.py --cold``) as ``<name>_cold``
 COLD = ("ours_sparse_w0", "ours_dense_w0", "ours_sparse_w2", "ours_dense_w2", "annbatch",
-        "ceiling_seq_raw")
+        "ceiling_seq_raw", "exp_sparse_w0_threads8", "exp_sparse_w0_threads16")
 CASES.update({f"{n}_cold": _cold(n) for n in COLD})
 CASES["ceiling_disk_cold"] = case_ceiling_disk_cold
 COLD_CASES = (*(f"{n}_cold" for n in COLD), "ceiling_disk_cold")

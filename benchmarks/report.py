@@ -231,8 +231,12 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
             lines.append(
                 f"| create_anndata_collection | {w['seconds']:.1f} | {_f(w['cells_per_s'])} | "
                 f"{_f(w['main_peak_rss_mb'])} | max_memory={w.get('max_memory')}, "
-                f"{w['n_shards']} shards, {w['store_mb']:,.0f} MiB on disk, X/data chunks "
-                f"{lay.get('X_data_chunks')} shards {lay.get('X_data_shards')} |")
+                f"{w['n_shards']} shards, {w['store_mb']:,.0f} MiB on disk"
+                + (f" ({w['bytes_per_cell']:,.0f} bytes per cell), {w['files']:,} files "
+                   f"({w['files_per_million_cells']:,.0f} per 10^6 cells)" if "files" in w
+                   else "")
+                + f", X/data chunks {lay.get('X_data_chunks')} shards "
+                f"{lay.get('X_data_shards')} |")
         else:
             lines.append(f"| create_anndata_collection | - | - | - | {w['status']}: "
                          f"{_short(w.get('error') or w.get('reason'))} |")

@@ -86,15 +86,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true",
                    help="also run the cold cases (<case>_cold: the page cache is dropped "
                         "first and the first epoch timed; and ceiling_disk_cold); needs root")
-    p.add_argument("--shard-elems", type=positive, default=None, metavar="N",
-                   help="write the collection in zarr v3 shard files of N elements "
-                        "(zarr_shard_elems; default: the writer's)")
+    p.add_argument("--shard-elems", type=count, default=None, metavar="N",
+                   help="write the collection in zarr v3 shard files of N elements, 0: one "
+                        "file per chunk (zarr_shard_elems; default: the writer's)")
+    p.add_argument("--shard-size", type=positive, default=None, metavar="ROWS",
+                   help="rows per collection shard (n_obs_per_shard; default: the writer's)")
     p.add_argument("--compressor", default=None,
                    help="the collection's codec (raw, lz4, zstd; default: the writer's)")
     p.add_argument("--in-process", action="store_true",
                    help="run the cases in this process (fast smoke tests; RSS figures are "
                         "then not per loader)")
     return p
+
+
+def _store_name(writer_kwargs: dict[str, Any]) -> str:
+    """The collection folder of a layout: the writer's defaults filled in, so a store
+    written by another version's defaults is never taken for this one's."""
+    import inspect
+
+    from annbatch_torch import create_anndata_collection
+
+    params = inspect.signature(create_anndata_collection).parameters
+    layout = {k: writer_kwargs.get(k, params[k].default)
+              for k in ("zarr_shard_elems", "compressor", "n_obs_per_shard")}
+    try:
+        from annbatch_torch.write.budget import DEFAULT_SHARD_OBS
+
+        if layout["n_obs_per_shard"] is None:
+            layout["n_obs_per_shard"] = DEFAULT_SHARD_OBS
+    except ImportError:  # a version whose shard size came from the memory budget
+        pass
+    short = {"zarr_shard_elems": "shard_elems", "compressor": "codec",
+             "n_obs_per_shard": "shard_obs"}
+    return "collection_" + "_".join(f"{short[k]}-{v}" for k, v in layout.items())
 
 
 def _log(quiet: bool, msg: str) -> None:
@@ -278,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     paths, folder = build_data(args.data_dir, n_obs, n_vars, args.seed, args.rebuild,
                                args.quiet)
     writer_kwargs = {k: v for k, v in (("zarr_shard_elems", args.shard_elems),
-                                       ("compressor", args.compressor)) if v is not None}
-    store = folder / ("collection" + "".join(f"_{k}-{v}" for k, v in writer_kwargs.items()))
+                                       ("compressor", args.compressor),
+                                       ("n_obs_per_shard", args.shard_size)) if v is not None}
+    store = folder / _store_name(writer_kwargs)
     if ("writer" not in names and NEEDS_STORE & set(names)
             and not (store / "manifest.json").exists()):
         names.insert(0, "writer")  # the loaders need the collection

@@ -475,7 +475,8 @@ def test_checksummed_collection_detects_any_chunk_damage(
     for array in ("obsm/X_pca", "obs/cell_type/codes"):
         _damage(_chunk_files(out / name / array)[0], damage)
     detected = (r"\(shard 0\): (ChunkError|ValueError): \S+: (chunk checksum mismatch|chunk "
-                r"file has \d+ bytes, expected \d+)|Stored and computed checksum do not match"
+                r"file has \d+ bytes, expected \d+|shard index checksum mismatch)"
+                r"|Stored and computed checksum do not match"
                 r"|RuntimeError: the checksum is invalid")  # zarrs, reading whole chunks
     with pytest.raises(ReadError, match=f"{re.escape(name)}: failed reading field "
                        f"'obsm/X_pca', shard rows .*({detected})"):

@@ -206,7 +206,8 @@ def test_translation_table_comes_from_the_flags() -> None:
         "layers": "--layers", "obsm": "--obsm", "max_memory": "--max-memory",
         "n_obs_per_shard": "--shard-size", "overwrite": "--overwrite",
         "progress": "--no-progress", "zarr_format": "--zarr-format",
-        "zarr_chunk_elems": "--chunk-elems", "compressor": "--compressor"}
+        "zarr_chunk_elems": "--chunk-elems", "zarr_shard_elems": "--shard-elems",
+        "compressor": "--compressor"}
     speak = functools.partial(cli.speak_cli, parser=parser)
     assert speak("Pass overwrite=True to replace it, or choose another output_path.") == \
         "Pass --overwrite to replace it, or choose another --output."
@@ -231,7 +232,8 @@ def test_translation_table_comes_from_the_flags() -> None:
     assert speak("leave it out with raw=False. raw=True requires it; raw=None.") == \
         "leave it out with --raw false. --raw true requires it; --raw auto."
     # what no flag feeds, and names inside paths, stay as they are
-    unchanged = ("zarr_shard_elems=5 and value_check stay; /data/max_memory/a.h5ad and "
+    assert speak("zarr_shard_elems=5 is too small") == "--shard-elems 5 is too small"
+    unchanged = ("value_check=print and value_check stay; /data/max_memory/a.h5ad and "
                  "/tmp/test_max_memory0/store and my_overwrite=True are paths or not ours")
     assert speak(unchanged) == unchanged
 

@@ -225,16 +225,16 @@ def test_disk_full_leaves_no_output(
     if where == "bucket":
         monkeypatch.setattr(_shardio.BucketWriter, "append", _enospc)
     elif where == "shard":
-        real = writer.write_shard
         calls = [0]
 
-        def write_shard(*a: Any, **k: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 3:
-                _enospc()
-            return real(*a, **k)
+        class FullDisk(writer.ShardStore):
+            def close(self) -> Any:
+                calls[0] += 1
+                if calls[0] == 3:  # the third shard
+                    _enospc()
+                return super().close()
 
-        monkeypatch.setattr(writer, "write_shard", write_shard)
+        monkeypatch.setattr(writer, "ShardStore", FullDisk)
     else:
         monkeypatch.setattr(writer, "write_manifest", _enospc)
     out = tmp_path / "store"

@@ -559,6 +559,7 @@ def pristine_tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     paths = write_synthetic_h5ads(folder / "in", 2, [70, 50], 30, seed=5)
     out = folder / "store"
     create_anndata_collection(paths, out, n_obs_per_shard=40, zarr_chunk_elems=64,
+                              zarr_shard_elems=0,  # one file per chunk: damage one chunk
                               progress=False)
     return out
 

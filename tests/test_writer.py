@@ -254,12 +254,12 @@ def test_zarr_v2_uncompressed_and_small_memory(synthetic_h5ads: list[Path], tmp_
     assert zarr.open_group(str(coll.shard_path(0)), mode="r").metadata.zarr_format == 2
     assert len(coll.shards) == 1  # default shard size from 1GB holds all 2,700 cells
     # 1 MB of working memory (what max_memory leaves once the process' RSS is subtracted):
-    # small pass-1 blocks and many shards
+    # small pass-1 blocks, a shard written in several small pass-2 blocks
     monkeypatch.setattr(_writer_budget, "working_memory", lambda max_memory, n_cells: 10**6)
     small = create_anndata_collection(synthetic_h5ads, tmp_path / "small", progress=False)
-    per_shard = small.manifest.extra["writer"]["n_obs_per_shard"]
-    assert len(small.shards) > 1
-    assert max(small.shard_sizes) == per_shard < 1_000_000 // 400
+    per_block = small.manifest.extra["writer"]["n_obs_per_block"]
+    assert per_block < 1_000_000 // 400
+    assert per_block < max(small.shard_sizes)
     ref = load_all(coll.path)
     got = load_all(small.path)
     assert set(ref.obs_names) == set(got.obs_names)
@@ -290,24 +290,23 @@ def test_budget_subtracts_the_baseline_rss(synthetic_h5ads: list[Path], tmp_path
     """Buffers are sized from max_memory minus the measured RSS, permutation and reserve."""
     n = sum(ad.read_h5ad(p, backed="r").n_obs for p in synthetic_h5ads)
     seen: list[int] = []
-    sized: list[int] = []  # rows per shard the budget allows (the writer caps them at n)
-    real = _writer_budget.shard_size
+    sized: list[int] = []  # rows per pass-2 block the budget allows
+    real = _writer_budget.block_size
 
-    def spy(sources: object, schema: object, work: int, shuffle: bool) -> int:
+    def spy(sources: object, schema: object, work: int, shuffle: bool, shard_obs: int,
+            opts: dict[str, object]) -> int:
         seen.append(work)
-        sized.append(real(sources, schema, work, shuffle))  # type: ignore[arg-type]
+        sized.append(real(sources, schema, work, shuffle, shard_obs, opts))  # type: ignore[arg-type]
         return sized[-1]
 
-    monkeypatch.setattr(_writer_budget, "shard_size", spy)
-    per_shard = []
+    monkeypatch.setattr(_writer_budget, "block_size", spy)
     for i, rss in enumerate((0, 80 * 10**6)):
         monkeypatch.setattr(_writer_budget, "current_rss", lambda rss=rss: rss)
         coll = create_anndata_collection(synthetic_h5ads, tmp_path / f"s{i}",
                                          max_memory="200MB", progress=False)
         assert seen[-1] == 200 * 10**6 - rss - 4 * n - _writer_budget.RESERVE
-        per_shard.append(sized[-1])
-        assert coll.manifest.extra["writer"]["n_obs_per_shard"] == min(sized[-1], n)
-    assert per_shard[1] < 0.55 * per_shard[0]
+        assert coll.manifest.extra["writer"]["n_obs_per_block"] == sized[-1]
+    assert sized[1] <= sized[0]
     # a baseline above the budget leaves nothing: refused, naming the measured RSS
     monkeypatch.setattr(_writer_budget, "current_rss", lambda: 190 * 10**6)
     with pytest.raises(InputError, match=r"already uses 190 MB.*max_memory='303MB'"):
@@ -570,7 +569,8 @@ _CHILD = textwrap.dedent("""
     ru_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"base": base, "mem": mem, "work": work[0], "hwm": status("VmHWM"),
                       "ru_before": ru_before, "ru_after": ru_after, "n_obs": coll.n_obs,
-                      "shards": len(coll.shards)}))
+                      "blocks": sum(-(-n // coll.manifest.extra["writer"]["n_obs_per_block"])
+                                    for n in coll.shard_sizes)}))
 """)
 
 
@@ -603,7 +603,7 @@ def test_peak_memory_bounded(tmp_path: Path) -> None:
     res = json.loads(r.stdout.strip().splitlines()[-1])
     print(res)
     assert res["n_obs"] == n_obs
-    assert res["shards"] > 2
+    assert res["blocks"] > 2  # pass 2 wrote the cells in several blocks
     assert 64e6 <= res["work"] < size / 1.5  # the inputs do not fit in the working memory
     assert res["ru_before"] < res["base"] + 50e6  # not inherited from pytest's process
     for peak in ("ru_after", "hwm"):

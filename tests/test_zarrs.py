@@ -38,6 +38,7 @@ def lz4_collection(
     out = tmp_path_factory.mktemp("zarrs") / "lz4"
     create_anndata_collection(
         synthetic_h5ads, out, seed=0, n_obs_per_shard=1024, compressor="lz4",
+        zarr_shard_elems=0,  # one file per chunk (tests damage single chunk files)
         zarr_chunk_elems=1024, progress=False,
     )
     return out

@@ -1,12 +1,13 @@
 """The writer's memory budget: parse ``max_memory``, measure what the process already uses,
-and size the pass-1 blocks, the pass-2 shards and the CSC limit from what is left.
+and size the pass-1 blocks, the pass-2 blocks, the shard layout and the CSC limit from
+what is left.
 
 ``max_memory`` bounds the peak RSS of the whole process. The writer's buffers get
 ``max_memory`` minus the RSS measured once the inputs are opened and the schema resolved
 (interpreter, torch, zarr, anndata, open files, anything the caller holds), minus the
 permutation and a fixed reserve for zarr's thread pool and allocator slack. Pass-1 blocks
-use half of that working memory, a CSC input held whole at most a quarter, a pass-2 shard
-about 80%.
+use half of that working memory, a CSC input held whole at most a quarter, a pass-2 block
+and the shard it is appended to about 80%.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any
 
 import numpy as np
 
@@ -21,12 +23,15 @@ from ..errors import InputError
 from ..store.inputs import InputSource
 from .schema import Schema
 
-__all__ = ["parse_memory", "current_rss", "working_memory", "shard_size", "MIN_WORK_MEMORY",
-           "RESERVE", "DEFAULT_WORK_MEMORY"]
+__all__ = ["parse_memory", "current_rss", "working_memory", "fit_layout", "block_size",
+           "MIN_WORK_MEMORY", "RESERVE", "DEFAULT_WORK_MEMORY", "DEFAULT_SHARD_OBS"]
 
 logger = logging.getLogger(__name__)
 
-MAX_SHARD_OBS = 1 << 20
+MAX_BLOCK_OBS = 1 << 20
+#: rows per shard by default: one collection shard of the 100,000-cell benchmark, about
+#: 8 per 10**6 cells (few files; see docs/format.md)
+DEFAULT_SHARD_OBS = 1 << 17
 MIN_WORK_MEMORY = 64 * 10**6  # below this the writer refuses to start
 RESERVE = 48 * 10**6  # zarr's thread pool, its malloc arenas, allocator slack
 #: working memory when max_memory is None: a fresh interpreter with torch (~300 MB) then
@@ -155,19 +160,71 @@ def _bucket_row_bytes(src: InputSource, schema: Schema) -> float:
     return b
 
 
-def shard_size(sources: list[InputSource], schema: Schema, work: int, shuffle: bool) -> int:
-    """Rows per shard such that pass 2 holds a shard in about 80% of ``work`` bytes."""
+def _mean(sources: list[InputSource], per_src: list[float]) -> float:
+    n = np.array([s.n_obs for s in sources], dtype=np.float64)
+    return float(np.dot(per_src, n) / n.sum()) if n.sum() else 0.0
+
+
+def _shard_row_bytes(schema: Schema) -> float:
+    """Bytes a shard holds per row until it is closed: its obs names (Python str, ~120 B)
+    and obs columns, gathered block by block."""
+    return 120.0 + sum(max(4, f.dtype.itemsize) for f in schema.fields
+                       if f.kind not in ("csr", "dense"))
+
+
+def fit_layout(sources: list[InputSource], schema: Schema, work: int, shard_obs: int | None,
+               opts: dict[str, Any]) -> int:
+    """Rows per shard (``shard_obs``, default :data:`DEFAULT_SHARD_OBS`) and zarr shard
+    elements (``opts["shard_elems"]``, lowered in place) that fit the working memory.
+
+    What a shard holds until it is closed (obs names and columns, the appenders' tails) may
+    take 40% of ``work``: the default rows per shard are halved until it does, the zarr
+    shard size too (an explicit ``shard_obs`` is kept, with a warning). Both are logged.
+    """
+    from .shardstore import carry_bytes
+
+    sources = [s for s in sources if s.n_obs]
+    n_total = sum(s.n_obs for s in sources)
+    nnz = {f.key: _mean(sources, [_nnz_per_row(s, f.key) for s in sources])
+           for f in schema.fields if f.kind == "csr"}
+    rows = min(int(shard_obs or DEFAULT_SHARD_OBS), max(n_total, 1))
+    per_row = _shard_row_bytes(schema)
+
+    def held(r: int) -> float:
+        return r * per_row + carry_bytes(schema.fields, opts, nnz, r)
+
+    while opts.get("shard_elems") and held(rows) > 0.4 * work and \
+            opts["shard_elems"] > 2 * int(opts["chunk_elems"]):
+        opts["shard_elems"] = int(opts["shard_elems"]) // 2
+    if opts.get("shard_elems") and held(rows) > 0.4 * work:
+        opts["shard_elems"] = None  # one file per chunk: the smallest tails
+    while shard_obs is None and rows > 1024 and held(rows) > 0.4 * work:
+        rows //= 2
+    if held(rows) > 0.4 * work:
+        logger.warning("n_obs_per_shard=%d holds about %.0f MB until each shard is written, "
+                       "over 40%% of the %.0f MB of working memory; raise max_memory or lower "
+                       "n_obs_per_shard.", rows, held(rows) / 1e6, work / 1e6)
+    return rows
+
+
+def block_size(sources: list[InputSource], schema: Schema, work: int, shuffle: bool,
+               shard_obs: int, opts: dict[str, Any]) -> int:
+    """Rows per pass-2 block: the block (its bucket and one sorted copy) in what 80% of
+    ``work`` leaves once a shard's own state (see :func:`fit_layout`) is counted."""
+    from .shardstore import carry_bytes
+
     sources = [s for s in sources if s.n_obs]  # inputs without cells take no part
     per_src = [_bucket_row_bytes(s, schema) for s in sources]
-    n = np.array([s.n_obs for s in sources], dtype=np.float64)
-    row = (float(np.dot(per_src, n) / n.sum()) * 1.1) if shuffle else max(per_src) * 1.5
-    # pass 2 holds the bucket, one sorted field copy and python str obs_names (~120 B each)
-    per_row = 2 * row + 120
-    size = int(0.8 * work / per_row)
+    row = _mean(sources, per_src) * 1.1 if shuffle else max(per_src) * 1.5
+    nnz = {f.key: _mean(sources, [_nnz_per_row(s, f.key) for s in sources])
+           for f in schema.fields if f.kind == "csr"}
+    held = shard_obs * _shard_row_bytes(schema) + carry_bytes(schema.fields, opts, nnz,
+                                                              shard_obs)
+    per_row = 2 * row
+    size = int(max(0.8 * work - held, 0) / per_row)
     if size < 256:
-        logger.warning("%d bytes of working memory hold only %d rows per shard (%.0f "
+        logger.warning("%d bytes of working memory hold only %d rows per block (%.0f "
                        "bytes/row); using 256. Raise max_memory.", work, size, per_row)
         size = 256
-    size = min(size, MAX_SHARD_OBS)
-    return size - size % 1024 if size >= 2048 else size
-
+    size = min(size, MAX_BLOCK_OBS, shard_obs)
+    return size - size % 1024 if size >= 2048 and size < shard_obs else size

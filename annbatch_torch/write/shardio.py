@@ -9,9 +9,10 @@ length of every segment) followed by the segments, in a fixed order given by
     then per field: CSR -> row nnz (int32), column indices (int32), values (dtype)
                     obsm -> values (dtype, width per row); obs -> codes / values
 
-Pass 2 loads a bucket with :func:`load_bucket` straight into preallocated arrays (no extra
-copy), puts rows in position order and writes a standard AnnData zarr store
-(:func:`write_shard`).
+A bucket holds the rows of one position block of one shard (see :func:`route_block`).
+Pass 2 sizes a shard's arrays from its buckets' frame headers (:func:`bucket_totals`), then
+loads each bucket with :func:`load_bucket` straight into preallocated arrays (no extra copy)
+and appends it to the shard store (:class:`.shardstore.ShardStore`).
 """
 
 from __future__ import annotations
@@ -29,15 +30,14 @@ import scipy.sparse as sp
 
 from ..errors import CollectionError, InputError
 from ..store.checks import check_csr, check_finite
-from ..store.manifest import RAW_X
 
 if TYPE_CHECKING:
     from ..store.inputs import InputSource
     from .schema import Schema
 
-__all__ = ["Segment", "bucket_segments", "BucketWriter", "load_bucket", "write_shard",
-           "encode_names", "compressors_for", "iter_blocks", "route_block", "release_memory",
-           "check_int64"]
+__all__ = ["Segment", "bucket_segments", "BucketWriter", "load_bucket", "bucket_totals",
+           "encode_names", "decode_names", "compressors_for", "iter_blocks", "route_block",
+           "bucket_id", "release_memory", "check_int64"]
 
 _MAGIC = 0x4142544F52434831  # frame marker
 
@@ -109,7 +109,7 @@ def encode_names(names: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return lens, np.frombuffer(b"".join(enc), dtype=np.uint8)
 
 
-def _decode_names(lens: np.ndarray, data: np.ndarray) -> np.ndarray:
+def decode_names(lens: np.ndarray, data: np.ndarray) -> np.ndarray:
     n = len(lens)
     if n == 0:
         return np.zeros(0, dtype=object)
@@ -167,19 +167,40 @@ class BucketWriter:
         self._files.clear()
 
 
-def load_bucket(path: Path, segments: list[Segment]) -> dict[str, np.ndarray]:
-    """Read every frame of a bucket into one preallocated array per segment."""
-    k = len(segments)
+def _frames(path: Path, f: Any, k: int) -> list[tuple[int, np.ndarray]]:
+    """``(offset of the segments, byte length of each of the k segments)`` of every frame."""
     frames: list[tuple[int, np.ndarray]] = []
+    size, off = os.fstat(f.fileno()).st_size, 0
+    while off < size:
+        f.seek(off)
+        head = np.frombuffer(f.read(8 * (k + 2)), dtype=np.int64)
+        if len(head) != k + 2 or head[0] != _MAGIC:
+            raise CollectionError(f"{path}: damaged temporary bucket at byte {off}.")
+        frames.append((off + 8 * (k + 2), head[2:].copy()))
+        off += 8 * (k + 2) + int(head[2:].sum())
+    return frames
+
+
+def bucket_totals(path: Path, segments: list[Segment]) -> dict[str, int]:
+    """Elements of every segment in a bucket (from its frame headers; nothing else read).
+    A bucket that was never written holds nothing."""
+    if not path.exists():
+        return {s.name: 0 for s in segments}
     with open(path, "rb", buffering=0) as f:
-        size, off = os.fstat(f.fileno()).st_size, 0
-        while off < size:
-            f.seek(off)
-            head = np.frombuffer(f.read(8 * (k + 2)), dtype=np.int64)
-            if len(head) != k + 2 or head[0] != _MAGIC:
-                raise CollectionError(f"{path}: damaged temporary bucket at byte {off}.")
-            frames.append((off + 8 * (k + 2), head[2:].copy()))
-            off += 8 * (k + 2) + int(head[2:].sum())
+        frames = _frames(path, f, len(segments))
+    totals = np.sum([lens for _, lens in frames], axis=0) if frames else [0] * len(segments)
+    return {s.name: int(t) // s.dtype.itemsize for t, s in zip(totals, segments)}
+
+
+def load_bucket(path: Path, segments: list[Segment]) -> dict[str, np.ndarray]:
+    """Read every frame of a bucket into one preallocated array per segment (a bucket that
+    was never written: empty arrays)."""
+    k = len(segments)
+    if not path.exists():
+        return {s.name: np.zeros((0, s.per_row) if s.matrix else 0, dtype=s.dtype)
+                for s in segments}
+    with open(path, "rb", buffering=0) as f:
+        frames = _frames(path, f, k)
         totals = np.sum([lens for _, lens in frames], axis=0) if frames else np.zeros(k, int)
         out = [np.empty(int(t) // s.dtype.itemsize, dtype=s.dtype)
                for t, s in zip(totals, segments)]
@@ -236,97 +257,6 @@ def compressors_for(compressor: Any, zarr_format: int) -> Any:
     return [BloscCodec(cname=name, clevel=clevel, shuffle="shuffle"), Crc32cCodec()]
 
 
-def _kwargs(opts: dict[str, Any], chunks: tuple[int, ...], shape: tuple[int, ...],
-            sharded: bool = False) -> dict[str, Any]:
-    chunks = tuple(max(1, min(c, s)) for c, s in zip(chunks, shape))
-    kw: dict[str, Any] = {"chunks": chunks, "compressors": opts["compressors"]}
-    if opts["zarr_format"] == 3:
-        kw["shards"] = None
-        if sharded and opts.get("shard_elems"):
-            per = max(1, opts["shard_elems"] // chunks[0])
-            kw["shards"] = (chunks[0] * per,)
-    return kw
-
-
-def write_shard(path: Path, arrays: dict[str, np.ndarray], fields: list[Any],
-                var_names: pd.Index, opts: dict[str, Any], var: pd.DataFrame | None = None,
-                raw_var: pd.DataFrame | None = None) -> dict[str, str]:
-    """Write one shard (rows in position order) as an AnnData zarr store; ``var``: its
-    gene metadata (indexed by ``var_names``; default: the names alone); ``raw_var``: that
-    of raw, whose X is field ``raw/X``.
-
-    ``arrays`` is a loaded bucket (consumed: entries are dropped as they are written to
-    bound memory). Returns the stored dtype of every field.
-    """
-    import zarr
-    from anndata.io import write_elem
-
-    pos = arrays.pop("pos")
-    n = len(pos)
-    order = np.full(n, -1, dtype=np.int64)
-    if n and (pos.min() < 0 or pos.max() >= n):
-        raise CollectionError(f"{path}: row positions out of range; internal error.")
-    order[pos] = np.arange(n)
-    if n and order.min() < 0:
-        raise CollectionError(f"{path}: some rows are missing from the bucket; internal error.")
-    del pos
-    if n < 2 or bool(np.all(order[1:] > order[:-1])):  # already in order (shuffle=False)
-        order = slice(None)  # type: ignore[assignment]
-    names = _decode_names(arrays.pop("name_len"), arrays.pop("name_bytes"))[order]
-    chunk = int(opts["chunk_elems"])
-    g = zarr.open_group(str(path), mode="w", zarr_format=opts["zarr_format"])
-    g.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
-    obs: dict[str, Any] = {}
-    for f in fields:
-        if f.kind in ("categorical", "numeric", "bool"):
-            col = arrays.pop(f.key)[order]
-            if f.kind == "categorical":
-                col = pd.Categorical.from_codes(col.astype(f.dtype), categories=f.categories,
-                                                ordered=f.ordered, validate=False)
-            obs[f.key[4:]] = col
-    obs_df = pd.DataFrame(obs, index=pd.Index(names, dtype=object))
-    write_elem(g, "obs", obs_df, dataset_kwargs=_kwargs(opts, (chunk,), (max(n, 1),)))
-    del obs_df, obs, names
-    write_elem(g, "var", var if var is not None else pd.DataFrame(index=var_names),
-               dataset_kwargs=_kwargs(opts, (chunk,), (max(len(var_names), 1),)))
-    for group in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
-        write_elem(g, group, {})
-    if any(f.key == RAW_X for f in fields):  # AnnData's raw: X, var, varm
-        assert raw_var is not None
-        raw = g.create_group("raw")
-        raw.attrs.update({"encoding-type": "raw", "encoding-version": "0.1.0"})
-        write_elem(raw, "var", raw_var,
-                   dataset_kwargs=_kwargs(opts, (chunk,), (max(len(raw_var), 1),)))
-        write_elem(raw, "varm", {})
-    dtypes: dict[str, str] = {}
-    for f in fields:
-        parent, _, name = f.key.rpartition("/")
-        dest = g[parent] if parent else g
-        name = name or f.key
-        if f.kind == "csr":
-            lens = arrays.pop(f"{f.key}:len")
-            indptr = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(lens, out=indptr[1:])
-            del lens
-            m = sp.csr_matrix((arrays.pop(f"{f.key}:data"), arrays.pop(f"{f.key}:idx"), indptr),
-                              shape=(n, f.width))
-            if not isinstance(order, slice):
-                m = m[order]
-            kw = _kwargs(opts, (chunk,), (max(m.nnz, 1),), sharded=True)
-            write_elem(dest, name, m, dataset_kwargs={**kw, "indptr_dtype": np.int64})
-            dtypes[f.key] = str(m.dtype)
-        elif f.kind == "dense":
-            block = arrays.pop(f.key)[order]
-            rows = max(1, chunk // max(int(f.width), 1))
-            write_elem(dest, name, block,
-                       dataset_kwargs=_kwargs(opts, (rows, int(f.width)), (max(n, 1), f.width)))
-            dtypes[f.key] = str(block.dtype)
-        else:
-            dtypes[f.key] = str(g["obs"][f.key[4:]]["codes"].dtype if f.kind == "categorical"
-                                else g["obs"][f.key[4:]].dtype)
-    return dtypes
-
-
 # -- pass 1: route rows to buckets -----------------------------------------------------
 def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
            dtype: np.dtype) -> sp.csr_matrix:
@@ -380,14 +310,21 @@ def check_int64(source: str, field: str, block: Any, first_row: int = 0) -> None
     )
 
 
+def bucket_id(shard: Any, block: Any, shard_obs: int, block_obs: int) -> Any:
+    """Bucket of block ``block`` of shard ``shard`` (scalars or arrays)."""
+    return shard * -(-shard_obs // block_obs) + block
+
+
 def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                  obs_readers: dict[str, Any], a: int, b: int, ips: dict[str, np.ndarray],
-                 dest: np.ndarray, shard_obs: int, buckets: BucketWriter,
+                 dest: np.ndarray, shard_obs: int, block_obs: int, buckets: BucketWriter,
                  value_check: Callable[[str, str, Any], None] | None) -> None:
     """Pass 1 for rows ``[a, b)`` of ``src``: read every field, align genes and category
-    codes to the schema, and append the rows to the buckets of their shards.
+    codes to the schema, and append the rows to the buckets of their position blocks.
 
-    ``dest`` holds the rows' output positions; shard ``s`` gets ``[s*shard_obs, ...)``.
+    ``dest`` holds the rows' output positions; shard ``s`` gets ``[s*shard_obs, ...)``,
+    written in blocks of ``block_obs`` positions: bucket :func:`bucket_id` ``(s, j)`` holds
+    the rows of the shard's positions ``[j*block_obs, (j+1)*block_obs)``.
     """
     # rows in destination order: shard by shard, and sorted inside each frame, so pass 2
     # merges sorted runs (a cache-friendly gather) instead of fully random rows
@@ -400,6 +337,7 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
     dest = take(dest)
     shard = dest // shard_obs
     local = dest - shard * shard_obs
+    bucket = bucket_id(shard, local // block_obs, shard_obs, block_obs)
     lens, raw = encode_names(take(src.names(a, b)))
     noff = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=noff[1:])
@@ -449,9 +387,9 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                 values = pd.Index(f.categories).get_indexer(pd.Index(values, dtype=object))
         parts.append(("col", take(np.asarray(values).astype(
             np.int32 if f.kind == "categorical" else f.dtype, copy=False))))
-    bounds = np.flatnonzero(np.diff(shard)) + 1
+    bounds = np.flatnonzero(np.diff(bucket)) + 1
     starts = np.concatenate([[0], bounds])
-    stops = np.concatenate([bounds, [len(shard)]])
+    stops = np.concatenate([bounds, [len(bucket)]])
     for r0, r1 in zip(starts.tolist(), stops.tolist()):
         arrays: list[Any] = [local[r0:r1], lens[r0:r1], raw[noff[r0] : noff[r1]]]
         for kind, x in parts:
@@ -461,7 +399,7 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                 arrays += [np.diff(ip[r0 : r1 + 1]), x.indices[lo:hi], x.data[lo:hi]]
             else:
                 arrays.append(x[r0:r1])
-        buckets.append(int(shard[r0]), r1 - r0, arrays)
+        buckets.append(int(bucket[r0]), r1 - r0, arrays)
 
 
 def iter_blocks(src: InputSource, readers: dict[str, Any], budget: int,

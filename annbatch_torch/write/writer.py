@@ -84,22 +84,25 @@ from .budget import parse_memory
 from .schema import Schema, check_reference, resolve_schema
 from .shardio import (
     BucketWriter,
+    bucket_id,
     bucket_segments,
+    bucket_totals,
     compressors_for,
     iter_blocks,
     load_bucket,
     release_memory,
     route_block,
-    write_shard,
 )
+from .shardstore import ShardStore
 
 __all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",
-           "DEFAULT_CHUNK_ELEMS", "VAR_JOINS"]
+           "DEFAULT_CHUNK_ELEMS", "DEFAULT_SHARD_ELEMS", "VAR_JOINS"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MEMORY = None  # 640 MB of buffers on top of what the process uses
 DEFAULT_CHUNK_ELEMS = 1 << 16
+DEFAULT_SHARD_ELEMS = 1 << 23
 VAR_JOINS = ("inner", "outer")
 def _as_list(v: Any) -> list[Any] | None:
     return None if v is None else [v] if isinstance(v, str) else list(v)
@@ -241,7 +244,7 @@ def create_anndata_collection(
     progress: bool = True,
     zarr_format: int = 3,
     zarr_chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    zarr_shard_elems: int | None = None,
+    zarr_shard_elems: int | None = DEFAULT_SHARD_ELEMS,
     compressor: Any = "raw",
     value_check: Callable[[str, str, Any], None] | None = None,
 ) -> Collection:
@@ -284,10 +287,10 @@ def create_anndata_collection(
         out. Its genes are joined like X's (``var_join``, ``var_names``) and kept apart
         (:attr:`Collection.raw_var_names`); each shard stores it as AnnData does.
     n_obs_per_shard
-        Rows per shard; default: derived from the memory ``max_memory`` leaves and the
-        measured bytes per row, at most 2**20 (so it depends on the process' RSS too; pass
-        it for the same layout everywhere). An explicit value is not bounded by
-        ``max_memory``: a pass-2 shard holds about twice its uncompressed size.
+        Rows per shard; default 2**17 (halved while what a shard holds until it is written,
+        its obs names and columns, would take over 40% of the working memory). Any value
+        fits ``max_memory``: pass 2 writes a shard in blocks of rows sized from the memory
+        (``n_obs_per_block`` in the manifest).
     max_memory
         Memory budget in bytes or as a string (``"1GB"``, ``"512MiB"``): the peak RSS of
         the whole process, the memory already in use when the writer starts included
@@ -305,8 +308,10 @@ def create_anndata_collection(
         Show tqdm progress bars (cells/s) on stderr.
     zarr_format, zarr_chunk_elems, zarr_shard_elems, compressor
         Storage of the shards: zarr format (3 or 2), elements per chunk of 1-D arrays
-        (obsm chunks hold ``zarr_chunk_elems // width`` rows), optional zarr v3 sharding of
-        X/layers arrays (elements per zarr shard), and the codec: ``"raw"`` (default:
+        (obsm chunks hold ``zarr_chunk_elems // width`` rows), elements per zarr v3 shard
+        file of X, layers and obsm (default 2**23: 32 MiB of float32, a few files per
+        collection shard; lowered when ``max_memory`` is tight; ``None`` or 0: one file per
+        chunk; ignored by zarr format 2), and the codec: ``"raw"`` (default:
         uncompressed + CRC-32C), ``"lz4"`` (Blosc lz4, byte shuffle), ``"zstd"`` (Blosc
         zstd level 3), ``"none"`` (uncompressed, no checksum), or zarr codec objects.
         lz4 and zstd are followed by a CRC-32C in zarr v3 (Blosc does not verify its
@@ -364,8 +369,13 @@ def create_anndata_collection(
                                 else f" (default {DEFAULT_CHUNK_ELEMS})."))
     if isinstance(n_obs_per_shard, bool):
         raise InputError(f"n_obs_per_shard={n_obs_per_shard!r} must be a positive integer.")
+    if zarr_shard_elems is not None and (isinstance(zarr_shard_elems, bool) or not isinstance(
+            zarr_shard_elems, int | np.integer) or zarr_shard_elems < 0):
+        raise InputError(f"zarr_shard_elems={zarr_shard_elems!r} must be an integer >= 0 "
+                         f"(0 or None: one file per chunk; default {DEFAULT_SHARD_ELEMS}).")
     opts = {"zarr_format": zarr_format, "chunk_elems": int(zarr_chunk_elems),
-            "shard_elems": zarr_shard_elems,
+            "shard_elems": int(zarr_shard_elems) if zarr_shard_elems and zarr_format == 3
+            else None,
             "compressors": compressors_for(compressor, zarr_format)}
     if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
         adata_paths = [adata_paths]
@@ -386,18 +396,19 @@ def create_anndata_collection(
         warn_shared_obs_names([s for s in sources if s.n_obs])
         n_total = sum(s.n_obs for s in sources)
         work = _budget.working_memory(budget, n_total if shuffle else 0)
-        shard_obs = int(n_obs_per_shard or _budget.shard_size(sources, schema, work, shuffle))
+        shard_obs = _budget.fit_layout(sources, schema, work, n_obs_per_shard, opts)
         shard_obs = min(shard_obs, max(n_total, 1))  # more rows than cells: one shard
-        logger.info("Writing %d cells x %d genes (%s join) from %d input(s) into %s at %s.",
-                    n_total, len(schema.var_names), var_join, len(sources),
-                    shard_layout(n_total, shard_obs), out)
+        block_obs = _budget.block_size(sources, schema, work, shuffle, shard_obs, opts)
+        logger.info("Writing %d cells x %d genes (%s join) from %d input(s) into %s at %s "
+                    "(written in blocks of %d rows).", n_total, len(schema.var_names),
+                    var_join, len(sources), shard_layout(n_total, shard_obs), out, block_obs)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = _sibling(out, "tmp")
         tmp.mkdir()
-        shards, dtypes = _run_passes(sources, schema, tmp, n_total, shard_obs, shuffle, seed,
-                                     work, opts, progress, value_check)
+        shards, dtypes = _run_passes(sources, schema, tmp, n_total, (shard_obs, block_obs),
+                                     shuffle, seed, work, opts, progress, value_check)
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
-                                   var_join, shard_obs, budget, opts, compressor)
+                                   var_join, (shard_obs, block_obs), budget, opts, compressor)
         _swap_into_place(tmp, out, overwrite)
         tmp = None
     finally:
@@ -409,10 +420,12 @@ def create_anndata_collection(
 
 
 def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
-                shard_obs: int, shuffle: bool, seed: int, work: int, opts: dict[str, Any],
-                progress: bool, value_check: Any) -> tuple[list[ShardInfo], dict[str, str]]:
+                layout: tuple[int, int], shuffle: bool, seed: int, work: int,
+                opts: dict[str, Any], progress: bool,
+                value_check: Any) -> tuple[list[ShardInfo], dict[str, str]]:
     import zarr
 
+    shard_obs, block_obs = layout
     if shuffle:  # dest[g]: output position of global input row g
         dest = np.arange(n_total, dtype=np.uint32 if n_total < 2**32 else np.int64)
         np.random.default_rng(seed).shuffle(dest)
@@ -434,8 +447,8 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
                 for a, b, ips in iter_blocks(src, readers, work // 2, schema):
                     d = (np.arange(offset + a, offset + b, dtype=np.int64) if dest is None
                          else dest[offset + a: offset + b].astype(np.int64))
-                    route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, buckets,
-                                value_check)
+                    route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, block_obs,
+                                buckets, value_check)
                     del d, ips
                     release_memory()
                     bar.update(b - a)
@@ -450,25 +463,37 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
         for s in range(-(-n_total // shard_obs)):
             name = f"shard_{s:05d}.zarr"
             n = min(n_total, (s + 1) * shard_obs) - s * shard_obs
-            arrays = load_bucket(buckets.path(s), segments)
-            if len(arrays["pos"]) != n:
-                raise InputError(f"{tmp}: shard {s} received {len(arrays['pos'])} rows, "
-                                 f"expected {n}; an input changed while being read?")
-            dtypes = write_shard(tmp / name, arrays, schema.kept, schema.var_names, opts,
-                                 schema.var, schema.raw_var)
-            del arrays
+            paths = [buckets.path(bucket_id(s, j, shard_obs, block_obs))
+                     for j in range(-(-n // block_obs))]
+            totals = [bucket_totals(p, segments) for p in paths]
+            got = sum(t["pos"] for t in totals)
+            if got != n:
+                raise InputError(f"{tmp}: shard {s} received {got} rows, expected {n}; an "
+                                 "input changed while being read?")
+            nnz = {f.key: sum(t[f"{f.key}:idx"] for t in totals)
+                   for f in schema.kept if f.kind == "csr"}
+            store = ShardStore(tmp / name, schema.kept, n, nnz, schema.var_names, opts,
+                               schema.var, schema.raw_var)
+            for j, p in enumerate(paths):
+                arrays = load_bucket(p, segments)
+                store.append(arrays, j * block_obs)
+                del arrays
+                release_memory()
+                if p.exists():
+                    os.remove(p)
+                bar.update(min(n, (j + 1) * block_obs) - j * block_obs)
+            dtypes = store.close()
+            del store
             release_memory()
-            os.remove(buckets.path(s))
             shards.append(ShardInfo(name, n))
-            bar.update(n)
     shutil.rmtree(tmp / ".buckets", ignore_errors=True)
     return shards, dtypes
 
 
 def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Schema,
                                shards: list[ShardInfo], dtypes: dict[str, str], seed: int,
-                               shuffle: bool, var_join: str, shard_obs: int, budget: int,
-                               opts: dict[str, Any], compressor: Any) -> None:
+                               shuffle: bool, var_join: str, layout: tuple[int, int],
+                               budget: int, opts: dict[str, Any], compressor: Any) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -483,7 +508,8 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
             categories=tuple(f.categories) if f.kind == "categorical" else None,
             ordered=f.ordered,
         )
-    writer = {"n_obs_per_shard": shard_obs, "max_memory": budget,
+    writer = {"n_obs_per_shard": layout[0], "n_obs_per_block": layout[1],
+              "max_memory": budget,
               "zarr_format": opts["zarr_format"], "zarr_chunk_elems": opts["chunk_elems"],
               "zarr_shard_elems": opts["shard_elems"],
               "compressor": compressor if isinstance(compressor, str) else repr(compressor)}
