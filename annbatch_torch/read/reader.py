@@ -20,6 +20,7 @@ the field and the row range.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,12 @@ from ..errors import AnnBatchError, ReadError
 from ..store.checks import bad_column
 from ..store.collection import Source
 from ..store.elements import CSCElement, CSRElement
+from ..store.rawzarr import io_gate
 from .buffers import BufferCache
 from .csr import csr_view
 
-__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "default_read_threads"]
+__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "default_read_threads",
+           "IO_DEPTH"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,10 @@ def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
     return text + (f"; and {len(pieces) - limit} more ranges" if len(pieces) > limit else "")
 
 
+#: reads in flight per process (each a thread; only ``threads`` of them use a CPU at once)
+IO_DEPTH = 16
+
+
 def default_read_threads() -> int:
     """Concurrent pool reads per process: the usable CPUs, at most 4.
 
@@ -109,15 +116,24 @@ class PoolReader:
     fields
         Field strings to read (``"X"``, ``"layers/counts"``, ``"obs/cell_type"``...).
     threads
-        Concurrent reads per process.
+        Reads that may copy and check bytes at once (CPU slots).
+    io_depth
+        Reads in flight at once (default :data:`IO_DEPTH`, at least ``threads``): a read
+        of raw chunks that must wait for the disk gives its slot back while it waits
+        (:func:`~annbatch_torch.store.rawzarr.io_gate`), so data larger than the page
+        cache is read with many requests queued at the disk while warm data is copied by
+        ``threads`` threads only.
     """
 
-    def __init__(self, source: Source, fields: list[str], threads: int = 4) -> None:
+    def __init__(self, source: Source, fields: list[str], threads: int = 4,
+                 io_depth: int | None = None) -> None:
         self.source = source
         self.fields = list(dict.fromkeys(fields))
         self.threads = max(1, int(threads))
+        self.io_depth = max(self.threads, int(io_depth or IO_DEPTH))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid: int | None = None
+        self._slots: threading.BoundedSemaphore | None = None
         # 3 pools x (data, indices): the one read ahead, the current one and the previous one
         # while the caller still holds its last batch
         self.buffers = BufferCache(keep=6 * len(self.fields))
@@ -126,13 +142,22 @@ class PoolReader:
         state = self.__dict__.copy()
         state["_pool"] = None
         state["_pool_pid"] = None
+        state["_slots"] = None
         return state
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None or self._pool_pid != os.getpid():
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="annbatch-read")
+            # fresh in a forked child: a semaphore copied while a read held it stays taken
+            self._slots = threading.BoundedSemaphore(self.threads)
+            self._pool = ThreadPoolExecutor(self.io_depth, thread_name_prefix="annbatch-read")
             self._pool_pid = os.getpid()
         return self._pool
+
+    def _gated(self, fn: Any, *args: Any) -> Any:
+        """Run one read task holding a CPU slot (given back while it waits for the disk)."""
+        assert self._slots is not None
+        with io_gate(self._slots):
+            return fn(*args)
 
     def close(self) -> None:
         self.buffers.clear()
@@ -199,7 +224,8 @@ class PoolReader:
                     permute_after.add(field)
             else:
                 jobs[field] = [
-                    (p, ex.submit(self._read_piece, el, p)) for p, el in zip(pieces, els)
+                    (p, ex.submit(self._gated, self._read_piece, el, p))
+                    for p, el in zip(pieces, els)
                 ]
                 if order is not None:
                     permute_after.add(field)
@@ -262,7 +288,7 @@ class PoolReader:
         # over in a list the task empties, the pool's buffers are not held by it past its
         # return, so a dropped pool's buffers are free for the next pool at once
         return [
-            (p, ex.submit(self._read_csr_piece, el, p,
+            (p, ex.submit(self._gated, self._read_csr_piece, el, p,
                           [data, indices, dests[p.out_start : p.out_start + (p.stop - p.start)]]))
             for p, el in zip(pieces, els)
         ]

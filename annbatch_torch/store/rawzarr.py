@@ -31,7 +31,7 @@ import numpy as np
 
 from .checks import bad_column
 
-__all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError"]
+__all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError", "io_gate"]
 
 
 class ChunkError(OSError):
@@ -333,9 +333,38 @@ class RawZarrArray:
 _IOV_MAX = 1024
 
 
-def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int) -> int:
-    """``os.preadv`` over any number of buffers (``nbytes`` in all); returns the bytes
-    read (short at EOF)."""
+class _Gate(threading.local):
+    """This thread's CPU slot, if a reader gave it one (:func:`io_gate`)."""
+
+    slot: Any = None
+
+
+_GATE = _Gate()
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: fail instead of waiting for the disk
+
+
+@contextlib.contextmanager
+def io_gate(slot: Any) -> Any:
+    """Read in this thread holding ``slot`` (a semaphore, acquired here), but give it back
+    while a read waits for the disk.
+
+    Reads try ``preadv(RWF_NOWAIT)`` first: what is in the page cache is copied at once,
+    holding the slot; only the bytes that need the disk are read after releasing it (and
+    the slot is taken again before the checksum). So a reader may keep many reads waiting
+    on the disk (cold data: the disk's queue is what bounds throughput) while no more than
+    the slots' count copy and check bytes (warm data: the CPUs are). Without
+    ``RWF_NOWAIT`` (not Linux) every read simply holds the slot.
+    """
+    slot.acquire()
+    _GATE.slot = slot
+    try:
+        yield
+    finally:
+        _GATE.slot = None
+        slot.release()
+
+
+def _preadv_blocking(fd: int, bufs: list[Any], offset: int) -> int:
     if len(bufs) <= _IOV_MAX:
         return os.preadv(fd, bufs, offset)
     total = 0
@@ -346,6 +375,44 @@ def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int) -> i
         if n < sum(len(b) for b in part):
             break
     return total
+
+
+def _after(bufs: list[np.ndarray], n: int) -> list[Any]:
+    """The buffers past their first ``n`` bytes."""
+    out: list[Any] = []
+    for b in bufs:
+        size = len(b)
+        if n >= size:
+            n -= size
+            continue
+        out.append(memoryview(b)[n:] if n else b)
+        n = 0
+    return out
+
+
+def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int) -> int:
+    """``os.preadv`` over any number of buffers (``nbytes`` in all); returns the bytes
+    read (short at EOF). Under :func:`io_gate`, waits for the disk without the slot."""
+    slot = _GATE.slot
+    if slot is None or _NOWAIT is None:
+        return _preadv_blocking(fd, bufs, offset)
+    got = 0
+    try:
+        if len(bufs) <= _IOV_MAX:
+            got = os.preadv(fd, bufs, offset, _NOWAIT)
+    except BlockingIOError:  # nothing of it in the page cache
+        got = 0
+    except OSError:  # RWF_NOWAIT refused by this file system: read as usual
+        return _preadv_blocking(fd, bufs, offset)
+    if got >= nbytes:
+        return got
+    rest = _after(bufs, got)
+    slot.release()
+    try:
+        more = _preadv_blocking(fd, rest, offset + got)
+    finally:
+        slot.acquire()
+    return got + more
 
 
 #: the index entry of an absent inner chunk (offset and size all ones)

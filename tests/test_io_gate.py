@@ -1,0 +1,106 @@
+"""Reads that wait for the disk give their CPU slot back (store.rawzarr.io_gate)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import zarr
+
+from annbatch_torch import Collection, open_collection
+from annbatch_torch.read.reader import PoolReader
+from annbatch_torch.store import rawzarr
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs Linux RWF_NOWAIT")
+
+
+class _Slot:
+    """A real semaphore that records what is done with it."""
+
+    def __init__(self) -> None:
+        self.sem = threading.BoundedSemaphore(1)
+        self.events: list[str] = []
+
+    def acquire(self) -> None:
+        self.sem.acquire()
+        self.events.append("acquire")
+
+    def release(self) -> None:
+        self.events.append("release")
+        self.sem.release()
+
+
+def _uncached_file(path: Path, data: np.ndarray) -> int:
+    """``path`` holding ``data``, written to disk and dropped from the page cache."""
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    try:
+        os.preadv(fd, [bytearray(4096)], len(data) // 2, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return fd  # not in the page cache: what the test needs
+    os.close(fd)
+    pytest.skip("this file system keeps the pages cached (POSIX_FADV_DONTNEED ignored)")
+
+
+def test_a_read_waiting_for_the_disk_gives_its_slot_back(tmp_path: Path) -> None:
+    data = np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8)
+    fd = _uncached_file(tmp_path / "f", data)
+    try:
+        slot = _Slot()
+        out = np.zeros_like(data)
+        half = len(data) // 2 + 17
+        with rawzarr.io_gate(slot):
+            n = rawzarr._preadv_full(fd, [out[:half], out[half:]], 0, len(data))
+        assert n == len(data)
+        np.testing.assert_array_equal(out, data)
+        # taken, given back for the disk, taken again for the rest, given back at the end
+        assert slot.events == ["acquire", "release", "acquire", "release"]
+        # now in the page cache: copied holding the slot
+        slot.events.clear()
+        out[:] = 0
+        with rawzarr.io_gate(slot):
+            n = rawzarr._preadv_full(fd, [out], 0, len(data))
+        assert n == len(data)
+        np.testing.assert_array_equal(out, data)
+        assert slot.events == ["acquire", "release"]
+    finally:
+        os.close(fd)
+
+
+def test_a_partly_cached_read_reads_the_rest_from_the_disk(tmp_path: Path) -> None:
+    data = np.random.default_rng(1).integers(0, 255, 2 << 20, dtype=np.uint8)
+    fd = _uncached_file(tmp_path / "f", data)
+    try:
+        os.pread(fd, 1 << 20, 0)  # the first half into the page cache
+        slot = _Slot()
+        bufs = [np.zeros(3000, np.uint8), np.zeros(len(data) - 3000, np.uint8)]
+        with rawzarr.io_gate(slot):
+            n = rawzarr._preadv_full(fd, bufs, 0, len(data))
+        assert n == len(data)
+        np.testing.assert_array_equal(np.concatenate(bufs), data)
+        assert slot.events == ["acquire", "release", "acquire", "release"]
+    finally:
+        os.close(fd)
+
+
+def test_pool_reads_through_the_gate_equal_the_store(small_collection: Collection) -> None:
+    """A reader with one CPU slot and many reads in flight reads what zarr reads."""
+    coll = open_collection(small_collection.path)
+    reader = PoolReader(coll, ["X"], threads=1, io_depth=8)
+    assert reader.io_depth == 8
+    n = coll.shard_sizes[0]
+    order = np.random.default_rng(0).permutation(n)
+    got = reader.read(np.array([[0, n]]), order)["X"]
+    g = zarr.open_group(str(coll.shard_path(0)), mode="r")["X"]
+    ref = sp.csr_matrix((g["data"][...], g["indices"][...], g["indptr"][...]),
+                        shape=tuple(g.attrs["shape"]))
+    np.testing.assert_array_equal(got.toarray(), ref[order].toarray())
+    reader.close()
