@@ -570,6 +570,10 @@ def _zarrs_pipeline(on: bool) -> Any:
 def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bool = False,
                 store: dict[str, Any] | None = None, **kw: Any) -> Callable[[Config], Result]:
     def case(cfg: Config) -> Result:
+        if "io_depth" in kw:  # reads in flight per process (a module setting, not an argument)
+            from annbatch_torch.read import reader
+
+            reader.IO_DEPTH = kw["io_depth"]
         with _zarrs_pipeline(zarrs):
             return _run_experiment(cfg)
 
@@ -578,7 +582,8 @@ def _experiment(densify: bool, workers: int, *, converter: Any = None, zarrs: bo
         if store:
             path = _variant_store(cfg, "_".join(f"{k}-{v}" for k, v in store.items()), **store)
         out = _run_ours(cfg, path, densify and converter is None, workers,
-                        batch_converter=converter, expect_dense=densify, **kw)
+                        batch_converter=converter, expect_dense=densify,
+                        **{k: v for k, v in kw.items() if k != "io_depth"})
         out["variant"] = {"converter": getattr(converter, "__name__", None), "zarrs": zarrs,
                           "store": store, **kw}
         return out
@@ -602,6 +607,8 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
     "exp_sparse_w0_threads2": _experiment(False, 0, read_threads=2),
     "exp_dense_w0_threads2": _experiment(True, 0, read_threads=2),
     "exp_sparse_w0_threads8": _experiment(False, 0, read_threads=8),
+    "exp_sparse_w0_io2": _experiment(False, 0, io_depth=2),
+    "exp_dense_w0_io2": _experiment(True, 0, io_depth=2),
     "exp_sparse_w0_threads16": _experiment(False, 0, read_threads=16),
     "exp_sparse_w0_noprefetch": _experiment(False, 0, prefetch=False),
     "exp_dense_w0_noprefetch": _experiment(True, 0, prefetch=False),
@@ -722,7 +729,8 @@ CASES: dict[str, Callable[[Config], Result]] = {
 }
 #: cases also run cold (``run.py --cold``) as ``<name>_cold``
 COLD = ("ours_sparse_w0", "ours_dense_w0", "ours_sparse_w2", "ours_dense_w2", "annbatch",
-        "ceiling_seq_raw", "exp_sparse_w0_threads8", "exp_sparse_w0_threads16")
+        "ceiling_seq_raw", "exp_sparse_w0_threads8", "exp_sparse_w0_threads16",
+        "exp_sparse_w0_io2")
 CASES.update({f"{n}_cold": _cold(n) for n in COLD})
 CASES["ceiling_disk_cold"] = case_ceiling_disk_cold
 CASES["ceiling_disk_parallel_cold"] = case_ceiling_disk_parallel_cold

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,20 +17,20 @@ from annbatch_torch.store import rawzarr
 pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs Linux RWF_NOWAIT")
 
 
-class _Slot:
-    """A real semaphore that records what is done with it."""
+class _Slot(rawzarr.CpuSlots):
+    """Real slots (one) that record what is done with them."""
 
     def __init__(self) -> None:
-        self.sem = threading.BoundedSemaphore(1)
+        super().__init__(1)
         self.events: list[str] = []
 
     def acquire(self) -> None:
-        self.sem.acquire()
+        super().acquire()
         self.events.append("acquire")
 
     def release(self) -> None:
         self.events.append("release")
-        self.sem.release()
+        super().release()
 
 
 def _uncached_file(path: Path, data: np.ndarray) -> int:
@@ -63,6 +62,7 @@ def test_a_read_waiting_for_the_disk_gives_its_slot_back(tmp_path: Path) -> None
         np.testing.assert_array_equal(out, data)
         # taken, given back for the disk, taken again for the rest, given back at the end
         assert slot.events == ["acquire", "release", "acquire", "release"]
+        assert slot.take_counts() == (1, 1)  # one read, and it waited for the disk
         # now in the page cache: copied holding the slot
         slot.events.clear()
         out[:] = 0
@@ -71,6 +71,7 @@ def test_a_read_waiting_for_the_disk_gives_its_slot_back(tmp_path: Path) -> None
         assert n == len(data)
         np.testing.assert_array_equal(out, data)
         assert slot.events == ["acquire", "release"]
+        assert slot.take_counts() == (1, 0)
     finally:
         os.close(fd)
 
@@ -103,4 +104,24 @@ def test_pool_reads_through_the_gate_equal_the_store(small_collection: Collectio
     ref = sp.csr_matrix((g["data"][...], g["indices"][...], g["indptr"][...]),
                         shape=tuple(g.attrs["shape"]))
     np.testing.assert_array_equal(got.toarray(), ref[order].toarray())
+    reader.close()
+
+
+def test_the_reader_reads_deep_only_after_pools_that_waited_for_the_disk(
+        small_collection: Collection) -> None:
+    reader = PoolReader(open_collection(small_collection.path), ["X"], threads=2, io_depth=8)
+    first = reader._executor()
+    assert first is reader._deep  # nothing seen yet: data may come from the disk
+    assert reader._slots is not None
+    for _ in range(40):
+        reader._slots.note(False)  # a pool from the page cache
+    assert reader._executor() is reader._pool
+    assert reader._pool is not None
+    assert reader._pool._max_workers == 2
+    assert reader._executor() is reader._pool  # no pool read since: unchanged
+    for waited in [True] * 2 + [False] * 38:  # 5% of a pool's reads waited for the disk
+        reader._slots.note(waited)
+    assert reader._executor() is reader._deep
+    assert reader._deep is not None
+    assert reader._deep._max_workers == 8
     reader.close()

@@ -20,7 +20,6 @@ the field and the row range.
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from ..errors import AnnBatchError, ReadError
 from ..store.checks import bad_column
 from ..store.collection import Source
 from ..store.elements import CSCElement, CSRElement
-from ..store.rawzarr import io_gate
+from ..store.rawzarr import CpuSlots, io_gate
 from .buffers import BufferCache
 from .csr import csr_view
 
@@ -118,11 +117,14 @@ class PoolReader:
     threads
         Reads that may copy and check bytes at once (CPU slots).
     io_depth
-        Reads in flight at once (default :data:`IO_DEPTH`, at least ``threads``): a read
-        of raw chunks that must wait for the disk gives its slot back while it waits
-        (:func:`~annbatch_torch.store.rawzarr.io_gate`), so data larger than the page
-        cache is read with many requests queued at the disk while warm data is copied by
-        ``threads`` threads only.
+        Reads in flight at once when the data comes from the disk (default
+        :data:`IO_DEPTH`, at least ``threads``): a read of raw chunks that must wait for
+        the disk gives its slot back while it waits
+        (:func:`~annbatch_torch.store.rawzarr.io_gate`), so many requests queue at the
+        disk while at most ``threads`` copy and check bytes. A pool is read this way when
+        5% or more of the previous pool's reads waited for the disk (and the first pool);
+        when they came from the page cache, the next pool is read by ``threads`` threads
+        (extra threads cost warm loaders about 20%, measured).
     """
 
     def __init__(self, source: Source, fields: list[str], threads: int = 4,
@@ -131,27 +133,41 @@ class PoolReader:
         self.fields = list(dict.fromkeys(fields))
         self.threads = max(1, int(threads))
         self.io_depth = max(self.threads, int(io_depth or IO_DEPTH))
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # threads workers: warm pools
+        self._deep: ThreadPoolExecutor | None = None  # io_depth workers: pools from disk
         self._pool_pid: int | None = None
-        self._slots: threading.BoundedSemaphore | None = None
+        self._slots: CpuSlots | None = None
+        self._from_disk = True  # the first pool: no reads seen yet
         # 3 pools x (data, indices): the one read ahead, the current one and the previous one
         # while the caller still holds its last batch
         self.buffers = BufferCache(keep=6 * len(self.fields))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pool"] = None
+        state["_pool"] = state["_deep"] = None
         state["_pool_pid"] = None
         state["_slots"] = None
+        state["_from_disk"] = True
         return state
 
     def _executor(self) -> ThreadPoolExecutor:
+        """The executor for the next pool: deep when the last pool waited for the disk."""
         if self._pool is None or self._pool_pid != os.getpid():
             # fresh in a forked child: a semaphore copied while a read held it stays taken
-            self._slots = threading.BoundedSemaphore(self.threads)
-            self._pool = ThreadPoolExecutor(self.io_depth, thread_name_prefix="annbatch-read")
+            self._slots = CpuSlots(self.threads)
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="annbatch-read")
+            self._deep = None
             self._pool_pid = os.getpid()
-        return self._pool
+            self._from_disk = True
+        assert self._slots is not None
+        reads, waits = self._slots.take_counts()
+        if reads:  # 5% of the last pool's reads or more waited for the disk
+            self._from_disk = waits * 20 >= reads
+        if not self._from_disk or self.io_depth <= self.threads:
+            return self._pool
+        if self._deep is None:
+            self._deep = ThreadPoolExecutor(self.io_depth, thread_name_prefix="annbatch-read")
+        return self._deep
 
     def _gated(self, fn: Any, *args: Any) -> Any:
         """Run one read task holding a CPU slot (given back while it waits for the disk)."""
@@ -161,9 +177,10 @@ class PoolReader:
 
     def close(self) -> None:
         self.buffers.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = None
+        for ex in (self._pool, self._deep):
+            if ex is not None:
+                ex.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._deep = None
 
     # -- reading -----------------------------------------------------------------
     def _wrap(self, exc: BaseException, piece: Piece, field: str) -> ReadError:

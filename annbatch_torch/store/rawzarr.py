@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ import numpy as np
 
 from .checks import bad_column
 
-__all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError", "io_gate"]
+__all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError", "io_gate",
+           "CpuSlots"]
 
 
 class ChunkError(OSError):
@@ -333,20 +335,50 @@ class RawZarrArray:
 _IOV_MAX = 1024
 
 
-class _Gate(threading.local):
-    """This thread's CPU slot, if a reader gave it one (:func:`io_gate`)."""
+class CpuSlots:
+    """At most ``n`` reads copying and checking bytes at once (a semaphore), and counts of
+    the reads made under it (``reads``) and of those that waited for the disk
+    (``waits``; approximate under threads: a hint, not an account)."""
 
-    slot: Any = None
+    def __init__(self, n: int) -> None:
+        self._sem = threading.BoundedSemaphore(max(1, int(n)))
+        self.reads = 0
+        self.waits = 0
+
+    def acquire(self) -> None:
+        self._sem.acquire()
+
+    def release(self) -> None:
+        self._sem.release()
+
+    def note(self, waited: bool) -> None:
+        """Count one read (``waited``: part of it had to come from the disk)."""
+        self.reads += 1
+        self.waits += waited
+
+    def take_counts(self) -> tuple[int, int]:
+        """``(reads, waits)`` since the last call (then zero again)."""
+        counts = (self.reads, self.waits)
+        self.reads = self.waits = 0
+        return counts
+
+
+class _Gate(threading.local):
+    """This thread's CPU slots, if a reader gave it some (:func:`io_gate`)."""
+
+    slot: CpuSlots | None = None
 
 
 _GATE = _Gate()
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: fail instead of waiting for the disk
+#: a page read taking longer came from the disk (a cached one takes microseconds)
+_DISK_WAIT_S = 1e-3
 
 
 @contextlib.contextmanager
-def io_gate(slot: Any) -> Any:
-    """Read in this thread holding ``slot`` (a semaphore, acquired here), but give it back
-    while a read waits for the disk.
+def io_gate(slots: CpuSlots) -> Any:
+    """Read in this thread holding one of ``slots`` (acquired here), but give it back while
+    a read waits for the disk.
 
     Reads try ``preadv(RWF_NOWAIT)`` first: what is in the page cache is copied at once,
     holding the slot; only the bytes that need the disk are read after releasing it (and
@@ -355,13 +387,13 @@ def io_gate(slot: Any) -> Any:
     the slots' count copy and check bytes (warm data: the CPUs are). Without
     ``RWF_NOWAIT`` (not Linux) every read simply holds the slot.
     """
-    slot.acquire()
-    _GATE.slot = slot
+    slots.acquire()
+    _GATE.slot = slots
     try:
         yield
     finally:
         _GATE.slot = None
-        slot.release()
+        slots.release()
 
 
 def _preadv_blocking(fd: int, bufs: list[Any], offset: int) -> int:
@@ -377,17 +409,41 @@ def _preadv_blocking(fd: int, bufs: list[Any], offset: int) -> int:
     return total
 
 
-def _after(bufs: list[np.ndarray], n: int) -> list[Any]:
-    """The buffers past their first ``n`` bytes."""
-    out: list[Any] = []
+def _split(bufs: list[np.ndarray], n: int) -> tuple[list[Any], list[Any]]:
+    """The buffers' first ``n`` bytes and the rest (views)."""
+    head: list[Any] = []
+    rest: list[Any] = []
     for b in bufs:
         size = len(b)
         if n >= size:
-            n -= size
-            continue
-        out.append(memoryview(b)[n:] if n else b)
-        n = 0
-    return out
+            head.append(b)
+        elif n > 0:
+            head.append(memoryview(b)[:n])
+            rest.append(memoryview(b)[n:])
+        else:
+            rest.append(b)
+        n -= size
+    return head, rest
+
+
+def _nowait(fd: int, bufs: list[Any], offset: int) -> int:
+    """Bytes ``preadv(RWF_NOWAIT)`` copies from the page cache (0 when none is there)."""
+    if len(bufs) > _IOV_MAX:
+        return 0
+    try:
+        return os.preadv(fd, bufs, offset, _NOWAIT)
+    except BlockingIOError:
+        return 0
+
+
+def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tuple[int, float]:
+    """A blocking read with ``slot`` given back meanwhile: ``(bytes, seconds)``."""
+    slot.release()
+    t0 = time.perf_counter()
+    try:
+        return _preadv_blocking(fd, bufs, offset), time.perf_counter() - t0
+    finally:
+        slot.acquire()
 
 
 def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int) -> int:
@@ -396,23 +452,29 @@ def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int) -> i
     slot = _GATE.slot
     if slot is None or _NOWAIT is None:
         return _preadv_blocking(fd, bufs, offset)
-    got = 0
     try:
-        if len(bufs) <= _IOV_MAX:
-            got = os.preadv(fd, bufs, offset, _NOWAIT)
-    except BlockingIOError:  # nothing of it in the page cache
-        got = 0
+        got = _nowait(fd, bufs, offset)
     except OSError:  # RWF_NOWAIT refused by this file system: read as usual
         return _preadv_blocking(fd, bufs, offset)
     if got >= nbytes:
+        slot.note(False)
         return got
-    rest = _after(bufs, got)
-    slot.release()
-    try:
-        more = _preadv_blocking(fd, rest, offset + got)
-    finally:
-        slot.acquire()
-    return got + more
+    # RWF_NOWAIT also declines a cached page that marks where the kernel's read-ahead
+    # starts: read one page without the slot (from the disk, this starts the read-ahead
+    # of what follows), then try the rest again
+    head, rest = _split(_split(bufs, got)[1], min(4096, nbytes - got))
+    n, seconds = _without_slot(slot, fd, head, offset + got)
+    got += n
+    waited = seconds > _DISK_WAIT_S
+    if n and got < nbytes:
+        more = _nowait(fd, rest, offset + got)
+        got += more
+        if got < nbytes:  # still on disk: wait for the rest without the slot
+            more, _ = _without_slot(slot, fd, _split(rest, more)[1], offset + got)
+            got += more
+            waited = True
+    slot.note(waited)
+    return got
 
 
 #: the index entry of an absent inner chunk (offset and size all ones)
