@@ -401,13 +401,14 @@ try:
         os.kill(victim, signal.SIGKILL)
         # usually torch's worker watchdog reports the death; a batch the dead worker had
         # already queued cannot be received either (its tensors' file descriptors were
-        # served by that process): that read fails first with ConnectionResetError
+        # served by that process): that read fails first with ConnectionResetError, or
+        # EOFError when the worker died while serving it
         for _ in it:
             pass
-    except (RuntimeError, ConnectionError) as e:
+    except (RuntimeError, ConnectionError, EOFError) as e:
         caught.append(e)
         unregister()
-except (RuntimeError, ConnectionError) as e:  # a second report while handling the first
+except (RuntimeError, ConnectionError, EOFError) as e:  # a second report while handling
     caught.append(e)
     unregister()
 unregister()

@@ -60,8 +60,9 @@ def test_a_read_waiting_for_the_disk_gives_its_slot_back(tmp_path: Path) -> None
             n = rawzarr._preadv_full(fd, [out[:half], out[half:]], 0, len(data))
         assert n == len(data)
         np.testing.assert_array_equal(out, data)
-        # taken, given back for the disk, taken again for the rest, given back at the end
-        assert slot.events == ["acquire", "release", "acquire", "release"]
+        # taken, given back for the disk (once, or twice when the kernel's read-ahead
+        # had not brought the rest in yet), taken again each time, given back at the end
+        assert slot.events in (["acquire", "release"] * 2, ["acquire", "release"] * 3)
         assert slot.take_counts() == (1, 1)  # one read, and it waited for the disk
         # now in the page cache: copied holding the slot
         slot.events.clear()
@@ -87,7 +88,7 @@ def test_a_partly_cached_read_reads_the_rest_from_the_disk(tmp_path: Path) -> No
             n = rawzarr._preadv_full(fd, bufs, 0, len(data))
         assert n == len(data)
         np.testing.assert_array_equal(np.concatenate(bufs), data)
-        assert slot.events == ["acquire", "release", "acquire", "release"]
+        assert slot.events in (["acquire", "release"] * 2, ["acquire", "release"] * 3)
     finally:
         os.close(fd)
 
