@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -125,4 +126,90 @@ def test_the_reader_reads_deep_only_after_pools_that_waited_for_the_disk(
     assert reader._executor() is reader._deep
     assert reader._deep is not None
     assert reader._deep._max_workers == 8
+    reader.close()
+
+
+def _cached_file(path: Path, data: np.ndarray) -> int:
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    os.pread(fd, len(data) + 1, 0)  # into the page cache
+    return fd
+
+
+def test_many_buffers_from_the_page_cache_keep_the_slot(tmp_path: Path) -> None:
+    """More buffers than one preadv takes (IOV_MAX): still read from the cache at once."""
+    data = np.random.default_rng(2).integers(0, 255, 1 << 20, dtype=np.uint8)
+    fd = _cached_file(tmp_path / "f", data)
+    try:
+        out = np.zeros_like(data)
+        bufs = np.split(out, 2048)
+        slot = _Slot()
+        with rawzarr.io_gate(slot):
+            n = rawzarr._preadv_full(fd, bufs, 0, len(data))
+        assert n == len(data)
+        np.testing.assert_array_equal(out, data)
+        assert slot.events == ["acquire", "release"]
+        assert slot.take_counts() == (1, 0)
+    finally:
+        os.close(fd)
+
+
+def test_a_cached_chunk_file_with_its_end_probe_keeps_the_slot(tmp_path: Path) -> None:
+    """A chunk file is read with one byte more than it holds (a longer file is damage): at
+    its end, that probe is no reason to wait for the disk."""
+    data = np.random.default_rng(3).integers(0, 255, 300_000, dtype=np.uint8)
+    fd = _cached_file(tmp_path / "f", data)
+    try:
+        out = np.zeros(len(data) + 1, np.uint8)
+        slot = _Slot()
+        with rawzarr.io_gate(slot):
+            n = rawzarr._preadv_full(fd, [out], 0, len(data) + 1, need=len(data))
+        assert n == len(data)
+        np.testing.assert_array_equal(out[:-1], data)
+        assert slot.events == ["acquire", "release"]
+        assert slot.take_counts() == (1, 0)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("n_bufs", [1, 1101])
+def test_a_file_system_refusing_rwf_nowait_reads_as_usual(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n_bufs: int) -> None:
+    real = os.preadv
+
+    def preadv(fd: int, bufs: object, offset: int, flags: int = 0) -> int:
+        if flags:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real(fd, bufs, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(rawzarr, "_NOWAIT_REFUSED", [False])
+    data = np.random.default_rng(4).integers(0, 255, 1 << 20, dtype=np.uint8)
+    fd = _cached_file(tmp_path / "f", data)
+    try:
+        for _ in range(2):  # refused, then not asked again
+            out = np.zeros_like(data)
+            slot = _Slot()
+            with rawzarr.io_gate(slot):
+                n = rawzarr._preadv_full(fd, np.array_split(out, n_bufs), 0, len(data))
+            assert n == len(data)
+            np.testing.assert_array_equal(out, data)
+            assert slot.take_counts() == (1, 0)
+            assert rawzarr._NOWAIT_REFUSED[0]
+    finally:
+        os.close(fd)
+
+
+def test_warm_pools_are_read_by_the_small_executor(small_collection: Collection) -> None:
+    """Real reads of a collection in the page cache (just written): after the first pool
+    (deep), pools of X and an obs column go to the read_threads-wide executor."""
+    coll = open_collection(small_collection.path)
+    reader = PoolReader(coll, ["X", "obs/cell_type"], threads=2, io_depth=8)
+    n = coll.shard_sizes[0]
+    order = np.random.default_rng(0).permutation(n)
+    reader.read(np.array([[0, n]]), order)
+    assert reader._deep is not None  # the first pool
+    for _ in range(2):
+        reader.read(np.array([[0, n]]), order)
+        assert reader._executor() is reader._pool
     reader.close()

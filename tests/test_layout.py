@@ -189,3 +189,37 @@ def test_an_old_layout_collection_still_reads(synthetic_h5ads: list[Path],
         np.testing.assert_array_equal(batch["X"].to_dense().numpy(), ref[names].X.toarray())
     assert np.sort(np.concatenate(rows)).tolist() == list(range(old.n_obs))
     assert sp.issparse(ad.read_zarr(old.shard_path(0)).X)
+
+
+OLD_LAYOUT = Path(__file__).parent / "data" / "layout_v1"
+
+
+def test_a_collection_written_by_the_first_layout_reads(tmp_path: Path) -> None:
+    """tests/data/layout_v1: written by the code before shard files (f2a42d2). It opens,
+    every row comes once per epoch with the values of its input, in 0 and 2 workers."""
+    import shutil
+
+    store = Path(shutil.copytree(OLD_LAYOUT / "collection", tmp_path / "collection"))
+    coll = open_collection(store)
+    assert coll.manifest.format_version == 1
+    assert coll.shard_sizes == [50, 50]
+    assert "shards" not in json.loads((coll.shard_path(0) / "X" / "data" / "zarr.json")
+                                      .read_text())["codecs"][0].get("configuration", {})
+    assert len(_files(coll.shard_path(0) / "X" / "data" / "c")) > 1  # one file per chunk
+    ref = ad.read_h5ad(OLD_LAYOUT / "input0.h5ad")
+    sel = {"X": A.X, "pca": A.obsm["X_pca"], "ct": A.obs["cell_type"]}
+    cats = coll.categories("cell_type")
+    for workers in (0, 2):
+        ds = abt.AnnBatchDataset(store, batch_size=16, chunk_size=8, preload_nchunks=4,
+                                 selector=sel, return_index=True, seed=workers)
+        seen = []
+        for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers):
+            idx = batch["index"].numpy()
+            seen.append(idx)
+            names = coll.obs_names_at(idx)
+            np.testing.assert_array_equal(batch["X"].to_dense().numpy(),
+                                          ref[names].X.toarray())
+            np.testing.assert_array_equal(batch["pca"].numpy(), ref[names].obsm["X_pca"])
+            assert [cats[c] for c in batch["ct"].tolist()] == \
+                ref[names].obs["cell_type"].astype(str).tolist()
+        assert np.sort(np.concatenate(seen)).tolist() == list(range(100))

@@ -305,7 +305,7 @@ class RawZarrArray:
             extra = 0 if self.per_shard else 1
             check = scratch[self.chunk_nbytes : self.chunk_nbytes + 4 + extra]
             bufs = ([scratch[:first]] if first else []) + segs + ([tail] if len(tail) else [])
-            n = _preadv_full(fd, [*bufs, check], base, want + extra)
+            n = _preadv_full(fd, [*bufs, check], base, want + extra, need=want)
             if n != want:
                 what = f"inner chunk {c % self.per_shard}" if self.per_shard else "chunk file"
                 raise ChunkError(f"{path}: {what} has {n} bytes, expected {want}")
@@ -355,6 +355,7 @@ class CpuSlots:
         """Count one read (``waited``: part of it had to come from the disk)."""
         self.reads += 1
         self.waits += waited
+        _GATE.noted = True
 
     def take_counts(self) -> tuple[int, int]:
         """``(reads, waits)`` since the last call (then zero again)."""
@@ -367,6 +368,7 @@ class _Gate(threading.local):
     """This thread's CPU slots, if a reader gave it some (:func:`io_gate`)."""
 
     slot: CpuSlots | None = None
+    noted = False  # a read under the slot was counted
 
 
 _GATE = _Gate()
@@ -388,10 +390,12 @@ def io_gate(slots: CpuSlots) -> Any:
     ``RWF_NOWAIT`` (not Linux) every read simply holds the slot.
     """
     slots.acquire()
-    _GATE.slot = slots
+    _GATE.slot, _GATE.noted = slots, False
     try:
         yield
     finally:
+        if not _GATE.noted:  # no raw read here (e.g. zarr decoding): nothing waited
+            slots.note(False)
         _GATE.slot = None
         slots.release()
 
@@ -426,14 +430,30 @@ def _split(bufs: list[np.ndarray], n: int) -> tuple[list[Any], list[Any]]:
     return head, rest
 
 
+class _Refused(Exception):
+    """``RWF_NOWAIT`` is refused here (the file system does not support it)."""
+
+
+_NOWAIT_REFUSED = [False]  # set once a file system refused RWF_NOWAIT in this process
+
+
 def _nowait(fd: int, bufs: list[Any], offset: int) -> int:
-    """Bytes ``preadv(RWF_NOWAIT)`` copies from the page cache (0 when none is there)."""
-    if len(bufs) > _IOV_MAX:
-        return 0
-    try:
-        return os.preadv(fd, bufs, offset, _NOWAIT)
-    except BlockingIOError:
-        return 0
+    """Bytes ``preadv(RWF_NOWAIT)`` copies from the page cache (0 when none is there);
+    :class:`_Refused` where the file system does not take the flag."""
+    total = 0
+    for k in range(0, len(bufs), _IOV_MAX):
+        part = bufs[k: k + _IOV_MAX]
+        try:
+            n = os.preadv(fd, part, offset + total, _NOWAIT)
+        except BlockingIOError:
+            return total
+        except OSError as e:
+            _NOWAIT_REFUSED[0] = True
+            raise _Refused from e
+        total += n
+        if n < sum(len(b) for b in part):
+            break
+    return total
 
 
 def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tuple[int, float]:
@@ -446,17 +466,32 @@ def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tupl
         slot.acquire()
 
 
-def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int) -> int:
+def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,
+                 need: int | None = None) -> int:
     """``os.preadv`` over any number of buffers (``nbytes`` in all); returns the bytes
-    read (short at EOF). Under :func:`io_gate`, waits for the disk without the slot."""
+    read (short at EOF). Under :func:`io_gate`, waits for the disk without the slot.
+
+    ``need``: the bytes that must be there (default ``nbytes``); the rest is a probe past
+    them (a chunk file one byte longer than its chunk is damage), read only if cached or
+    while reading from the disk anyway.
+    """
+    need = nbytes if need is None else need
     slot = _GATE.slot
-    if slot is None or _NOWAIT is None:
+    if slot is None or _NOWAIT is None or _NOWAIT_REFUSED[0]:
+        if slot is not None:
+            slot.note(False)  # nothing to learn about the disk: count the read as warm
         return _preadv_blocking(fd, bufs, offset)
     try:
-        got = _nowait(fd, bufs, offset)
-    except OSError:  # RWF_NOWAIT refused by this file system: read as usual
+        return _gated_read(slot, fd, bufs, offset, nbytes, need)
+    except _Refused:  # this file system does not take RWF_NOWAIT: read as usual
+        slot.note(False)
         return _preadv_blocking(fd, bufs, offset)
-    if got >= nbytes:
+
+
+def _gated_read(slot: CpuSlots, fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,
+                need: int) -> int:
+    got = _nowait(fd, bufs, offset)
+    if got >= need:
         slot.note(False)
         return got
     # RWF_NOWAIT also declines a cached page that marks where the kernel's read-ahead
@@ -466,10 +501,10 @@ def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int) -> i
     n, seconds = _without_slot(slot, fd, head, offset + got)
     got += n
     waited = seconds > _DISK_WAIT_S
-    if n and got < nbytes:
+    if n and got < need:
         more = _nowait(fd, rest, offset + got)
         got += more
-        if got < nbytes:  # still on disk: wait for the rest without the slot
+        if got < need:  # still on disk: wait for the rest without the slot
             more, _ = _without_slot(slot, fd, _split(rest, more)[1], offset + got)
             got += more
             waited = True

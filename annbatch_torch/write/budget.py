@@ -193,17 +193,28 @@ def fit_layout(sources: list[InputSource], schema: Schema, work: int, shard_obs:
     def held(r: int) -> float:
         return r * per_row + carry_bytes(schema.fields, opts, nnz, r)
 
+    asked = opts.get("shard_elems")
     while opts.get("shard_elems") and held(rows) > 0.4 * work and \
             opts["shard_elems"] > 2 * int(opts["chunk_elems"]):
         opts["shard_elems"] = int(opts["shard_elems"]) // 2
     if opts.get("shard_elems") and held(rows) > 0.4 * work:
         opts["shard_elems"] = None  # one file per chunk: the smallest tails
+    if opts.get("shard_elems") != asked:
+        logger.info("zarr_shard_elems=%s lowered to %s to fit the %.0f MB of working memory "
+                    "(raise max_memory to keep it).", asked, opts.get("shard_elems"),
+                    work / 1e6)
+    first = rows
     while shard_obs is None and rows > 1024 and held(rows) > 0.4 * work:
         rows //= 2
+    if rows != first:
+        logger.info("%d rows per shard (not %d) to fit the %.0f MB of working memory (raise "
+                    "max_memory for fewer shards).", rows, first, work / 1e6)
     if held(rows) > 0.4 * work:
-        logger.warning("n_obs_per_shard=%d holds about %.0f MB until each shard is written, "
-                       "over 40%% of the %.0f MB of working memory; raise max_memory or lower "
-                       "n_obs_per_shard.", rows, held(rows) / 1e6, work / 1e6)
+        fix = ("lower n_obs_per_shard" if shard_obs is not None
+               else f"pass n_obs_per_shard below {rows}")
+        logger.warning("%d rows per shard hold about %.0f MB until each shard is written, "
+                       "over 40%% of the %.0f MB of working memory; raise max_memory or %s.",
+                       rows, held(rows) / 1e6, work / 1e6, fix)
     return rows
 
 
