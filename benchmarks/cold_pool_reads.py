@@ -3,7 +3,8 @@
     python benchmarks/cold_pool_reads.py [STORE] [--pools 6] [--rounds 2]
 
 Drops the page cache (root), then reads ``--pools`` pools of the loader's default shape
-(32 random 512-row chunks, rows permuted) with ``PoolReader`` and nothing else running:
+(32 random 512-row chunks, rows permuted; ``--chunk-rows`` for longer or shorter
+chunks in pools of as many cells) with ``PoolReader`` and nothing else running:
 no batches, no consumer. Once with 2 reads in flight, once with 16 (``io_depth``), each
 after its own cache drop. Prints cells/s per setting (best of ``--rounds``); compare with
 the loader's cold case and with ``ceiling_disk_parallel_cold`` of the same machine.
@@ -37,28 +38,32 @@ def main() -> None:
                    help="a collection (default: the benchmark's newest default-layout one)")
     p.add_argument("--pools", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--chunk-rows", type=int, default=512,
+                   help="rows per contiguous chunk; pools keep 32 * 512 rows")
     a = p.parse_args()
     store = a.store or max(DEFAULT.glob("collection_shard_elems-*"), key=os.path.getmtime)
     coll = open_collection(store)
     best: dict[int, float] = {}
+    rows = a.chunk_rows
+    per_pool = max(1, 32 * 512 // rows)  # chunks per pool: pools of the same cells
     for r in range(a.rounds):
         rng = np.random.default_rng(r)
-        chunks = rng.permutation(coll.n_obs // 512)[: 32 * a.pools] * 512
+        chunks = rng.permutation(coll.n_obs // rows)[: per_pool * a.pools] * rows
         for depth in (2, 16):
             reader = PoolReader(open_collection(store), ["X"], threads=2, io_depth=depth)
             _drop()
             t0 = time.perf_counter()
             for k in range(a.pools):
-                starts = np.sort(chunks[32 * k: 32 * (k + 1)])
-                ranges = np.stack([starts, np.minimum(starts + 512, coll.n_obs)], axis=1)
+                starts = np.sort(chunks[per_pool * k: per_pool * (k + 1)])
+                ranges = np.stack([starts, np.minimum(starts + rows, coll.n_obs)], axis=1)
                 n = int((ranges[:, 1] - ranges[:, 0]).sum())
                 reader.read(ranges, rng.permutation(n))
                 if depth > 2:
                     reader._from_disk = True  # deep for every pool, whatever it measured
-            rate = 32 * 512 * a.pools / (time.perf_counter() - t0)
+            rate = per_pool * rows * a.pools / (time.perf_counter() - t0)
             best[depth] = max(best.get(depth, 0.0), rate)
             reader.close()
-    print(f"store {store}")
+    print(f"store {store}, chunks of {rows} rows, {per_pool} per pool")
     for depth, rate in best.items():
         print(f"  {depth:2d} reads in flight: {rate:9,.0f} cells/s cold (best of {a.rounds})")
 
