@@ -614,6 +614,7 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
     "exp_dense_w0_noprefetch": _experiment(True, 0, prefetch=False),
     "exp_sparse_w0_chunk256": _experiment(False, 0, chunk_size=256, preload_nchunks=64),
     "exp_sparse_w0_chunk1024": _experiment(False, 0, chunk_size=1024, preload_nchunks=16),
+    "exp_sparse_w0_chunk2048": _experiment(False, 0, chunk_size=2048, preload_nchunks=8),
     "exp_dense_w2_prefetch": _experiment(True, 2, prefetch=True),
 }
 
@@ -730,7 +731,7 @@ CASES: dict[str, Callable[[Config], Result]] = {
 #: cases also run cold (``run.py --cold``) as ``<name>_cold``
 COLD = ("ours_sparse_w0", "ours_dense_w0", "ours_sparse_w2", "ours_dense_w2", "annbatch",
         "ceiling_seq_raw", "exp_sparse_w0_threads8", "exp_sparse_w0_threads16",
-        "exp_sparse_w0_io2")
+        "exp_sparse_w0_io2", "exp_sparse_w0_chunk1024", "exp_sparse_w0_chunk2048")
 CASES.update({f"{n}_cold": _cold(n) for n in COLD})
 CASES["ceiling_disk_cold"] = case_ceiling_disk_cold
 CASES["ceiling_disk_parallel_cold"] = case_ceiling_disk_parallel_cold
