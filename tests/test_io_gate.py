@@ -34,6 +34,17 @@ class _Slot(rawzarr.CpuSlots):
         super().release()
 
 
+def _gated_read(fd: int, bufs: list[np.ndarray], nbytes: int, want: np.ndarray,
+                **kw: int) -> _Slot:
+    """Read ``bufs`` under a fresh slot; the bytes read equal ``want``; returns the slot."""
+    slot = _Slot()
+    with rawzarr.io_gate(slot):
+        n = rawzarr._preadv_full(fd, bufs, 0, nbytes, **kw)
+    assert n == len(want)
+    np.testing.assert_array_equal(np.concatenate(bufs)[: len(want)], want)
+    return slot
+
+
 def _uncached_file(path: Path, data: np.ndarray) -> int:
     """``path`` holding ``data``, written to disk and dropped from the page cache."""
     with open(path, "wb") as f:
@@ -54,24 +65,15 @@ def test_a_read_waiting_for_the_disk_gives_its_slot_back(tmp_path: Path) -> None
     data = np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8)
     fd = _uncached_file(tmp_path / "f", data)
     try:
-        slot = _Slot()
         out = np.zeros_like(data)
         half = len(data) // 2 + 17
-        with rawzarr.io_gate(slot):
-            n = rawzarr._preadv_full(fd, [out[:half], out[half:]], 0, len(data))
-        assert n == len(data)
-        np.testing.assert_array_equal(out, data)
+        slot = _gated_read(fd, [out[:half], out[half:]], len(data), data)
         # taken, given back for the disk (once, or twice when the kernel's read-ahead
         # had not brought the rest in yet), taken again each time, given back at the end
         assert slot.events in (["acquire", "release"] * 2, ["acquire", "release"] * 3)
         assert slot.take_counts() == (1, 1)  # one read, and it waited for the disk
         # now in the page cache: copied holding the slot
-        slot.events.clear()
-        out[:] = 0
-        with rawzarr.io_gate(slot):
-            n = rawzarr._preadv_full(fd, [out], 0, len(data))
-        assert n == len(data)
-        np.testing.assert_array_equal(out, data)
+        slot = _gated_read(fd, [np.zeros_like(data)], len(data), data)
         assert slot.events == ["acquire", "release"]
         assert slot.take_counts() == (1, 0)
     finally:
@@ -83,12 +85,8 @@ def test_a_partly_cached_read_reads_the_rest_from_the_disk(tmp_path: Path) -> No
     fd = _uncached_file(tmp_path / "f", data)
     try:
         os.pread(fd, 1 << 20, 0)  # the first half into the page cache
-        slot = _Slot()
         bufs = [np.zeros(3000, np.uint8), np.zeros(len(data) - 3000, np.uint8)]
-        with rawzarr.io_gate(slot):
-            n = rawzarr._preadv_full(fd, bufs, 0, len(data))
-        assert n == len(data)
-        np.testing.assert_array_equal(np.concatenate(bufs), data)
+        slot = _gated_read(fd, bufs, len(data), data)
         assert slot.events in (["acquire", "release"] * 2, ["acquire", "release"] * 3)
     finally:
         os.close(fd)
@@ -141,13 +139,7 @@ def test_many_buffers_from_the_page_cache_keep_the_slot(tmp_path: Path) -> None:
     data = np.random.default_rng(2).integers(0, 255, 1 << 20, dtype=np.uint8)
     fd = _cached_file(tmp_path / "f", data)
     try:
-        out = np.zeros_like(data)
-        bufs = np.split(out, 2048)
-        slot = _Slot()
-        with rawzarr.io_gate(slot):
-            n = rawzarr._preadv_full(fd, bufs, 0, len(data))
-        assert n == len(data)
-        np.testing.assert_array_equal(out, data)
+        slot = _gated_read(fd, np.split(np.zeros_like(data), 2048), len(data), data)
         assert slot.events == ["acquire", "release"]
         assert slot.take_counts() == (1, 0)
     finally:
@@ -160,12 +152,8 @@ def test_a_cached_chunk_file_with_its_end_probe_keeps_the_slot(tmp_path: Path) -
     data = np.random.default_rng(3).integers(0, 255, 300_000, dtype=np.uint8)
     fd = _cached_file(tmp_path / "f", data)
     try:
-        out = np.zeros(len(data) + 1, np.uint8)
-        slot = _Slot()
-        with rawzarr.io_gate(slot):
-            n = rawzarr._preadv_full(fd, [out], 0, len(data) + 1, need=len(data))
-        assert n == len(data)
-        np.testing.assert_array_equal(out[:-1], data)
+        slot = _gated_read(fd, [np.zeros(len(data) + 1, np.uint8)], len(data) + 1, data,
+                           need=len(data))
         assert slot.events == ["acquire", "release"]
         assert slot.take_counts() == (1, 0)
     finally:
@@ -188,12 +176,8 @@ def test_a_file_system_refusing_rwf_nowait_reads_as_usual(
     fd = _cached_file(tmp_path / "f", data)
     try:
         for _ in range(2):  # refused, then not asked again
-            out = np.zeros_like(data)
-            slot = _Slot()
-            with rawzarr.io_gate(slot):
-                n = rawzarr._preadv_full(fd, np.array_split(out, n_bufs), 0, len(data))
-            assert n == len(data)
-            np.testing.assert_array_equal(out, data)
+            slot = _gated_read(fd, np.array_split(np.zeros_like(data), n_bufs), len(data),
+                               data)
             assert slot.take_counts() == (1, 0)
             assert rawzarr._NOWAIT_REFUSED[0]
     finally:

@@ -400,13 +400,16 @@ def io_gate(slots: CpuSlots) -> Any:
         slots.release()
 
 
-def _preadv_blocking(fd: int, bufs: list[Any], offset: int) -> int:
-    if len(bufs) <= _IOV_MAX:
-        return os.preadv(fd, bufs, offset)
+def _preadv_all(fd: int, bufs: list[Any], offset: int, flags: int = 0) -> int:
+    """``os.preadv`` over any number of buffers, ``IOV_MAX`` at a time; returns the bytes
+    read (short at EOF or, with ``RWF_NOWAIT`` in ``flags``, where the cache ends)."""
     total = 0
     for k in range(0, len(bufs), _IOV_MAX):
         part = bufs[k : k + _IOV_MAX]
-        n = os.preadv(fd, part, offset + total)
+        try:
+            n = os.preadv(fd, part, offset + total, flags)
+        except BlockingIOError:  # RWF_NOWAIT: the rest is not in the page cache
+            return total
         total += n
         if n < sum(len(b) for b in part):
             break
@@ -440,20 +443,11 @@ _NOWAIT_REFUSED = [False]  # set once a file system refused RWF_NOWAIT in this p
 def _nowait(fd: int, bufs: list[Any], offset: int) -> int:
     """Bytes ``preadv(RWF_NOWAIT)`` copies from the page cache (0 when none is there);
     :class:`_Refused` where the file system does not take the flag."""
-    total = 0
-    for k in range(0, len(bufs), _IOV_MAX):
-        part = bufs[k: k + _IOV_MAX]
-        try:
-            n = os.preadv(fd, part, offset + total, _NOWAIT)
-        except BlockingIOError:
-            return total
-        except OSError as e:
-            _NOWAIT_REFUSED[0] = True
-            raise _Refused from e
-        total += n
-        if n < sum(len(b) for b in part):
-            break
-    return total
+    try:
+        return _preadv_all(fd, bufs, offset, _NOWAIT)
+    except OSError as e:
+        _NOWAIT_REFUSED[0] = True
+        raise _Refused from e
 
 
 def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tuple[int, float]:
@@ -461,7 +455,7 @@ def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tupl
     slot.release()
     t0 = time.perf_counter()
     try:
-        return _preadv_blocking(fd, bufs, offset), time.perf_counter() - t0
+        return _preadv_all(fd, bufs, offset), time.perf_counter() - t0
     finally:
         slot.acquire()
 
@@ -480,12 +474,12 @@ def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,
     if slot is None or _NOWAIT is None or _NOWAIT_REFUSED[0]:
         if slot is not None:
             slot.note(False)  # nothing to learn about the disk: count the read as warm
-        return _preadv_blocking(fd, bufs, offset)
+        return _preadv_all(fd, bufs, offset)
     try:
         return _gated_read(slot, fd, bufs, offset, nbytes, need)
     except _Refused:  # this file system does not take RWF_NOWAIT: read as usual
         slot.note(False)
-        return _preadv_blocking(fd, bufs, offset)
+        return _preadv_all(fd, bufs, offset)
 
 
 def _gated_read(slot: CpuSlots, fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,

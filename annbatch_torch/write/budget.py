@@ -165,6 +165,12 @@ def _mean(sources: list[InputSource], per_src: list[float]) -> float:
     return float(np.dot(per_src, n) / n.sum()) if n.sum() else 0.0
 
 
+def _mean_nnz(sources: list[InputSource], schema: Schema) -> dict[str, float]:
+    """Non-zeros per row of every CSR field, averaged over the inputs (by cells)."""
+    return {f.key: _mean(sources, [_nnz_per_row(s, f.key) for s in sources])
+            for f in schema.fields if f.kind == "csr"}
+
+
 def _shard_row_bytes(schema: Schema) -> float:
     """Bytes a shard holds per row until it is closed: its obs names (Python str, ~120 B)
     and obs columns, gathered block by block."""
@@ -185,8 +191,7 @@ def fit_layout(sources: list[InputSource], schema: Schema, work: int, shard_obs:
 
     sources = [s for s in sources if s.n_obs]
     n_total = sum(s.n_obs for s in sources)
-    nnz = {f.key: _mean(sources, [_nnz_per_row(s, f.key) for s in sources])
-           for f in schema.fields if f.kind == "csr"}
+    nnz = _mean_nnz(sources, schema)
     rows = min(int(shard_obs or DEFAULT_SHARD_OBS), max(n_total, 1))
     per_row = _shard_row_bytes(schema)
 
@@ -227,8 +232,7 @@ def block_size(sources: list[InputSource], schema: Schema, work: int, shuffle: b
     sources = [s for s in sources if s.n_obs]  # inputs without cells take no part
     per_src = [_bucket_row_bytes(s, schema) for s in sources]
     row = _mean(sources, per_src) * 1.1 if shuffle else max(per_src) * 1.5
-    nnz = {f.key: _mean(sources, [_nnz_per_row(s, f.key) for s in sources])
-           for f in schema.fields if f.kind == "csr"}
+    nnz = _mean_nnz(sources, schema)
     held = shard_obs * _shard_row_bytes(schema) + carry_bytes(schema.fields, opts, nnz,
                                                               shard_obs)
     per_row = 2 * row
