@@ -351,9 +351,11 @@ def test_dense_epochs_reuse_two_pools_of_buffers(small_collection: Collection) -
         ds.set_epoch(e)
         assert len(list(ds)) == len(ds)
     assert ds._stream is not None
-    # 2 pools x (data, indices) (buffers get 50% headroom: pool sizes vary); a pool kept
-    # alive by a stray reference costs a third set
-    assert ds._stream.reader.buffers.allocations <= 4
+    # 2 pools x (data, indices) (buffers get 50% headroom: pool sizes vary). A read thread
+    # preempted on a loaded machine may let go of a pool's buffers late, once (seen in CI:
+    # 6); a pool kept alive by a stray reference costs a set per pool (170 for these 84
+    # pools, measured by keeping each pool's values)
+    assert ds._stream.reader.buffers.allocations <= 6
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
