@@ -23,10 +23,12 @@ from .errors import (
     CollectionError,
     InputError,
     ReadError,
+    SamplerError,
     SchemaError,
 )
 from .fields import A, Field
 from .loader import AnnBatchDataLoader
+from .sampling.samplers import ClassBalancedSampler, Sampler, SubsetSampler, WeightedSampler
 from .store.collection import Collection, Source, open_collection
 from .store.zarrs import set_codec_pipeline
 
@@ -44,13 +46,18 @@ __all__ = [
     "AnnBatchDataset",
     "AnnBatchError",
     "BatchError",
+    "ClassBalancedSampler",
     "Collection",
     "CollectionError",
     "Field",
     "InputError",
     "ReadError",
+    "Sampler",
+    "SamplerError",
     "SchemaError",
     "Source",
+    "SubsetSampler",
+    "WeightedSampler",
     "batch_dict_converter",
     "create_anndata_collection",
     "datasets",

@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset
 
 from . import sampling
 from .convert import batch_dict_converter
-from .errors import BatchError, SchemaError
+from .errors import BatchError, SamplerError, SchemaError
 from .fields import Field, normalize_selector
 from .read.csr import densify_csr
 from .read.densify import DensifyPolicy
@@ -37,6 +37,7 @@ from .read.host_pool import HostPool
 from .read.pool_stream import PoolStream
 from .read.reader import PoolReader, default_read_threads, describe_ranges
 from .resume import Resumer
+from .sampling import ObsColumn, Sampler
 from .store.collection import Source
 from .store.inplace import as_source
 from .store.manifest import RAW_X
@@ -149,6 +150,15 @@ class AnnBatchDataset(IterableDataset):
         of the source's genes, e.g. 2,000 highly variable genes of a 30,000-gene
         collection); each must be a gene of the source (of its raw genes, for ``raw/X``).
         Default: all genes, in the source's order.
+    sampler
+        Sampling mode: a :class:`~annbatch_torch.Sampler` (``WeightedSampler``,
+        ``ClassBalancedSampler``, ``SubsetSampler`` or your own) chooses the rows of each
+        epoch, a stream of row ids seeded by ``(seed, epoch)``. The stream is cut into
+        batches, dealt to ranks (equal counts, ``even_batches``) and workers, and each
+        pool (``chunk_size * preload_nchunks`` sampled rows, rounded down to whole
+        batches) is read by random access. ``shuffle=False`` then keeps the stream's
+        batch order with DataLoader workers. Default ``None``: chunked mode. Cannot be
+        combined with ``chunk_ids`` (give the rows to a ``SubsetSampler``).
     """
 
     def __init__(
@@ -174,6 +184,7 @@ class AnnBatchDataset(IterableDataset):
         prefetch: bool | None = None,
         device: str | torch.device | None = None,
         var_names: Sequence[str] | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = _check_int("batch_size", batch_size, 1)
@@ -220,6 +231,7 @@ class AnnBatchDataset(IterableDataset):
         if clash:
             raise ValueError(f"selector keys {sorted(clash)} clash with reserved output keys.")
         self.chunk_ids = None if chunk_ids is None else _int_array("chunk_ids", chunk_ids)
+        self.sampler = None if sampler is None else self._bind_sampler(sampler)
         self._explicit_dist = rank is not None or world_size is not None
         self._rank, self._world_size = 0, 1
         if self._explicit_dist:
@@ -245,6 +257,32 @@ class AnnBatchDataset(IterableDataset):
         self._resumer = Resumer()
 
     # -- configuration ---------------------------------------------------------------
+    def _bind_sampler(self, sampler: Any) -> Sampler:
+        """``sampler`` bound to the source, with the obs columns it asked for."""
+        if not isinstance(sampler, Sampler):
+            raise TypeError(
+                f"sampler must be an annbatch_torch Sampler (WeightedSampler, "
+                f"ClassBalancedSampler, SubsetSampler or a subclass of Sampler), got "
+                f"{type(sampler).__name__}.")
+        if self.chunk_ids is not None:
+            raise SamplerError(
+                "sampler and chunk_ids cannot be combined: a sampler chooses the rows itself; "
+                "give the rows to SubsetSampler(rows) (or leave chunk_ids for chunked mode).")
+        columns = {}
+        for name in sampler.columns:
+            try:
+                categories = self.source.categories(name)
+            except SchemaError as e:
+                raise SamplerError(f"sampler {sampler!r}: {e}") from None
+            field = f"obs/{name}" if not name.startswith("obs/") else name
+            reader = PoolReader(self.source, [field], threads=1)
+            try:
+                codes = reader.read(np.array([[0, self.source.n_obs]], dtype=np.int64))[field]
+            finally:
+                reader.close()
+            columns[name] = ObsColumn(np.asarray(codes), tuple(categories))
+        return sampler.bind(self.source.n_obs, columns)
+
     def _validate_selector(self) -> None:
         for key, f in self.selector.items():
             try:
@@ -285,7 +323,14 @@ class AnnBatchDataset(IterableDataset):
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank)."""
         world = self._resolve_dist()[1]
+        if self.sampler is not None:
+            return sampling.sample_batches_per_rank(
+                self.sampler, self.batch_size, self._pool_rows(), world_size=world,
+                drop_last=self.drop_last, even_batches=self.even_batches)
         return sampling.batches_per_rank(**self._plan_kwargs(), world_size=world)
+
+    def _pool_rows(self) -> int:
+        return sampling.pool_rows(self.batch_size, self.chunk_size, self.preload_nchunks)
 
     def plan(
         self, epoch: int | None = None, worker: int = 0, num_workers: int = 1
@@ -297,10 +342,16 @@ class AnnBatchDataset(IterableDataset):
         return self._plan(epoch, World(rank, world, worker, max(1, num_workers)))
 
     def _plan(self, epoch: int, world: World) -> Sequence[sampling.WorkItem]:
-        items = sampling.rank_items(
-            **self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-            rank=world.rank, world_size=world.world_size,
-        )
+        if self.sampler is not None:
+            items = sampling.sample_rank_items(
+                self.sampler, self.batch_size, self._pool_rows(), seed=self.seed, epoch=epoch,
+                rank=world.rank, world_size=world.world_size, drop_last=self.drop_last,
+                even_batches=self.even_batches)
+        else:
+            items = sampling.rank_items(
+                **self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                rank=world.rank, world_size=world.world_size,
+            )
         if not self.shuffle and world.num_workers > 1:
             items = items.per_batch()  # in order from any number of workers
         return sampling.worker_items(items, world.worker, world.num_workers)
@@ -505,5 +556,7 @@ class AnnBatchDataset(IterableDataset):
         return (
             f"AnnBatchDataset({self.source!r}, selector={sel}, batch_size={self.batch_size}, "
             f"chunk_size={self.chunk_size}, preload_nchunks={self.preload_nchunks}, "
-            f"shuffle={self.shuffle}, rank={self._rank}/{self._world_size}, pid={os.getpid()})"
+            f"shuffle={self.shuffle}, "
+            + (f"sampler={self.sampler!r}, " if self.sampler is not None else "")
+            + f"rank={self._rank}/{self._world_size}, pid={os.getpid()})"
         )

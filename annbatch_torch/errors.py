@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AnnBatchError", "CollectionError", "InputError", "SchemaError", "ReadError", "BatchError",
+    "SamplerError",
 ]
 
 
@@ -41,3 +42,7 @@ class BatchError(AnnBatchError):
     batch came from, plus the original exception's type and message (a DataLoader worker
     passes only the message on to the training loop).
     """
+
+
+class SamplerError(AnnBatchError):
+    """A sampler's arguments do not fit the source (weights, rows, columns, sizes)."""

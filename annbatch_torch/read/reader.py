@@ -209,17 +209,22 @@ class PoolReader:
             ``(k, 2)`` global ``[start, stop)`` row ranges; their concatenation is the
             pool's *canonical* row order.
         order
-            Optional permutation of the canonical positions: output row ``i`` is canonical
-            row ``order[i]``. CSR fields of raw stores are read straight into their
-            permuted places (no gather afterwards); other fields are permuted after reading.
+            Optional canonical positions: output row ``i`` is canonical row ``order[i]``.
+            A permutation (as many positions as rows): CSR fields of raw stores are read
+            straight into their permuted places (no gather afterwards), other fields are
+            permuted after reading. Any other length (positions may repeat: a sampler
+            that draws a row twice): the rows are read once and gathered.
         """
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        pieces = split_ranges(ranges, self.source.shard_offsets)
         n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
-            if order.shape != (n_rows,):
-                raise ValueError(f"order must hold {n_rows} positions, got {order.shape}")
+            if order.ndim != 1 or (order.size and (order.min() < 0 or order.max() >= n_rows)):
+                raise ValueError(f"order must hold positions in [0, {n_rows}), got "
+                                 f"{order.shape}")
+            if len(order) != n_rows:
+                return {field: value[order] for field, value in self.read(ranges).items()}
+        pieces = split_ranges(ranges, self.source.shard_offsets)
         ex = self._executor()
         jobs: dict[str, list[tuple[Piece, Future[Any]]]] = {}
         csr_buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}

@@ -3,7 +3,9 @@
 :mod:`~annbatch_torch.sampling.plan` deals an epoch's chunks into pools, ranks and workers;
 :mod:`~annbatch_torch.sampling.worklist` holds its complete work items (a pool's ranges,
 row order and batches). The rules are in the docstring of
-:mod:`~annbatch_torch.sampling.plan`.
+:mod:`~annbatch_torch.sampling.plan`. Sampling mode: :mod:`~annbatch_torch.sampling.samplers`
+(which rows an epoch holds) and :mod:`~annbatch_torch.sampling.sampled_plan` (their stream
+dealt like chunked mode's).
 """
 
 from .plan import (
@@ -14,16 +16,30 @@ from .plan import (
     batches_per_rank,
     chunk_order,
     chunk_stream,
+    deal_pools,
     epoch_pools,
     n_chunks,
     pool_rows,
+    rank_batches,
     rank_items,
     split_chunks,
     validate_params,
     worker_items,
 )
+from .sampled_plan import SampleRows, sample_batches_per_rank, sample_rank_items
+from .samplers import (
+    BLOCK,
+    TAG_SAMPLE,
+    ClassBalancedSampler,
+    ObsColumn,
+    Sampler,
+    SubsetSampler,
+    WeightedSampler,
+)
 from .worklist import (
     TAG_ROWS,
+    ChunkRows,
+    PoolRows,
     RowOrder,
     WorkItem,
     WorkList,
@@ -60,4 +76,18 @@ __all__ = [
     "total_batches",
     "split_chunks",
     "global_rows",
+    "deal_pools",
+    "rank_batches",
+    "ChunkRows",
+    "PoolRows",
+    "SampleRows",
+    "sample_rank_items",
+    "sample_batches_per_rank",
+    "BLOCK",
+    "TAG_SAMPLE",
+    "ObsColumn",
+    "Sampler",
+    "WeightedSampler",
+    "ClassBalancedSampler",
+    "SubsetSampler",
 ]

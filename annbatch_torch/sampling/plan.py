@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from .worklist import RowOrder, Stream, WorkItem, WorkList
+from .worklist import ChunkRows, PoolRows, RowOrder, Stream, WorkItem, WorkList
 
 __all__ = [
     "EvenBatches",
@@ -51,6 +51,8 @@ __all__ = [
     "rank_items",
     "worker_items",
     "batches_per_rank",
+    "deal_pools",
+    "rank_batches",
     "batch_positions",
     "split_chunks",
 ]
@@ -230,8 +232,8 @@ def batches_per_rank(
     )
     total = _stream_total(n_obs, chunk_size, _chunk_ids(n_obs, chunk_size, chunk_ids))
     pool = pool_rows(batch_size, chunk_size, preload_nchunks)
-    per_pool, head, _, tail = _deal(total, pool, batch_size, world_size, drop_last)
-    return _rank_target(head, per_pool, tail, world_size, even_batches)
+    return rank_batches(total, pool, batch_size, world_size=world_size, drop_last=drop_last,
+                        even_batches=even_batches)
 
 
 def rank_items(
@@ -291,7 +293,16 @@ def rank_items(
         )
     )
     pool = pool_rows(batch_size, chunk_size, preload_nchunks)
-    per_pool, head, _, tail = _deal(stream.total, pool, batch_size, world_size, drop_last)
+    return deal_pools(ChunkRows(stream, RowOrder(seed, epoch, shuffle)), pool, batch_size,
+                      rank=rank, world_size=world_size, drop_last=drop_last,
+                      even_batches=even_batches)
+
+
+def deal_pools(source: PoolRows, pool: int, batch_size: int, *, rank: int, world_size: int,
+               drop_last: bool, even_batches: EvenBatches) -> WorkList:
+    """Rank ``rank``'s pools of a stream of ``source.total`` positions cut into pools of
+    ``pool`` rows (rule 4 of this module), then its padding items if any."""
+    per_pool, head, _, tail = _deal(source.total, pool, batch_size, world_size, drop_last)
     target = _rank_target(head, per_pool, tail, world_size, even_batches)
     # whole pools of the complete rounds, round-robin
     pools = [np.arange(rank, head, world_size, dtype=np.int64)]
@@ -314,14 +325,21 @@ def rank_items(
     n_pad = target - int((b1 - b0).sum())
     assert n_pad >= 0
     return WorkList(
-        stream,
+        source,
         pool,
         batch_size,
         np.concatenate([pool_ids, np.full(n_pad, -1, dtype=np.int64)]),
         np.concatenate([b0, np.zeros(n_pad, dtype=np.int64)]),
         np.concatenate([b1, np.ones(n_pad, dtype=np.int64)]),
-        RowOrder(seed, epoch, shuffle),
     )
+
+
+def rank_batches(total: int, pool: int, batch_size: int, *, world_size: int, drop_last: bool,
+                 even_batches: EvenBatches) -> int:
+    """Batches every rank yields from a stream of ``total`` positions in pools of ``pool``
+    rows (what :func:`deal_pools` gives each rank)."""
+    per_pool, head, _, tail = _deal(total, pool, batch_size, world_size, drop_last)
+    return _rank_target(head, per_pool, tail, world_size, even_batches)
 
 
 def epoch_pools(

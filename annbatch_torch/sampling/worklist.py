@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import NamedTuple, overload
+from typing import NamedTuple, Protocol, overload
 
 import numpy as np
 
@@ -21,6 +21,8 @@ __all__ = [
     "WorkItem",
     "WorkList",
     "RowOrder",
+    "PoolRows",
+    "ChunkRows",
     "Stream",
     "merge_ranges",
     "remaining_items",
@@ -41,11 +43,14 @@ class WorkItem:
     """One unit of a worker's work: batches ``[batch_start, batch_stop)`` of one pool.
 
     ``pool_index`` is the global pool index in the epoch (``-1`` for a padding item);
-    ``ranges`` the ``(k, 2)`` int64 global row ranges in canonical order; ``n_rows`` their
-    total. A padding item has one batch (``[0, 1)``) holding all its ``n_rows`` rows.
+    ``ranges`` the ``(k, 2)`` int64 global row ranges in canonical order; ``n_rows`` the
+    pool's rows. A padding item has one batch (``[0, 1)``) holding all its ``n_rows`` rows.
     Items of a plan (taken from a :class:`WorkList`) also carry ``order``, the pool's
     canonical positions laid out batch after batch (batch ``b`` is positions
-    ``order[lo:hi]`` with ``(lo, hi) = bounds(b)``), and ``batch_size``.
+    ``order[lo:hi]`` with ``(lo, hi) = bounds(b)``), and ``batch_size``. In chunked mode
+    ``order`` is a permutation and the ranges hold ``n_rows`` rows; in sampling mode the
+    ranges hold the pool's distinct rows, fewer than ``n_rows`` when a row was drawn twice,
+    and ``order`` repeats its position.
     """
 
     pool_index: int
@@ -136,26 +141,62 @@ class RowOrder(NamedTuple):
     shuffle: bool
 
 
-class WorkList(Sequence[WorkItem]):
-    """A lazy list of :class:`WorkItem`: a pool's ranges are computed when it is indexed.
+class PoolRows(Protocol):
+    """Where a :class:`WorkList` gets a pool's rows: positions ``[a, b)`` of the epoch's
+    stream as ``(ranges, order)``, the distinct global rows as sorted or stream-ordered
+    ranges and the pool's positions into them laid out batch after batch (``None``: the
+    ranges' own order)."""
 
-    Slicing returns a :class:`WorkList`; ``pool_index``, ``batch_start`` and ``batch_stop``
-    are int64 arrays (pool index ``-1`` marks a padding item).
+    #: positions in the epoch's stream
+    total: int
+    #: whether a pool's batches are not runs of the stream (:meth:`WorkList.per_batch`
+    #: then refuses)
+    shuffled: bool
+
+    def pool(self, pool_index: int, a: int, b: int, batch_size: int
+             ) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+
+class ChunkRows:
+    """Chunked mode: the stream is the epoch's chunks' rows; a pool's rows are permuted by
+    :func:`pool_permutation` of ``row_order`` (seeded by the pool index)."""
+
+    def __init__(self, stream: Stream, row_order: RowOrder | None) -> None:
+        self.stream, self.row_order = stream, row_order
+        self.total = stream.total
+        self.shuffled = row_order is not None and row_order.shuffle
+
+    def pool(self, pool_index: int, a: int, b: int, batch_size: int
+             ) -> tuple[np.ndarray, np.ndarray | None]:
+        ranges = self.stream.rows(a, b)
+        if self.row_order is None:
+            return ranges, None
+        seed, epoch, shuffle = self.row_order
+        perm = pool_permutation(b - a, seed=seed, epoch=epoch, pool_index=pool_index,
+                                shuffle=shuffle and pool_index >= 0)
+        return ranges, pool_order(perm, batch_size)
+
+
+class WorkList(Sequence[WorkItem]):
+    """A lazy list of :class:`WorkItem`: a pool's rows are computed when it is indexed.
+
+    Pool ``p`` is positions ``[p * pool_size, (p + 1) * pool_size)`` of the epoch's stream,
+    whose rows ``source`` gives. Slicing returns a :class:`WorkList`; ``pool_index``,
+    ``batch_start`` and ``batch_stop`` are int64 arrays (pool index ``-1`` marks a padding
+    item: the stream's first ``batch_size`` positions, one batch).
     """
 
     def __init__(
         self,
-        stream: Stream,
+        source: PoolRows,
         pool_size: int,
         batch_size: int,
         pool_index: np.ndarray,
         batch_start: np.ndarray,
         batch_stop: np.ndarray,
-        row_order: RowOrder | None = None,
     ) -> None:
-        self._stream, self.pool_size, self.batch_size = stream, pool_size, batch_size
+        self.source, self.pool_size, self.batch_size = source, pool_size, batch_size
         self.pool_index, self.batch_start, self.batch_stop = pool_index, batch_start, batch_stop
-        self.row_order = row_order
 
     def __len__(self) -> int:
         return len(self.pool_index)
@@ -167,35 +208,31 @@ class WorkList(Sequence[WorkItem]):
     def __getitem__(self, i: int | slice) -> WorkItem | WorkList:
         if isinstance(i, slice):
             return WorkList(
-                self._stream,
+                self.source,
                 self.pool_size,
                 self.batch_size,
                 self.pool_index[i],
                 self.batch_start[i],
                 self.batch_stop[i],
-                self.row_order,
             )
         p = int(self.pool_index[i])
-        total = self._stream.total
+        total = self.source.total
         a, b = (
             (0, min(self.batch_size, total))
             if p < 0
             else (p * self.pool_size, min((p + 1) * self.pool_size, total))
         )
-        item = WorkItem(
+        ranges, order = self.source.pool(p, a, b, self.batch_size)
+        return WorkItem(
             p,
-            self._stream.rows(a, b),
+            ranges,
             b - a,
             int(self.batch_start[i]),
             int(self.batch_stop[i]),
             padding=p < 0,
+            order=order,
             batch_size=self.batch_size,
         )
-        if self.row_order is None:
-            return item
-        seed, epoch, shuffle = self.row_order
-        perm = item_permutation(item, seed=seed, epoch=epoch, shuffle=shuffle)
-        return replace(item, order=pool_order(perm, self.batch_size))
 
     def __iter__(self) -> Iterator[WorkItem]:
         return (self[i] for i in range(len(self)))
@@ -208,7 +245,7 @@ class WorkList(Sequence[WorkItem]):
         round-robin too, the batches then arrive in this list's order (pools dealt whole
         would interleave their batches).
         """
-        if self.row_order is not None and self.row_order.shuffle:
+        if self.source.shuffled:
             raise ValueError("per_batch: a shuffled pool's batches are not contiguous runs")
         per_pool = self.pool_size // self.batch_size
         counts = self.batch_counts
@@ -217,8 +254,8 @@ class WorkList(Sequence[WorkItem]):
         batch = np.arange(len(pool), dtype=np.int64) + first
         index = np.where(pool < 0, -1, pool * per_pool + batch)
         ones = np.ones(len(index), dtype=np.int64)
-        return WorkList(self._stream, self.batch_size, self.batch_size, index,
-                        np.zeros(len(index), dtype=np.int64), ones, self.row_order)
+        return WorkList(self.source, self.batch_size, self.batch_size, index,
+                        np.zeros(len(index), dtype=np.int64), ones)
 
     @property
     def batch_counts(self) -> np.ndarray:

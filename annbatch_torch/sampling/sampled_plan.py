@@ -1,0 +1,82 @@
+"""Sampling mode's epoch plan: a sampler's stream cut into pools, ranks and workers.
+
+Pure numpy (no torch, no I/O). The epoch's stream is the bound sampler's row ids for
+``(seed, epoch)`` (:mod:`~annbatch_torch.sampling.samplers`). It is dealt exactly as
+chunked mode deals its chunks' rows (:func:`~annbatch_torch.sampling.plan.deal_pools`):
+positions are cut into pools of ``pool`` rows (a multiple of ``batch_size``), complete
+rounds of pools go whole to ranks round-robin, the rest is split by batches so every rank
+yields the same number of batches (``even_batches``), and a rank's items go round-robin to
+its workers. So the batches of an epoch (their rows, in order) depend on the sampler,
+``seed``, ``epoch``, ``batch_size``, the pool size and ``world_size``, never on
+``num_workers``.
+
+A pool's rows are read by random access: its distinct rows, sorted and merged into ranges
+where they touch, are read once (a row drawn twice is read once) and its positions into
+them give the pool in stream order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import SamplerError
+from .plan import EvenBatches, deal_pools, rank_batches
+from .samplers import Sampler
+from .worklist import WorkList, merge_ranges
+
+__all__ = ["SampleRows", "sample_rank_items", "sample_batches_per_rank"]
+
+
+class SampleRows:
+    """The rows of a sampler's stream for one ``(seed, epoch)``, pool by pool (the
+    :class:`~annbatch_torch.sampling.worklist.PoolRows` of sampling mode)."""
+
+    shuffled = False  # a pool's batches are runs of the stream, in stream order
+
+    def __init__(self, sampler: Sampler, seed: int, epoch: int) -> None:
+        self.sampler, self.seed, self.epoch = sampler, int(seed), int(epoch)
+        self.total = len(sampler)
+
+    def pool(self, pool_index: int, a: int, b: int, batch_size: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.asarray(self.sampler.rows(self.seed, self.epoch, a, b))
+        n_obs = self.sampler.n_obs
+        if rows.shape != (b - a,) or (rows.size and rows.dtype.kind not in "iu"):
+            raise SamplerError(f"{self.sampler!r}: rows({a}, {b}) gave {rows.dtype} of shape "
+                               f"{rows.shape}, expected {b - a} integer row ids.")
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= n_obs):
+            raise SamplerError(f"{self.sampler!r}: rows({a}, {b}) holds a row outside "
+                               f"[0, {n_obs}) (the source's rows).")
+        uniq, inverse = np.unique(rows.astype(np.int64, copy=False), return_inverse=True)
+        ranges = merge_ranges(np.stack([uniq, uniq + 1], axis=1))
+        ranges.flags.writeable = False
+        return ranges, inverse.reshape(-1).astype(np.int64, copy=False)
+
+
+def sample_rank_items(sampler: Sampler, batch_size: int, pool: int, *, seed: int, epoch: int,
+                      rank: int = 0, world_size: int = 1, drop_last: bool = False,
+                      even_batches: EvenBatches = "drop") -> WorkList:
+    """A rank's work items of one epoch in sampling mode (deal them to workers with
+    :func:`~annbatch_torch.sampling.plan.worker_items`).
+
+    Parameters
+    ----------
+    sampler
+        A bound sampler (:meth:`~annbatch_torch.sampling.samplers.Sampler.bind`).
+    batch_size, pool
+        Rows per batch; rows per pool (read together), a multiple of ``batch_size``.
+    seed, epoch
+        The stream's ``(seed, epoch)``.
+    rank, world_size, drop_last, even_batches
+        As in :func:`~annbatch_torch.sampling.plan.rank_items`.
+    """
+    return deal_pools(SampleRows(sampler, seed, epoch), pool, batch_size, rank=rank,
+                      world_size=world_size, drop_last=drop_last, even_batches=even_batches)
+
+
+def sample_batches_per_rank(sampler: Sampler, batch_size: int, pool: int, *,
+                            world_size: int = 1, drop_last: bool = False,
+                            even_batches: EvenBatches = "drop") -> int:
+    """Batches every rank yields per epoch in sampling mode (the dataset's ``len``)."""
+    return rank_batches(len(sampler), pool, batch_size, world_size=world_size,
+                        drop_last=drop_last, even_batches=even_batches)

@@ -1,0 +1,485 @@
+"""Samplers of sampling mode: which rows an epoch holds, as a stream of row ids.
+
+Pure numpy (no torch, no I/O). A user configures a sampler; the dataset *binds* it to its
+source (:meth:`Sampler.bind`, once, in the process that builds the dataset): the bound copy
+knows the number of rows and the obs columns it asked for (:attr:`Sampler.columns`, as
+global category codes) and gives the epoch's *stream*, global row ids that are a pure
+function of ``(seed, epoch)``, identical in every process that holds a copy.
+
+The built-in samplers draw the stream in blocks of :data:`BLOCK` positions, each from its
+own generator ``default_rng([seed, epoch, block, TAG_SAMPLE])``: a DataLoader worker
+computes only the blocks its batches come from, in ``O(BLOCK)`` memory, and never an array
+over the whole epoch (:class:`SubsetSampler` and ``WeightedSampler(replacement=False)``
+excepted: a permutation or a draw without replacement needs the whole epoch at once).
+What a sampler holds after binding (its tables) is made once by :meth:`Sampler.bind`;
+DataLoader workers forked from that process share it copy-on-write.
+
+Memory of the tables at ``n_obs`` rows: per-row weights 8 bytes per row (a float64
+cumulative sum); class-based draws (:class:`ClassBalancedSampler`,
+:meth:`WeightedSampler.from_column`) 4 bytes per row below 2**31 rows (the rows sorted by
+class, int32) plus ``O(n_classes)``; :class:`SubsetSampler` 8 bytes per subset row.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import SamplerError
+
+__all__ = [
+    "BLOCK",
+    "TAG_SAMPLE",
+    "ObsColumn",
+    "Sampler",
+    "WeightedSampler",
+    "ClassBalancedSampler",
+    "SubsetSampler",
+]
+
+#: Stream positions drawn from one generator by the built-in samplers.
+BLOCK = 1 << 16
+#: Seed tag of a block of the sample stream: ``default_rng([seed, epoch, block, TAG_SAMPLE])``.
+TAG_SAMPLE = 0x53414D50  # "SAMP"
+
+
+@dataclass(frozen=True)
+class ObsColumn:
+    """A categorical obs column as a sampler sees it: one global code per row (``-1``: a
+    missing value) and the categories the codes index."""
+
+    codes: np.ndarray
+    categories: tuple[Any, ...]
+
+
+def _count(name: str, value: object, minimum: int = 1) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise SamplerError(f"{name} must be an integer >= {minimum} (or None), got {value!r}.")
+    return int(value)
+
+
+class Sampler:
+    """Base class of samplers: which rows an epoch of a dataset in sampling mode holds.
+
+    A sampler is a pure object: from the number of rows, the obs columns it asks for, and
+    ``(seed, epoch)`` it gives the epoch's stream of global row ids (with or without
+    repeats), the same in every process. The dataset cuts the stream into batches, deals
+    them to ranks (equal counts) and workers, and reads their rows by random access.
+
+    To write your own, subclass it and define:
+
+    - ``columns``: the categorical obs columns :meth:`prepare` needs (default none);
+    - :meth:`prepare` (optional): check the arguments against the source and build tables;
+    - ``__len__``: the number of row ids an epoch holds (after :meth:`prepare`);
+    - :meth:`epoch_rows`: the whole stream of an epoch, a function of ``(seed, epoch)``
+      only (seed every generator from them, e.g. ``np.random.default_rng([seed, epoch])``).
+
+    Override :meth:`rows` instead of :meth:`epoch_rows` to compute parts of the stream
+    without the whole epoch (what the built-in samplers do).
+
+    Examples
+    --------
+    >>> class FirstDonor(Sampler):
+    ...     columns = ("donor",)
+    ...     def prepare(self, n_obs, columns):
+    ...         self.keep = np.flatnonzero(columns["donor"].codes == 0)
+    ...     def __len__(self):
+    ...         return len(self.keep)
+    ...     def epoch_rows(self, seed, epoch):
+    ...         return np.random.default_rng([seed, epoch]).permutation(self.keep)
+    """
+
+    #: categorical obs columns the sampler needs (given to :meth:`prepare` by name)
+    columns: tuple[str, ...] = ()
+
+    _n_obs: int | None = None
+    _epoch_cache: tuple[tuple[int, int], np.ndarray] | None = None
+
+    # -- binding ---------------------------------------------------------------------
+    def bind(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> Sampler:
+        """A copy of this sampler bound to a source of ``n_obs`` rows (this one is left as
+        it is, so one sampler can serve several datasets)."""
+        missing = [c for c in self.columns if c not in columns]
+        if missing:
+            raise SamplerError(f"{self!r}: bind() got no obs column {missing}.")
+        bound = copy.copy(self)
+        bound._n_obs = int(n_obs)
+        bound._epoch_cache = None
+        bound.prepare(int(n_obs), {c: columns[c] for c in self.columns})
+        n = len(bound)
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+            raise SamplerError(f"{self!r}: an epoch must hold at least one row, got {n!r}.")
+        return bound
+
+    def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
+        """Check the sampler against a source and build its tables (on the bound copy)."""
+
+    @property
+    def n_obs(self) -> int:
+        """Rows of the source the sampler is bound to."""
+        if self._n_obs is None:
+            raise SamplerError(f"{self!r} is not bound to a source (pass it to a dataset).")
+        return self._n_obs
+
+    def __len__(self) -> int:
+        """Row ids per epoch."""
+        raise NotImplementedError(f"{type(self).__name__} must define __len__")
+
+    # -- the stream ------------------------------------------------------------------
+    def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
+        """The epoch's whole stream of global row ids (``len(self)`` integers)."""
+        raise NotImplementedError(f"{type(self).__name__} must define epoch_rows or rows")
+
+    def rows(self, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Positions ``[start, stop)`` of the epoch's stream (int64 global row ids)."""
+        key = (int(seed), int(epoch))
+        cached = self._epoch_cache
+        if cached is None or cached[0] != key:
+            cached = (key, self._checked(self.epoch_rows(*key)))
+            self._epoch_cache = cached
+        return cached[1][start:stop]
+
+    def _checked(self, rows: Any) -> np.ndarray:
+        """A user's stream, refused with the reason when it cannot be one."""
+        arr = np.asarray(rows)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise SamplerError(f"{self!r}: epoch_rows must return a 1-D array of integer row "
+                               f"ids, got {arr.dtype} of shape {arr.shape}.")
+        if len(arr) != len(self):
+            raise SamplerError(f"{self!r}: epoch_rows returned {len(arr)} row ids but "
+                               f"len() says {len(self)}; make them agree.")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.n_obs):
+            bad = int(arr[(arr < 0) | (arr >= self.n_obs)][0])
+            raise SamplerError(f"{self!r}: epoch_rows returned row {bad}, outside "
+                               f"[0, {self.n_obs}) (the source's rows).")
+        return arr.astype(np.int64, copy=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_epoch_cache", None)  # recomputed where it is used
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class _BlockSampler(Sampler):
+    """A sampler whose stream is drawn block by block (:data:`BLOCK` positions each)."""
+
+    _blocks: dict[tuple[int, int, int], np.ndarray] | None = None
+
+    def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def rows(self, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+        stop = min(int(stop), len(self))
+        if stop <= start:
+            return np.empty(0, dtype=np.int64)
+        first, last = start // BLOCK, (stop - 1) // BLOCK
+        parts = [self._block(seed, epoch, j) for j in range(first, last + 1)]
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out[start - first * BLOCK : stop - first * BLOCK]
+
+    def _block(self, seed: int, epoch: int, j: int) -> np.ndarray:
+        key = (int(seed), int(epoch), j)
+        blocks = self.__dict__.setdefault("_blocks", {})
+        got = blocks.get(key)
+        if got is None:
+            n = min(BLOCK, len(self) - j * BLOCK)
+            got = self._draw(np.random.default_rng([seed, epoch, j, TAG_SAMPLE]), n)
+            got.flags.writeable = False
+            if len(blocks) >= 4:  # the blocks of the fetch being read and of the next
+                blocks.pop(next(iter(blocks)))
+            blocks[key] = got
+        return got
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_blocks", None)
+        return state
+
+
+class _ClassTable:
+    """Rows grouped by class, to draw a class and then a row of it in ``O(1)``."""
+
+    def __init__(self, codes: np.ndarray, n_classes: int) -> None:
+        codes = np.asarray(codes)
+        index = np.int32 if len(codes) < 2**31 else np.int64
+        order = np.argsort(codes, kind="stable").astype(index)
+        counts = np.bincount(codes[codes >= 0], minlength=n_classes)
+        n_missing = int((codes < 0).sum())
+        self.rows = order[n_missing:]  # rows of class 0, then class 1, ...
+        self.counts = counts.astype(np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    def draw(self, rng: np.random.Generator, class_cdf: np.ndarray, n: int) -> np.ndarray:
+        """``n`` rows: a class from ``class_cdf``, then a row of it uniformly."""
+        cls = np.searchsorted(class_cdf, rng.random(n), side="right")
+        pos = self.starts[cls] + (rng.random(n) * self.counts[cls]).astype(np.int64)
+        return self.rows[np.minimum(pos, self.starts[cls] + self.counts[cls] - 1)].astype(
+            np.int64)
+
+
+def _cdf(weights: np.ndarray) -> np.ndarray:
+    """Cumulative weights normalised to end at exactly 1.0."""
+    cdf = np.cumsum(weights, dtype=np.float64)
+    return cdf / cdf[-1]
+
+
+def _check_weights(weights: Any, what: str) -> np.ndarray:
+    arr = np.asarray(weights)
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iufb":
+        raise SamplerError(f"{what} must be a non-empty 1-D array of numbers, got "
+                           f"{arr.dtype} of shape {arr.shape}.")
+    arr = arr.astype(np.float64)
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise SamplerError(f"{what} must be finite and >= 0; position {i} holds {arr[i]!r}.")
+    if not arr.any():
+        raise SamplerError(f"{what} are all zero: give some row a positive weight.")
+    return arr
+
+
+class WeightedSampler(_BlockSampler):
+    """Rows drawn with probability proportional to their weight.
+
+    Parameters
+    ----------
+    weights
+        One weight per row of the source (``n_obs`` numbers >= 0, not all zero); rows of
+        weight 0 are never drawn. For weights per category of an obs column use
+        :meth:`from_column`.
+    num_samples
+        Row ids per epoch (default ``n_obs``).
+    replacement
+        Draw with replacement (default). ``False``: each row at most once per epoch, in
+        weighted order (the successive-sampling order of Efraimidis and Spirakis); then
+        ``num_samples`` may not exceed the rows of positive weight.
+    """
+
+    def __init__(self, weights: Sequence[float] | np.ndarray, *, num_samples: int | None = None,
+                 replacement: bool = True) -> None:
+        self.weights: np.ndarray | None = _check_weights(weights, "WeightedSampler weights")
+        self._init(num_samples, replacement)
+
+    def _init(self, num_samples: int | None, replacement: bool) -> None:
+        self.num_samples = _count("WeightedSampler num_samples", num_samples)
+        if not isinstance(replacement, bool | np.bool_):
+            raise SamplerError(f"replacement must be True or False, got {replacement!r}.")
+        self.replacement = bool(replacement)
+        self.column: str | None = None
+        self.category_weights: dict[Hashable, float] | None = None
+        self.default: float | None = None
+        self.columns = ()
+
+    @classmethod
+    def from_column(cls, column: str, weights: Mapping[Hashable, float], *,
+                    default: float | None = None, num_samples: int | None = None,
+                    replacement: bool = True) -> WeightedSampler:
+        """Weights per category of a categorical obs column: each row weighs its
+        category's weight.
+
+        Parameters
+        ----------
+        column
+            A categorical obs column of the source (``"cell_type"``).
+        weights
+            ``{category: weight >= 0}``. Every category must be a category of the column.
+        default
+            Weight of the categories ``weights`` leaves out; ``None`` (default): every
+            category must be given. Rows with a missing value are never drawn.
+        num_samples, replacement
+            As for :class:`WeightedSampler`.
+        """
+        if not isinstance(column, str) or not column:
+            raise SamplerError(f"column must be an obs column name, got {column!r}.")
+        if not isinstance(weights, Mapping) or not weights:
+            raise SamplerError("weights must be a non-empty mapping {category: weight}, got "
+                               f"{weights!r}.")
+        values = _check_weights(list(weights.values()) + ([] if default is None else [default]),
+                                "WeightedSampler.from_column weights")
+        self = cls.__new__(cls)
+        self.weights = None
+        self._init(num_samples, replacement)
+        self.column = column
+        self.columns = (column,)
+        self.category_weights = dict(zip(weights, values[: len(weights)].tolist()))
+        self.default = None if default is None else float(values[-1])
+        return self
+
+    def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
+        if self.column is None:
+            assert self.weights is not None
+            if len(self.weights) != n_obs:
+                raise SamplerError(f"WeightedSampler weights hold {len(self.weights)} numbers "
+                                   f"but the source has {n_obs} rows: give one weight per row.")
+            row_w = self.weights
+        else:
+            col = columns[self.column]
+            cats = list(col.categories)
+            assert self.category_weights is not None
+            unknown = [c for c in self.category_weights if c not in cats]
+            if unknown:
+                raise SamplerError(
+                    f"WeightedSampler.from_column({self.column!r}): {unknown[:5]} "
+                    f"{'is not a category' if len(unknown) == 1 else 'are not categories'} "
+                    f"of obs column {self.column!r} (its categories: {cats[:10]}"
+                    f"{'...' if len(cats) > 10 else ''}); fix the mapping's keys.")
+            left = [c for c in cats if c not in self.category_weights]
+            if left and self.default is None:
+                raise SamplerError(
+                    f"WeightedSampler.from_column({self.column!r}): no weight for categories "
+                    f"{left[:5]}{'...' if len(left) > 5 else ''}; give them a weight or pass "
+                    "default=<weight> for the categories not listed.")
+            class_w = np.array([self.category_weights.get(c, self.default) for c in cats],
+                               dtype=np.float64)
+            self._table = _ClassTable(col.codes, len(cats))
+            mass = class_w * self._table.counts
+            if not mass.any():
+                raise SamplerError(
+                    f"WeightedSampler.from_column({self.column!r}): every row of obs column "
+                    f"{self.column!r} has weight 0 (or a missing value); give a category "
+                    "with rows a positive weight.")
+            codes = np.asarray(col.codes)
+            row_w = np.where(codes >= 0, class_w[np.maximum(codes, 0)], 0.0) if (
+                not self.replacement) else None
+            self._class_cdf = _cdf(mass)
+        self._len = n_obs if self.num_samples is None else self.num_samples
+        if not self.replacement:
+            assert row_w is not None
+            n_pos = int(np.count_nonzero(row_w))
+            if self._len > n_pos:
+                raise SamplerError(
+                    f"WeightedSampler(replacement=False) draws each row at most once, but "
+                    f"num_samples={self._len} exceeds the {n_pos} rows of positive weight; "
+                    "lower num_samples or use replacement=True.")
+            self._row_w = row_w
+        elif self.column is None:
+            self._row_cdf = _cdf(row_w)
+        self.weights = None  # what is drawn from lives in the tables now
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.column is not None:
+            return self._table.draw(rng, self._class_cdf, n)
+        return np.searchsorted(self._row_cdf, rng.random(n), side="right").astype(np.int64)
+
+    def rows(self, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+        if self.replacement:
+            return super().rows(seed, epoch, start, stop)
+        return Sampler.rows(self, seed, epoch, start, stop)
+
+    def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
+        # without replacement: the num_samples largest keys u ** (1 / w), in decreasing
+        # order, are a draw of successive weighted sampling (Efraimidis and Spirakis 2006)
+        rng = np.random.default_rng([seed, epoch, 0, TAG_SAMPLE])
+        with np.errstate(divide="ignore"):
+            keys = np.log(rng.random(len(self._row_w))) / self._row_w  # -inf where w == 0
+        top = np.argpartition(-keys, self._len - 1)[: self._len]
+        return top[np.argsort(-keys[top], kind="stable")].astype(np.int64)
+
+    def __repr__(self) -> str:
+        what = (f"from_column({self.column!r})" if self.column is not None
+                else f"({self.n_obs if self._n_obs is not None else '?'} weights)")
+        return (f"WeightedSampler{what}(num_samples={self.num_samples}, "
+                f"replacement={self.replacement})")
+
+
+class ClassBalancedSampler(_BlockSampler):
+    """Every category of an obs column equally often: a category uniformly, then one of
+    its rows uniformly (with replacement).
+
+    Categories with no rows in the source, and rows with a missing value, are never drawn.
+
+    Parameters
+    ----------
+    column
+        A categorical obs column of the source (``"cell_type"``).
+    num_samples
+        Row ids per epoch (default ``n_obs``).
+    """
+
+    def __init__(self, column: str, *, num_samples: int | None = None) -> None:
+        if not isinstance(column, str) or not column:
+            raise SamplerError(f"column must be an obs column name, got {column!r}.")
+        self.column = column
+        self.columns = (column,)
+        self.num_samples = _count("ClassBalancedSampler num_samples", num_samples)
+
+    def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
+        col = columns[self.column]
+        self._table = _ClassTable(col.codes, len(col.categories))
+        present = self._table.counts > 0
+        if not present.any():
+            raise SamplerError(f"ClassBalancedSampler({self.column!r}): obs column "
+                               f"{self.column!r} has no row with a value; choose a column "
+                               "with labelled rows.")
+        self._class_cdf = _cdf(present.astype(np.float64))
+        self.n_classes = int(present.sum())
+        self._len = n_obs if self.num_samples is None else self.num_samples
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return self._table.draw(rng, self._class_cdf, n)
+
+    def __repr__(self) -> str:
+        return f"ClassBalancedSampler({self.column!r}, num_samples={self.num_samples})"
+
+
+class SubsetSampler(Sampler):
+    """Exactly these rows once per epoch, without replacement.
+
+    Parameters
+    ----------
+    rows
+        Global row ids (positions in the source), each at most once.
+    shuffle
+        A new order every epoch, seeded by ``(seed, epoch)`` (default). ``False``: the
+        order given.
+    """
+
+    def __init__(self, rows: Sequence[int] | np.ndarray, *, shuffle: bool = True) -> None:
+        arr = np.asarray(rows)
+        if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+            raise SamplerError("SubsetSampler rows must be a non-empty 1-D array of integer "
+                               f"row ids, got {arr.dtype} of shape {arr.shape}.")
+        arr = arr.astype(np.int64)
+        uniq, counts = np.unique(arr, return_counts=True)
+        if (counts > 1).any():
+            dup = int(uniq[counts > 1][0])
+            raise SamplerError(f"SubsetSampler rows hold row {dup} {int(counts.max())} times "
+                               "(each row at most once); drop the duplicates, e.g. "
+                               "np.unique(rows).")
+        if not isinstance(shuffle, bool | np.bool_):
+            raise SamplerError(f"shuffle must be True or False, got {shuffle!r}.")
+        self.subset = arr
+        self.shuffle = bool(shuffle)
+
+    def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
+        bad = (self.subset < 0) | (self.subset >= n_obs)
+        if bad.any():
+            raise SamplerError(f"SubsetSampler rows hold row {int(self.subset[bad][0])}, "
+                               f"outside [0, {n_obs}) (the source's rows).")
+
+    def __len__(self) -> int:
+        return len(self.subset)
+
+    def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return self.subset
+        return np.random.default_rng([seed, epoch, 0, TAG_SAMPLE]).permutation(self.subset)
+
+    def __repr__(self) -> str:
+        return f"SubsetSampler({len(self.subset)} rows, shuffle={self.shuffle})"
+
