@@ -109,3 +109,44 @@ def pbmc68k_reduced(tmp_path_factory: pytest.TempPathFactory) -> Path:
         out = folder / "pbmc68k_reduced.h5ad"
         out.write_bytes(z.read(member))
     return out
+
+
+#: cells, genes and classes of ``imbalanced_h5ad``; class k holds about n / (k + 1) ** 2.5
+#: cells (the smallest about 0.4% of them)
+IMBALANCED = (6000, 30, 8)
+
+
+@pytest.fixture(scope="session")
+def imbalanced_h5ad(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One h5ad of Zipf-imbalanced classes: 6,000 cells x 30 genes, float32 CSR X whose
+    rows are all different, obs ``cell_type`` (categorical ``t0`` .. ``t7``, shuffled over
+    the rows, ``t7`` the smallest at <= 0.5%) and ``donor`` (categorical, 3)."""
+    import anndata as ad
+    import numpy as np
+    import pandas as pd
+    import scipy.sparse as sp
+
+    n, g, k = IMBALANCED
+    sizes = 1.0 / np.arange(1, k + 1) ** 2.5
+    counts = np.maximum(1, np.round(sizes / sizes.sum() * n)).astype(int)
+    counts[0] += n - counts.sum()
+    rng = np.random.default_rng(21)
+    codes = rng.permutation(np.repeat(np.arange(k), counts))
+    x = sp.random(n, g, density=0.3, format="csr", dtype=np.float32, random_state=rng)
+    x.data[:] = rng.integers(1, 1000, x.nnz)
+    obs = pd.DataFrame({
+        "cell_type": pd.Categorical.from_codes(codes, [f"t{i}" for i in range(k)]),
+        "donor": pd.Categorical.from_codes(rng.integers(0, 3, n), ["d0", "d1", "d2"]),
+    }, index=[f"cell{i}" for i in range(n)])
+    path = tmp_path_factory.mktemp("imbalanced") / "imbalanced.h5ad"
+    ad.AnnData(x, obs=obs, var=pd.DataFrame(index=[f"g{i}" for i in range(g)])).write_h5ad(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def imbalanced_collection(imbalanced_h5ad: Path, tmp_path_factory: pytest.TempPathFactory
+                          ) -> Collection:
+    """``imbalanced_h5ad`` written as a collection (seed 0, shards of at most 2,048 rows)."""
+    out = tmp_path_factory.mktemp("imbalanced_collection") / "store"
+    return create_anndata_collection([imbalanced_h5ad], out, seed=0, n_obs_per_shard=2048,
+                                     progress=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -16,8 +17,8 @@ from annbatch_torch import (
     SamplerError,
     SubsetSampler,
     WeightedSampler,
+    sampling,
 )
-from annbatch_torch import sampling
 from annbatch_torch.sampling import BLOCK, ObsColumn
 
 
@@ -128,7 +129,7 @@ def test_the_stream_computed_in_pieces_equals_the_whole() -> None:
     whole = bound.rows(4, 2, 0, len(bound))
     assert len(whole) == 3 * BLOCK + 17
     cuts = [0, 5, BLOCK - 1, BLOCK + 3, 2 * BLOCK, 3 * BLOCK + 17]
-    parts = [bound.rows(4, 2, a, b) for a, b in zip(cuts, cuts[1:])]
+    parts = [bound.rows(4, 2, a, b) for a, b in itertools.pairwise(cuts)]
     np.testing.assert_array_equal(np.concatenate(parts), whole)
     # another copy (as a worker holds) gives the same; another epoch or seed does not
     other = WeightedSampler(np.arange(1, 1001, dtype=float),
@@ -142,7 +143,8 @@ def test_a_bound_copy_leaves_the_sampler_reusable() -> None:
     s = ClassBalancedSampler("c")
     a = s.bind(100, {"c": _column(np.arange(100) % 2)})
     b = s.bind(50, {"c": _column(np.arange(50) % 5)})
-    assert len(a) == 100 and len(b) == 50
+    assert len(a) == 100
+    assert len(b) == 50
     assert set(b.rows(0, 0, 0, 50).tolist()) <= set(range(50))
     with pytest.raises(SamplerError, match="not bound"):
         _ = s.n_obs
@@ -193,7 +195,8 @@ def test_without_replacement_draws_each_row_at_most_once_by_weight() -> None:
     w[:50] = 100.0  # heavy rows come first
     bound = WeightedSampler(w, num_samples=400, replacement=False).bind(1000, {})
     rows = bound.rows(0, 0, 0, 400)
-    assert len(np.unique(rows)) == 400 and rows.max() < 500
+    assert len(np.unique(rows)) == 400
+    assert rows.max() < 500
     assert np.isin(np.arange(50), rows[:100]).mean() > 0.9
     with pytest.raises(SamplerError, match="exceeds the 500 rows of positive weight"):
         WeightedSampler(w, num_samples=501, replacement=False).bind(1000, {})
