@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,7 +31,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec
 from annbatch_torch import AnnBatchDataset
 from annbatch_torch.datasets import write_synthetic_h5ads
 from annbatch_torch.errors import ReadError
-from annbatch_torch.read.reader import PoolReader
+from annbatch_torch.read.reader import GATHER_PIECES, PoolReader
 from annbatch_torch.sampling import pool_order
 from annbatch_torch.store import rawzarr
 from annbatch_torch.store.checks import bad_column
@@ -666,3 +667,123 @@ def test_damage_in_the_unread_part_of_a_chunk_is_caught(tiny_raw_store: Path) ->
                        r"index out of range"):
         PoolReader(c, ["X"]).read(np.array([[off, off + r]]), np.arange(r)[::-1].copy())
     PoolReader(c, ["X"]).read(np.array([[0, off]]))  # other shards read fine
+
+
+# -- disjoint runs (rows a sampler drew) and chunks verified once ------------------------
+@st.composite
+def disjoint_cases(draw: st.DrawFn) -> dict[str, Any]:
+    n = draw(st.integers(1, 150))
+    chunk = draw(st.one_of(st.just(1), st.integers(2, 40), st.integers(n + 1, n + 10)))
+    bounds = sorted(set(draw(st.lists(st.integers(0, n), min_size=2, max_size=24))))
+    starts = np.array(bounds[:-1:2], dtype=np.int64)  # every other stretch is a gap
+    ends = np.array(bounds[1::2], dtype=np.int64)
+    k = min(len(starts), len(ends))
+    starts, ends = starts[:k], ends[:k]
+    perm = draw(st.permutations(range(k)))
+    dests = np.empty(k, dtype=np.int64)
+    pos = draw(st.integers(0, 3))
+    for r in perm:
+        dests[r] = pos
+        pos += int(ends[r] - starts[r]) + draw(st.integers(0, 2))
+    return {"n": n, "chunk": chunk, "starts": starts, "ends": ends, "dests": dests,
+            "out_len": pos, "dtype": draw(st.sampled_from(DTYPES)), "crc": draw(st.booleans()),
+            "seed": draw(st.integers(0, 2**32 - 1)),
+            "per_shard": draw(st.one_of(st.none(), st.integers(1, 5)))}
+
+
+@settings(max_examples=100, deadline=None)
+@given(disjoint_cases())
+def test_read_runs_of_disjoint_runs_matches_numpy_reference(case: dict[str, Any]) -> None:
+    """The first read verifies whole chunks; the second reads the runs only: both equal
+    numpy's, and nothing outside the destinations is written."""
+    rng = np.random.default_rng(case["seed"])
+    dtype = case["dtype"]
+    src = source_values(rng, case["n"], dtype)
+    ref = np.full(case["out_len"], sentinel(dtype), dtype=dtype)
+    for s, e, d in zip(case["starts"].tolist(), case["ends"].tolist(), case["dests"].tolist()):
+        ref[d : d + e - s] = src[s:e]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = write_raw(Path(tmp) / "a", src, case["chunk"], case["crc"],
+                        per_shard=case["per_shard"])
+        for _ in range(2):
+            out = np.full(case["out_len"], sentinel(dtype), dtype=dtype)
+            raw.read_runs(case["starts"], 0, case["dests"], out, ends=case["ends"])
+            np.testing.assert_array_equal(out, ref)
+        if case["crc"] and case["per_shard"] and len(case["starts"]):
+            assert raw._verified  # sharded chunks are remembered as verified
+
+
+def _sharded(tmp_path: Path, crc: bool = True) -> tuple[RawZarrArray, np.ndarray]:
+    src = np.arange(1, 401, dtype=np.int32)
+    return write_raw(tmp_path / "a", src, 20, crc, per_shard=5), src
+
+
+def _flip_in_shard(raw: RawZarrArray, c: int, byte: int) -> None:
+    """Flip byte ``byte`` of inner chunk ``c`` in its shard file (rewritten in place)."""
+    path, base, _ = raw._locate(c)
+    body = bytearray(Path(path).read_bytes())
+    body[base + byte] ^= 0xFF
+    Path(path).write_bytes(bytes(body))
+
+
+def test_damage_between_the_runs_of_a_first_read_is_caught(tmp_path: Path) -> None:
+    raw, _ = _sharded(tmp_path)
+    _flip_in_shard(raw, 0, 4 * 10)  # element 10: between the runs asked for
+    out = np.zeros(4, dtype=np.int32)
+    with pytest.raises(ChunkError, match="checksum mismatch"):
+        raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, ends=np.array([3, 17]))
+
+
+def test_a_shard_file_rewritten_after_its_chunks_were_verified_is_verified_again(
+        tmp_path: Path) -> None:
+    raw, src = _sharded(tmp_path)
+    out = np.zeros(4, dtype=np.int32)
+    raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, ends=np.array([3, 17]))
+    np.testing.assert_array_equal(out, src[[1, 2, 15, 16]])
+    assert 0 in raw._verified
+    _flip_in_shard(raw, 0, 4 * 10)  # same process, same open array: the file changed
+    with pytest.raises(ChunkError, match="checksum mismatch"):
+        raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, ends=np.array([3, 17]))
+
+
+def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    raw, src = _sharded(tmp_path)
+    starts, ends = np.array([1, 15, 45]), np.array([3, 17, 46])
+    out = np.zeros(5, dtype=np.int32)
+    raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends)  # verifies chunks 0, 2
+    sizes: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, bufs: list[Any], offset: int, *flags: int) -> int:
+        sizes.append(sum(len(b) for b in bufs))
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    out[:] = 0
+    raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends)
+    np.testing.assert_array_equal(out, src[[1, 2, 15, 16, 45]])
+    assert sorted(sizes) == [4, 8, 8]  # the runs' bytes, no whole chunks
+
+
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+def test_pool_read_of_many_drawn_rows_with_repeats(
+    pool_sources: dict[str, tuple[Any, dict[str, Any]]], kind: str
+) -> None:
+    """Rows as a sampler draws them: hundreds of single-row ranges (read by gather) and
+    positions that repeat; read twice (the second time from verified chunks)."""
+    src, full = pool_sources[kind]
+    reader = PoolReader(src, FIELDS, threads=2)
+    rng = np.random.default_rng(8)
+    try:
+        for _ in range(2):
+            drawn = rng.integers(0, src.n_obs, 900)
+            uniq, order = np.unique(drawn, return_inverse=True)
+            assert len(uniq) >= GATHER_PIECES
+            ranges = np.stack([uniq, uniq + 1], axis=1)
+            got = reader.read(ranges, order)
+            for f in FIELDS:
+                assert_same(got[f], full[f][drawn], f)
+    finally:
+        reader.close()

@@ -19,10 +19,11 @@ the field and the row range.
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import scipy.sparse as sp
@@ -36,11 +37,10 @@ from .buffers import BufferCache
 from .csr import csr_view
 
 __all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "default_read_threads",
-           "IO_DEPTH"]
+           "IO_DEPTH", "GATHER_PIECES", "GATHER_GAP"]
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """A contiguous run of rows inside one shard, landing at ``out_start`` in the pool."""
 
     shard: int
@@ -59,22 +59,94 @@ def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> list[Piece]:
     offsets
         Shard start rows plus the total at the end (``Source.shard_offsets``).
     """
-    pieces: list[Piece] = []
-    out = 0
-    for start, stop in np.asarray(ranges, dtype=np.int64).reshape(-1, 2):
-        start, stop = int(start), int(stop)
-        while start < stop:
-            s = int(np.searchsorted(offsets, start, side="right")) - 1
-            end = min(stop, int(offsets[s + 1]))
-            lo, hi = start - int(offsets[s]), end - int(offsets[s])
-            prev = pieces[-1] if pieces else None
-            if prev is not None and prev.shard == s and prev.stop == lo:
-                pieces[-1] = Piece(s, prev.start, hi, prev.out_start)
-            else:
-                pieces.append(Piece(s, lo, hi, out))
-            out += hi - lo
-            start = end
-    return pieces
+    ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    ranges = ranges[ranges[:, 1] > ranges[:, 0]]
+    if not len(ranges):
+        return []
+    offsets = np.asarray(offsets, dtype=np.int64)
+    s0 = np.searchsorted(offsets, ranges[:, 0], side="right") - 1
+    s1 = np.searchsorted(offsets, ranges[:, 1] - 1, side="right") - 1
+    n = s1 - s0 + 1  # shards each range touches
+    run = np.repeat(np.arange(len(ranges)), n)
+    shard = s0[run] + np.arange(len(run)) - np.repeat(np.cumsum(n) - n, n)
+    lo = np.maximum(ranges[run, 0], offsets[shard]) - offsets[shard]
+    hi = np.minimum(ranges[run, 1], offsets[shard + 1]) - offsets[shard]
+    keep = hi > lo  # empty shards in between
+    shard, lo, hi = shard[keep], lo[keep], hi[keep]
+    new = np.concatenate([[True], (shard[1:] != shard[:-1]) | (lo[1:] != hi[:-1])])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, len(shard) - 1)
+    shard, lo, hi = shard[first], lo[first], hi[last]
+    out = np.cumsum(hi - lo) - (hi - lo)
+    return [Piece(*t) for t in zip(shard.tolist(), lo.tolist(), hi.tolist(), out.tolist())]
+
+
+def _groups(pieces: list[Piece], parts: int, gap: int | None = None) -> list[tuple[int, int]]:
+    """``[i0, i1)`` runs of consecutive pieces of one shard in ascending row order, cut
+    into about ``parts`` runs in all (so threads share the work); with ``gap``, a run also
+    ends where the next piece starts ``gap`` rows or more after the previous one."""
+    shard = np.fromiter((p.shard for p in pieces), np.int64, len(pieces))
+    start = np.fromiter((p.start for p in pieces), np.int64, len(pieces))
+    stop = np.fromiter((p.stop for p in pieces), np.int64, len(pieces))
+    cut = (shard[1:] != shard[:-1]) | (start[1:] < stop[:-1])
+    if gap is not None:
+        cut |= start[1:] - stop[:-1] >= gap
+    bounds = [0, *(np.flatnonzero(cut) + 1).tolist(), len(pieces)]
+    out = []
+    step = max(1, -(-len(pieces) // max(1, parts)))
+    for a, b in itertools.pairwise(bounds):
+        out += [(i, min(i + step, b)) for i in range(a, b, step)]
+    return out
+
+
+def _row_lengths(pieces: list[Piece], els: list[Any]) -> np.ndarray:
+    """Non-zeros of each row of ``pieces`` (CSR elements ``els``), in canonical order."""
+    if not pieces:
+        return np.zeros(0, np.int64)
+    if len(pieces) < GATHER_PIECES:
+        return np.concatenate([np.diff(el.indptr[p.start : p.stop + 1])
+                               for p, el in zip(pieces, els)])
+    lengths = np.empty(sum(p.stop - p.start for p in pieces), dtype=np.int64)
+    for a, b in _groups(pieces, 1):
+        rows, canon = _piece_rows(pieces[a:b])
+        indptr = els[a].indptr
+        lengths[canon] = indptr[rows + 1] - indptr[rows]
+    return lengths
+
+
+def first_places(order: np.ndarray, n_rows: int) -> np.ndarray:
+    """Where each of ``n_rows`` canonical rows first appears in ``order`` (every one must)."""
+    uniq, first = np.unique(order, return_index=True)
+    if len(uniq) != n_rows:
+        raise ValueError(f"order must hold each of the {n_rows} rows at least once, "
+                         f"it holds {len(uniq)} of them")
+    return first
+
+
+def repeat_rows(data: np.ndarray, indices: np.ndarray, indptr: np.ndarray,
+                order: np.ndarray) -> None:
+    """Fill the rows of a CSR pool laid out in ``order`` whose canonical row appeared
+    before (read once, at its first place): copy them from there."""
+    first = first_places(order, int(order.max()) + 1 if order.size else 0)
+    dup = np.flatnonzero(first[order] != np.arange(len(order)))
+    if not dup.size:
+        return
+    src = indptr[first[order[dup]]]
+    n = indptr[dup + 1] - indptr[dup]
+    offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    to, frm = np.repeat(indptr[dup], n) + offset, np.repeat(src, n) + offset
+    data[to] = data[frm]
+    indices[to] = indices[frm]
+
+
+def _piece_rows(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray]:
+    """The local rows of ``pieces`` and their canonical positions, concatenated."""
+    start = np.fromiter((p.start for p in pieces), np.int64, len(pieces))
+    stop = np.fromiter((p.stop for p in pieces), np.int64, len(pieces))
+    out = np.fromiter((p.out_start for p in pieces), np.int64, len(pieces))
+    n = stop - start
+    offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return np.repeat(start, n) + offset, np.repeat(out, n) + offset
 
 
 def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
@@ -89,6 +161,11 @@ def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
 
 #: reads in flight per process (each a thread; only ``threads`` of them use a CPU at once)
 IO_DEPTH = 16
+#: a pool of this many pieces or more (rows a sampler drew) is read in a few calls per
+#: shard (:meth:`CSRElement.read_rows_gather`; other fields by covering ranges)
+GATHER_PIECES = 64
+#: rows between pieces up to which a non-sparse field's covering read spans both
+GATHER_GAP = 1024
 
 
 def default_read_threads() -> int:
@@ -209,11 +286,11 @@ class PoolReader:
             ``(k, 2)`` global ``[start, stop)`` row ranges; their concatenation is the
             pool's *canonical* row order.
         order
-            Optional canonical positions: output row ``i`` is canonical row ``order[i]``.
-            A permutation (as many positions as rows): CSR fields of raw stores are read
-            straight into their permuted places (no gather afterwards), other fields are
-            permuted after reading. Any other length (positions may repeat: a sampler
-            that draws a row twice): the rows are read once and gathered.
+            Optional canonical positions: output row ``i`` is canonical row ``order[i]``,
+            a permutation or any other list of positions (they repeat where a sampler drew
+            a row twice; each row is read once). CSR fields of raw stores are read straight
+            into their places (no gather afterwards; a repeated row is copied within the
+            pool); other fields are gathered after reading.
         """
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
@@ -222,27 +299,37 @@ class PoolReader:
             if order.ndim != 1 or (order.size and (order.min() < 0 or order.max() >= n_rows)):
                 raise ValueError(f"order must hold positions in [0, {n_rows}), got "
                                  f"{order.shape}")
-            if len(order) != n_rows:
-                return {field: value[order] for field, value in self.read(ranges).items()}
         pieces = split_ranges(ranges, self.source.shard_offsets)
         ex = self._executor()
         jobs: dict[str, list[tuple[Piece, Future[Any]]]] = {}
+        job_els: dict[str, list[Any]] = {}  # CSR fields: the element each job reads
+        covered: set[str] = set()  # fields read by covering reads (a list per job)
         csr_buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         permute_after: set[str] = set()
         for field in self.fields:
             # open elements in this thread first: errors surface with context, and
             # element caches are not populated concurrently
-            els = []
+            by_shard: dict[int, Any] = {}
             for p in pieces:
-                try:
-                    els.append(self._element(p, field))
-                except Exception as e:
-                    raise self._wrap(e, p, field) from e
+                if p.shard not in by_shard:
+                    try:
+                        by_shard[p.shard] = self._element(p, field)
+                    except Exception as e:
+                        raise self._wrap(e, p, field) from e
+            els = [by_shard[p.shard] for p in pieces]
             if els and isinstance(els[0], CSRElement):
-                scatter = order is not None and all(el.can_scatter for el in els)
-                jobs[field] = self._submit_csr(ex, field, pieces, els, csr_buffers,
-                                               order if scatter else None)
+                scatter = order is not None and all(el.can_scatter for el in by_shard.values())
+                jobs[field], job_els[field] = self._submit_csr(
+                    ex, field, pieces, els, csr_buffers, order if scatter else None)
                 if order is not None and not scatter:
+                    permute_after.add(field)
+            elif len(pieces) >= GATHER_PIECES:  # many small pieces: covering reads
+                covered.add(field)
+                jobs[field] = [
+                    (pieces[a], ex.submit(self._gated, self._read_cover, els[a], pieces[a:b]))
+                    for a, b in _groups(pieces, 2 * self.threads, GATHER_GAP)
+                ]
+                if order is not None:
                     permute_after.add(field)
             else:
                 jobs[field] = [
@@ -261,9 +348,16 @@ class PoolReader:
                     for _, other in futs:
                         other.cancel()
                     raise self._wrap(e, p, field) from e
+            if field in covered:
+                parts = [part for group in parts for part in group]
+            elif (field in csr_buffers and field not in permute_after and order is not None
+                  and len(order) != n_rows):  # read into place: fill the repeats
+                data, indices, indptr = csr_buffers[field]
+                repeat_rows(data, indices, indptr, order)
             try:
                 if field in csr_buffers:
-                    value = self._assemble_csr(field, pieces, csr_buffers[field], n_rows, parts)
+                    value = self._assemble_csr(field, pieces, job_els[field],
+                                               csr_buffers[field], n_rows, parts)
                 else:
                     value = self._assemble(field, pieces, parts, n_rows)
             except ReadError:
@@ -287,19 +381,17 @@ class PoolReader:
         els: list[Any],
         buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
         order: np.ndarray | None,
-    ) -> list[tuple[Piece, Future[Any]]]:
+    ) -> tuple[list[tuple[Piece, Future[Any]]], list[Any]]:
         """Allocate the pool's data/indices once; every row is read into its final place
-        (canonical order, or ``order`` when given)."""
-        lengths = [np.diff(el.indptr[p.start : p.stop + 1]) for p, el in zip(pieces, els)]
-        canon = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        (canonical order, or ``order`` when given). Returns the jobs and the element each
+        reads: one job per piece, or with many pieces (rows a sampler drew) a few per
+        shard that read all their rows at once (:meth:`CSRElement.read_rows_gather`)."""
+        canon = _row_lengths(pieces, els)
         out_len = canon if order is None else canon[order]
-        indptr = np.zeros(len(canon) + 1, dtype=np.int64)
+        indptr = np.zeros(len(out_len) + 1, dtype=np.int64)
         np.cumsum(out_len, out=indptr[1:])
-        if order is None:
-            dests = indptr[:-1]
-        else:
-            dests = np.empty(len(canon), dtype=np.int64)
-            dests[order] = indptr[:-1]
+        # each row goes where it first appears (repeats are copied once it is read)
+        dests = indptr[:-1] if order is None else indptr[first_places(order, len(canon))]
         nnz = int(indptr[-1])
         info = self.source.fields.get(field)  # one dtype for every pool, whatever the shard
         data = self.buffers.take(nnz, np.dtype(info.dtype) if info is not None else els[0].dtype)
@@ -309,11 +401,30 @@ class PoolReader:
         # be well after the result is seen (a busy machine preempts it in between); handed
         # over in a list the task empties, the pool's buffers are not held by it past its
         # return, so a dropped pool's buffers are free for the next pool at once
+        if len(pieces) >= GATHER_PIECES and all(
+                el.can_scatter and hasattr(el, "read_rows_gather") for el in els):
+            jobs, job_els = [], []
+            # from the disk: many reads in flight; from the page cache: one call per shard
+            # (the per-run work holds the GIL: two threads were 0.75x as fast as one, warm)
+            for a, b in _groups(pieces, self.io_depth if self._from_disk else 1):
+                rows, canon = _piece_rows(pieces[a:b])
+                jobs.append((pieces[a], ex.submit(self._gated, self._read_csr_gather, els[a],
+                                                  [rows, data, indices, dests[canon]])))
+                job_els.append(els[a])
+            return jobs, job_els
         return [
             (p, ex.submit(self._gated, self._read_csr_piece, el, p,
                           [data, indices, dests[p.out_start : p.out_start + (p.stop - p.start)]]))
             for p, el in zip(pieces, els)
-        ]
+        ], list(els)
+
+    @staticmethod
+    def _read_csr_gather(el: CSRElement, arrays: list[np.ndarray]) -> dict[int, int] | None:
+        """Read rows of one shard into the pool (``arrays``: rows, data, indices and row
+        destinations, taken out of the list as in :meth:`_read_csr_piece`)."""
+        rows, data, indices, dests = arrays
+        arrays.clear()
+        return el.read_rows_gather(rows, data, indices, dests)
 
     @staticmethod
     def _read_csr_piece(el: CSRElement, p: Piece, arrays: list[np.ndarray]
@@ -334,6 +445,7 @@ class PoolReader:
         self,
         field: str,
         pieces: list[Piece],
+        els: list[Any],
         buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
         n_rows: int,
         crcs: list[dict[int, int] | None],
@@ -342,7 +454,6 @@ class PoolReader:
         n_cols = self._element(pieces[0], field).n_cols
         # column indices are checked once per chunk content: a pool whose indices chunks
         # all have the CRC of chunks checked before needs no scan (~10% of a pool's read)
-        els = [self._element(p, field) for p in pieces]
         if all(el.all_checked(c) for el, c in zip(els, crcs)):
             bad = None
         else:
@@ -360,12 +471,21 @@ class PoolReader:
             )
         if indptr[-1] < np.iinfo(np.int32).max:
             indptr = indptr.astype(np.int32)  # scipy would otherwise copy indices to int64
-        return csr_view(data, indices, indptr, (n_rows, n_cols))
+        return csr_view(data, indices, indptr, (len(indptr) - 1, n_cols))
 
     def _ranges_of(self, pieces: list[Piece]) -> np.ndarray:
         offsets = self.source.shard_offsets
         return np.array([[offsets[p.shard] + p.start, offsets[p.shard] + p.stop]
                          for p in pieces], dtype=np.int64).reshape(-1, 2)
+
+    def _read_cover(self, el: Any, pieces: list[Piece]) -> list[Any]:
+        """Pieces of one shard read by one covering read (rows between them are read and
+        dropped), as one value per piece."""
+        lo, hi = pieces[0].start, max(p.stop for p in pieces)
+        value = el.read(lo, hi)
+        if len(value) != hi - lo:
+            raise ReadError(f"expected {hi - lo} rows, got {len(value)}")
+        return [value[p.start - lo : p.stop - lo] for p in pieces]
 
     def _read_piece(self, el: Any, p: Piece) -> Any:
         # CSR fields never come here: _submit_csr reads them into the pool's buffers

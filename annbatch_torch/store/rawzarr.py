@@ -21,6 +21,7 @@ Anything else (compressed, big-endian, v2) is left to zarr: :func:`open_raw` ret
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import threading
@@ -87,6 +88,11 @@ class RawZarrArray:
         self.chunk_rows = self.chunks[0]
         self.chunk_nbytes = self.chunk_rows * self.row_items * self.dtype.itemsize
         self.attrs: dict[str, Any] = meta.get("attributes", {})
+        #: inner chunks of shard files this process verified whole (CRC-32C, and ``below``
+        #: when asked): ``{chunk: (crc, below)}``; a later read of part of one reads only
+        #: that part. Forgotten for a shard file whose identity (inode, size, mtime) changed.
+        self._verified: dict[int, tuple[int, int | None]] = {}
+        self._file_ids: dict[int, tuple[int, int, int]] = {}
         # chunk file names: f"{prefix}{c}{suffix}" (built once: this is on the hot path)
         rest = self._sep.join(["0"] * (len(self.shape) - 1))
         self._suffix = self._sep + rest if rest else ""
@@ -110,6 +116,7 @@ class RawZarrArray:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        state["_verified"], state["_file_ids"] = {}, {}  # verified again where it is read
         if self.per_shard:  # indexes are read again where needed; locks do not pickle
             state["_indexes"], state["_index_lock"] = {}, None
         return state
@@ -208,14 +215,18 @@ class RawZarrArray:
 
     def read_runs(
         self, starts: np.ndarray, stop: int, dests: np.ndarray, out: np.ndarray,
-        below: int | None = None,
+        below: int | None = None, ends: np.ndarray | None = None,
     ) -> dict[int, int]:
         """Scatter elements ``[starts[0], stop)`` of this 1-D array into ``out``.
 
         The run ``[starts[i], starts[i + 1])`` (the last one ends at ``stop``) lands at
-        ``out[dests[i]:]``. Each chunk file is read with one ``preadv`` call straight into
-        the destinations (no intermediate copy) and, with ``crc32c``, verified in place:
-        the pool reader uses this to put CSR rows directly at their shuffled positions.
+        ``out[dests[i]:]``; with ``ends`` (ascending, disjoint runs) the run is
+        ``[starts[i], ends[i])`` and the elements between runs are not delivered. Each
+        chunk is read with one ``preadv`` call straight into the destinations (no
+        intermediate copy) and, with ``crc32c``, verified in place: the pool reader uses
+        this to put CSR rows directly at their shuffled positions. A chunk verified once in
+        this process (the whole chunk, with the same ``below``) is afterwards read only
+        where runs fall (the rows a sampler drew), without reading the rest again.
 
         Returns the CRC-32C of every chunk read (``{chunk: crc}``; empty without the
         ``crc32c`` codec): a chunk read again with the same CRC holds the same values.
@@ -231,6 +242,9 @@ class RawZarrArray:
                             f"got {out.dtype}")
         starts = np.asarray(starts, dtype=np.int64)
         dests = np.asarray(dests, dtype=np.int64)
+        if ends is not None:
+            return self._read_disjoint(starts, np.asarray(ends, dtype=np.int64), dests, out,
+                                       below)
         if starts.size == 0 or stop <= int(starts[0]):
             return {}
         ends = np.append(starts[1:], stop)
@@ -272,6 +286,114 @@ class RawZarrArray:
             if crc is not None:
                 crcs[c] = crc
         return crcs
+
+    def _read_disjoint(self, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray,
+                       out: np.ndarray, below: int | None) -> dict[int, int]:
+        """:meth:`read_runs` of disjoint runs ``[starts[i], ends[i])``.
+
+        The first read of a chunk with ``crc32c`` reads all of it (the bytes between runs
+        into scratch) to verify it, and checks those bytes ``< below`` too; later reads of
+        a verified chunk read the runs only: one ``preadv`` per stretch of touching runs,
+        the chunks of one shard file through one descriptor.
+        """
+        keep = ends > starts
+        starts, ends, dests = starts[keep], ends[keep], dests[keep]
+        if not starts.size:
+            return {}
+        if int((dests + (ends - starts)).max()) > out.size or int(dests.min()) < 0:
+            raise ValueError(f"{self.path}: read_runs destinations fall outside the buffer "
+                             f"of {out.size} items")
+        size, item = self.chunk_rows, self.dtype.itemsize
+        # split runs at chunk boundaries: run i covers chunks first[i] .. last[i]
+        first, last = starts // size, (ends - 1) // size
+        n_parts = last - first + 1
+        run = np.repeat(np.arange(len(starts)), n_parts)
+        chunk = first[run] + np.arange(len(run)) - np.repeat(np.cumsum(n_parts) - n_parts,
+                                                             n_parts)
+        seg_lo = np.maximum(starts[run], chunk * size)
+        seg_hi = np.minimum(ends[run], (chunk + 1) * size)
+        lo_b = (seg_lo - chunk * size) * item  # bytes, from the chunk's start
+        hi_b = (seg_hi - chunk * size) * item
+        d_b = (dests[run] + (seg_lo - starts[run])) * item
+        if self.crc and self.per_shard:
+            self._forget_changed(np.unique(chunk // self.per_shard).tolist())
+        new_chunk = np.concatenate([[True], chunk[1:] != chunk[:-1]])
+        # a stretch: touching segments of one chunk, read by one preadv
+        new_stretch = new_chunk | np.concatenate([[True], lo_b[1:] != hi_b[:-1]])
+        flat = out.reshape(-1).view(np.uint8)
+        views = [flat[d : d + n] for d, n in zip(d_b.tolist(), (hi_b - lo_b).tolist())]
+        chunk_at = [*np.flatnonzero(new_chunk).tolist(), len(chunk)]
+        stretch_at = np.flatnonzero(new_stretch)
+        crcs: dict[int, int] = {}
+        files = _Files()
+        try:
+            for i0, i1 in itertools.pairwise(chunk_at):
+                c = int(chunk[i0])
+                known = self._verified.get(c) if self.per_shard else None
+                if self.crc and (known is None or known[1] != below):
+                    crc = self._verify_chunk(c, lo_b[i0:i1].tolist(), views[i0:i1], below)
+                elif (where := self._locate(c)) is None:  # absent: fill value (or error)
+                    crc = self._read_chunk_segments(c, 0, 0, views[i0:i1], below)
+                else:
+                    path, base, _ = where
+                    fd = files.open(path)
+                    j = np.searchsorted(stretch_at, [i0, i1]).tolist()
+                    bounds = [*stretch_at[j[0] : j[1]].tolist(), i1]
+                    for s0, s1 in itertools.pairwise(bounds):
+                        want = int(hi_b[s1 - 1] - lo_b[s0])
+                        if _preadv_full(fd, views[s0:s1], base + int(lo_b[s0]), want) != want:
+                            raise ChunkError(f"{path}: chunk file is truncated")
+                    crc = None if known is None else known[0]
+                if crc is not None:
+                    crcs[c] = crc
+        finally:
+            files.close()
+        return crcs
+
+    def _forget_changed(self, files: list[int]) -> None:
+        """Forget the verified chunks of shard files that changed since they were verified
+        (a collection rewritten in place under a running reader)."""
+        for k in files:
+            try:
+                st = os.stat(self._file_name(k))
+            except FileNotFoundError:
+                continue  # the read reports it
+            ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if self._file_ids.get(k) != ident:
+                if k in self._file_ids:
+                    lo, hi = k * self.per_shard, (k + 1) * self.per_shard
+                    self._verified = {c: v for c, v in self._verified.items()
+                                      if not lo <= c < hi}
+                    with self._index_lock:  # its index too may have changed
+                        self._indexes.pop(k, None)
+                self._file_ids[k] = ident
+
+    def _verify_chunk(self, c: int, offsets: list[int], dsts: list[np.ndarray],
+                      below: int | None) -> int | None:
+        """Read all of chunk ``c``, the pieces at ``offsets`` (bytes, ascending, disjoint)
+        into ``dsts`` and the rest into scratch; verify its CRC-32C and the scratch bytes'
+        values ``< below``; remember it as verified. Returns its CRC (``None`` if absent)."""
+        gaps: list[np.ndarray] = []
+        # gaps go past what _read_chunk_segments uses of the same scratch (its head, tail
+        # and checksum lie in the first chunk_nbytes + 5 bytes)
+        base = self.chunk_nbytes + 8
+        scratch = _scratch(base + self.chunk_nbytes)
+        pieces: list[np.ndarray] = []
+        at = 0
+        for off, dst in zip(offsets, dsts):
+            if off > at:
+                gaps.append(scratch[base + at : base + off])
+                pieces.append(gaps[-1])
+            pieces.append(dst)
+            at = off + len(dst)
+        crc = self._read_chunk_segments(c, 0, at, pieces, below)
+        if crc is not None:
+            if below is not None:
+                for gap in gaps:
+                    self._check_below(self._chunk_name(c), below, gap)
+            if self.per_shard:
+                self._verified[c] = (crc, below)
+        return crc
 
     def _read_chunk_segments(self, c: int, first: int, last: int, segs: list[np.ndarray],
                              below: int | None = None) -> int | None:
@@ -333,6 +455,26 @@ class RawZarrArray:
 
 
 _IOV_MAX = 1024
+
+
+class _Files:
+    """Descriptors of the files one call reads, opened once each, closed together."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.fd = -1
+
+    def open(self, path: str) -> int:
+        if path != self.path:
+            self.close()
+            self.fd = os.open(path, os.O_RDONLY)
+            self.path = path
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.path, self.fd = None, -1
 
 
 class CpuSlots:
