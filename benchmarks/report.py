@@ -27,6 +27,11 @@ LABELS: dict[str, tuple[str, str]] = {
     "annloader_w0": ("peer", "AnnLoader (backed h5ad), in-process"),
     "annloader_w2": ("peer", "AnnLoader (backed h5ad), 2 workers"),
     "annbatch": ("peer", "scverse annbatch"),
+    **{f"ours_{k}_{m}_w{w}": ("sampling", f"annbatch_torch {what}, {desc}, {w} workers")
+       for k, what in (("balanced", "ClassBalancedSampler"), ("weighted", "WeightedSampler"))
+       for m, desc in (("sparse", "torch-CSR"), ("dense", "dense")) for w in (0, 2)},
+    "scdataset_balanced_w0": ("sampling", "scDataset ClassBalancedSampling, in-process"),
+    "scdataset_weighted_w0": ("sampling", "scDataset BlockWeightedSampling, in-process"),
     "ceiling_inmemory": ("ceiling", "ceiling: CSR in RAM, random rows + toarray"),
     "ceiling_seq_zarr": ("ceiling", "ceiling: front-to-back read of our store (zarr)"),
     "ceiling_seq_zarrs": ("ceiling", "ceiling: front-to-back read of our store (zarrs)"),
@@ -35,7 +40,7 @@ LABELS: dict[str, tuple[str, str]] = {
 #: cold cases (run.py --cold): the page cache dropped first, the first epoch timed
 LABELS.update({f"{n}_cold": (g, f"{label}, cold") for n, (g, label) in list(LABELS.items())
                if n in ("ours_sparse_w0", "ours_dense_w0", "ours_sparse_w2", "ours_dense_w2",
-                        "annbatch", "ceiling_seq_raw")})
+                        "annbatch", "ceiling_seq_raw", "ours_balanced_sparse_w0")})
 LABELS["ceiling_disk_cold"] = ("ceiling", "ceiling: the disk's cold sequential read / the "
                                "collection's bytes per cell")
 LABELS["ceiling_disk_parallel_cold"] = ("ceiling", "ceiling: the collection's files read cold "
@@ -122,6 +127,23 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target("cold sparse >= 0.8x the store read cold by 16 threads",
                            ratio(cold, deep), 0.8, higher=True, fmt="{:.2f}x",
                            detail=f"{cold_case} / ceiling_disk_parallel_cold"))
+    sampled, sampled_case = _rate(c, *(n for n in c if n.startswith(("ours_balanced_sparse",
+                                                                    "ours_weighted_sparse"))
+                                       and not n.endswith("_cold")))
+    if sampled is not None:
+        out.append(_target("sampling mode >= 0.5x chunked mode (sparse, warm)",
+                           ratio(sampled, sparse), 0.5, higher=True, fmt="{:.2f}x",
+                           detail=f"best sampling torch-CSR ({sampled_case}) / best chunked "
+                           f"torch-CSR ({sparse_case})",
+                           cpu_value=cpu_ratio(sampled_case, sparse_case)))
+        bal, bal_case = _rate(c, "ours_balanced_sparse_w0", "ours_balanced_sparse_w2",
+                              "ours_balanced_dense_w0", "ours_balanced_dense_w2")
+        scd_bal, _ = _rate(c, "scdataset_balanced_w0")
+        out.append(_target("class-balanced >= 4x scDataset's ClassBalancedSampling",
+                           ratio(bal, scd_bal), 4.0, higher=True, fmt="{:.2f}x",
+                           detail=f"best ours class-balanced ({bal_case}) / "
+                           "scdataset_balanced_w0",
+                           cpu_value=cpu_ratio(bal_case, "scdataset_balanced_w0")))
     qual = [c[n]["quality"] for n in _OURS_COLLECTION if _ok(c, n) and "quality" in c[n]]
     out.append(_target("shuffle quality >= 0.97", min(qual) if qual else None, 0.97,
                        higher=True, fmt="{:.3f}",
@@ -293,6 +315,16 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                          f"{', '.join(_f(x) for x in wk) or '-'} | "
                          f"{_f((r.get('cpu') or {}).get('others_share'), '{:.0%}')} | "
                          f"{_short(r.get('doc', ''), 120)} |")
+    t = _ok(c, "train_balanced")
+    if t is not None:
+        lines += ["", "## Training effect of class balancing", "",
+                  f"{' '.join((t.get('doc') or '').split())} Training cells: "
+                  f"{t['train_cells']:,} (smallest class {t['smallest_class_share']:.2%}).", "",
+                  "| rows of the epoch | balanced accuracy | recall of the smallest class | "
+                  "epoch seconds |", "|---|---|---|---|"]
+        for mode, r in t["modes"].items():
+            lines.append(f"| {mode} | {r['balanced_accuracy']:.3f} | "
+                         f"{r['recall_smallest']:.3f} | {r['epoch_seconds']:.1f} |")
     lines += ["", "## Targets", ""]
     if any(t["met"] is None for t in results["targets"]):
         lines += ["Some targets need cases this run did not include (run without `--only`).",
@@ -313,7 +345,7 @@ def write_plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"ours": "#1f77b4", "peer": "#ff7f0e", "ceiling": "#7f7f7f"}
+    colors = {"ours": "#1f77b4", "peer": "#ff7f0e", "ceiling": "#7f7f7f", "sampling": "#2ca02c"}
     rows = [(label, float(results["cases"][n]["cells_per_s"]), colors[g])
             for n, (g, label) in LABELS.items()
             if _ok(results["cases"], n) and results["cases"][n].get("cells_per_s")]

@@ -17,6 +17,7 @@ TINY = ["--n-obs", "3000", "--n-vars", "200", "--batch-size", "256", "--n-batche
         "--n-warmup", "1", "--memory-epochs", "1", "--seq-passes", "1", "--quiet"]
 LOADERS = ["ours_dense_w0", "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2",
            "ours_inplace_dense_w0", "scdataset_w0", "scdataset_w2", "annloader_w0",
+           "ours_balanced_sparse_w0", "ours_weighted_dense_w2", "scdataset_balanced_w0",
            "ceiling_inmemory", "ceiling_seq_raw", "ceiling_seq_zarr"]
 
 
@@ -44,6 +45,9 @@ def test_every_case_runs_and_reports(tmp_path: Path) -> None:
     assert len(exps) >= 10
     assert all(cases[n]["status"] == "ok" for n in exps), {n: cases[n] for n in exps}
     assert cases["annbatch"]["status"] in ("ok", "skipped")
+    modes = cases["train_balanced"]["modes"]
+    assert set(modes) == {"each row once", "class-balanced"}
+    assert all(0 <= m["balanced_accuracy"] <= 1 for m in modes.values())
     assert cases["writer"]["status"] == "ok"
     assert cases["writer"]["seconds"] > 0
     assert len(cases["memory"]["epochs"]) == 2
@@ -54,6 +58,8 @@ def test_every_case_runs_and_reports(tmp_path: Path) -> None:
     md = (tmp_path / "out" / "results.md").read_text()
     assert "## Targets" in md
     assert "annbatch_torch dense, 2 workers" in md
+    assert "## Training effect of class balancing" in md
+    assert "sampling mode >= 0.5x chunked mode (sparse, warm)" in names
     assert (tmp_path / "out" / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
