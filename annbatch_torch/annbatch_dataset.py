@@ -43,7 +43,7 @@ from .store.inplace import as_source
 from .store.manifest import RAW_X
 from .world import SharedEpoch, World, distributed_rank_world
 
-__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
+__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS", "bind_sampler"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,29 @@ def _int_array(name: str, values: Any) -> np.ndarray:
             arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.round(arr)))):
         raise ValueError(f"{name} must be a 1-D list of integers, got {values!r}.")
     return arr.astype(np.int64)
+
+
+def bind_sampler(source: Source, sampler: Any, rows: np.ndarray | None = None) -> Sampler:
+    """``sampler`` bound to ``source`` with the obs columns it asked for (read as global
+    codes), drawing from ``rows`` only when given (a training split)."""
+    if not isinstance(sampler, Sampler):
+        raise TypeError(
+            "sampler must be an annbatch_torch Sampler (WeightedSampler, ClassBalancedSampler, "
+            f"SubsetSampler or a subclass of Sampler), got {type(sampler).__name__}.")
+    columns = {}
+    for name in sampler.columns:
+        try:
+            categories = source.categories(name)
+        except SchemaError as e:
+            raise SamplerError(f"sampler {sampler!r}: {e}") from None
+        field = name if name.startswith("obs/") else f"obs/{name}"
+        reader = PoolReader(source, [field], threads=1)
+        try:
+            codes = reader.read(np.array([[0, source.n_obs]], dtype=np.int64))[field]
+        finally:
+            reader.close()
+        columns[name] = ObsColumn(np.asarray(codes), tuple(categories))
+    return sampler.bind(source.n_obs, columns, rows)
 
 
 class AnnBatchDataset(IterableDataset):
@@ -258,30 +281,18 @@ class AnnBatchDataset(IterableDataset):
 
     # -- configuration ---------------------------------------------------------------
     def _bind_sampler(self, sampler: Any) -> Sampler:
-        """``sampler`` bound to the source, with the obs columns it asked for."""
-        if not isinstance(sampler, Sampler):
-            raise TypeError(
-                f"sampler must be an annbatch_torch Sampler (WeightedSampler, "
-                f"ClassBalancedSampler, SubsetSampler or a subclass of Sampler), got "
-                f"{type(sampler).__name__}.")
         if self.chunk_ids is not None:
             raise SamplerError(
                 "sampler and chunk_ids cannot be combined: a sampler chooses the rows itself; "
                 "give the rows to SubsetSampler(rows) (or leave chunk_ids for chunked mode).")
-        columns = {}
-        for name in sampler.columns:
-            try:
-                categories = self.source.categories(name)
-            except SchemaError as e:
-                raise SamplerError(f"sampler {sampler!r}: {e}") from None
-            field = f"obs/{name}" if not name.startswith("obs/") else name
-            reader = PoolReader(self.source, [field], threads=1)
-            try:
-                codes = reader.read(np.array([[0, self.source.n_obs]], dtype=np.int64))[field]
-            finally:
-                reader.close()
-            columns[name] = ObsColumn(np.asarray(codes), tuple(categories))
-        return sampler.bind(self.source.n_obs, columns)
+        if isinstance(sampler, Sampler) and sampler.is_bound:  # bound by the caller
+            if sampler.n_obs != self.source.n_obs:
+                raise SamplerError(
+                    f"sampler {sampler!r} is bound to a source of {sampler.n_obs} rows, but "
+                    f"{self.source.describe()} has {self.source.n_obs}; pass the sampler "
+                    "unbound and the dataset binds it.")
+            return sampler
+        return bind_sampler(self.source, sampler)
 
     def _validate_selector(self) -> None:
         for key, f in self.selector.items():

@@ -47,10 +47,16 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import sampling
-from .annbatch_dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
+from .annbatch_dataset import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_PRELOAD_NCHUNKS,
+    AnnBatchDataset,
+    bind_sampler,
+)
 from .fields import Field
 from .loader import AnnBatchDataLoader
 from .resume import is_mid_epoch, state_ints
+from .sampling import Sampler
 from .store.collection import Collection, open_collection
 from .store.manifest import read_manifest
 from .write.prepare import explicit_settings, lock_path, write_if_stale
@@ -62,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 #: dataset arguments the DataModule sets itself (pass them to the DataModule instead)
 _MANAGED = ("selector", "batch_size", "chunk_size", "preload_nchunks", "seed", "densify",
-            "rank", "world_size", "chunk_ids")
+            "rank", "world_size", "chunk_ids", "sampler")
 _STATE_VERSION = 1
 
 
@@ -100,6 +106,11 @@ class AnnBatchDataModule(pl.LightningDataModule):
         (``return_index``, ``batch_converter``, ``read_threads``...). ``shuffle``,
         ``even_batches`` and ``drop_last`` apply to training only: validation, test and
         predict always read in order with ``even_batches="pad"``.
+    sampler
+        Sampling mode for training (a :class:`~annbatch_torch.Sampler`): it draws from the
+        training split's rows only (with ``val_fraction``, the rows of the held-out chunks
+        never come up); validation, test and predict stay unweighted, in order. Default
+        ``None``: chunked mode.
 
     Attributes
     ----------
@@ -138,8 +149,13 @@ class AnnBatchDataModule(pl.LightningDataModule):
         collection_kwargs: Mapping[str, Any] | None = None,
         dataloader_kwargs: Mapping[str, Any] | None = None,
         dataset_kwargs: Mapping[str, Any] | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         super().__init__()
+        if sampler is not None and not isinstance(sampler, Sampler):
+            raise TypeError("sampler must be an annbatch_torch Sampler (WeightedSampler, "
+                            "ClassBalancedSampler, SubsetSampler or a subclass of Sampler), "
+                            f"got {type(sampler).__name__}.")
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not (
             0.0 <= float(val_fraction) < 1.0
         ):
@@ -174,6 +190,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.collection_kwargs = dict(collection_kwargs or {})
         self.dataloader_kwargs = dict(dataloader_kwargs or {})
         self.dataset_kwargs = dict(dataset_kwargs or {})
+        self.sampler = sampler
         self.collection: Collection | None = None
         self.train_dataset: AnnBatchDataset | None = None
         self.val_dataset: AnnBatchDataset | None = None
@@ -234,10 +251,20 @@ class AnnBatchDataModule(pl.LightningDataModule):
         kwargs.update(self.dataset_kwargs)
         if not train:
             kwargs.update(shuffle=False, even_batches="pad", drop_last=False)
+        sampler = None
+        if train and self.sampler is not None:  # draws from the training split's rows only
+            rows = None
+            if chunk_ids is not None and self.val_fraction > 0:
+                n, cs = self.collection.n_obs, self.chunk_size
+                starts = np.asarray(chunk_ids, dtype=np.int64) * cs
+                ranges = np.stack([starts, np.minimum(starts + cs, n)], axis=1)
+                rows = sampling.global_rows(ranges)
+            sampler, chunk_ids = bind_sampler(self.collection, self.sampler, rows), None
         return AnnBatchDataset(
             self.collection, selector=self.selector, batch_size=self.batch_size,
             chunk_size=self.chunk_size, preload_nchunks=self.preload_nchunks, seed=self.seed,
-            densify=self.densify, rank=rank, world_size=world, chunk_ids=chunk_ids, **kwargs,
+            densify=self.densify, rank=rank, world_size=world, chunk_ids=chunk_ids,
+            sampler=sampler, **kwargs,
         )
 
     def setup(self, stage: str | None = None) -> None:
@@ -274,7 +301,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         assert self.collection is not None
         assert self.train_chunks is not None
         n_obs, cs = self.collection.n_obs, self.chunk_size
-        rows = int(np.minimum(cs, n_obs - self.train_chunks * cs).sum())
+        rows = (int(np.minimum(cs, n_obs - self.train_chunks * cs).sum()) if ds.sampler is None
+                else len(ds.sampler))  # sampling mode: the rows an epoch draws
         if rows == 0 or ds.even_batches != "drop":
             return
         kept = min(rows, len(ds) * ds.batch_size * world)

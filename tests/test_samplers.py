@@ -288,3 +288,27 @@ def test_a_users_sampler_gives_its_stream() -> None:
     bound = Evens().bind(6, {"ct": ObsColumn(np.array([0, 1, 0, 1, 0, 1]), ("a", "b"))})
     got = _batches(bound, 2, 2, world_size=1)[0]
     assert sorted(r for b in got for r in b) == [0, 2, 4]
+
+
+def test_a_sampler_bound_to_some_rows_draws_from_them_only() -> None:
+    codes = np.arange(1000) % 4
+    column = {"c": _column(codes, 4)}
+    rows = np.flatnonzero(np.arange(1000) % 3 == 0)  # a training split
+    for s in (ClassBalancedSampler("c"), WeightedSampler(np.ones(1000)),
+              WeightedSampler.from_column("c", {"c0": 1.0}, default=2.0),
+              WeightedSampler(np.ones(1000), replacement=False, num_samples=300),
+              SubsetSampler(np.arange(0, 1000, 2))):
+        bound = s.bind(1000, column, rows=rows)
+        drawn = bound.rows(0, 0, 0, len(bound))
+        assert set(drawn.tolist()) <= set(rows.tolist()), s
+    assert len(ClassBalancedSampler("c").bind(1000, column, rows=rows)) == len(rows)
+    sub = SubsetSampler(np.arange(0, 1000, 2)).bind(1000, {}, rows=rows)
+    assert sorted(sub.rows(0, 0, 0, len(sub)).tolist()) == list(range(0, 1000, 6))
+    with pytest.raises(SamplerError, match="none of its rows is in the training split"):
+        SubsetSampler([1, 2]).bind(1000, {}, rows=rows)
+    with pytest.raises(SamplerError, match="not among the rows it may draw"):
+        _Bad(np.array([0, 1]), 2).bind(1000, {}, rows=rows).rows(0, 0, 0, 2)
+    w = np.zeros(1000)
+    w[1] = 1.0
+    with pytest.raises(SamplerError, match="weights are 0 on every row it may draw"):
+        WeightedSampler(w).bind(1000, {}, rows=rows)

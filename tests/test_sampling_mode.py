@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import anndata as ad
+import lightning.pytorch as pl
 import numpy as np
 import pytest
+import torch
 import torch.multiprocessing as tmp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -24,6 +26,7 @@ from annbatch_torch import (
     WeightedSampler,
     sampling,
 )
+from annbatch_torch.lightning import AnnBatchDataModule
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sampling_ddp
@@ -202,3 +205,85 @@ def test_bad_samplers_are_refused_with_the_fix(imbalanced_collection: Collection
         AnnBatchDataset(imbalanced_collection, sampler=WeightedSampler([1.0, 2.0, 3.0]))
     with pytest.raises(TypeError, match="sampler must be an annbatch_torch Sampler"):
         AnnBatchDataset(imbalanced_collection, sampler=[0, 1, 2])
+
+
+class _Seen(pl.LightningModule):
+    """Records the rows and labels of every training batch and the rows of validation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(N_VARS, 1)
+        self.train_rows: list[np.ndarray] = []
+        self.train_labels: list[np.ndarray] = []
+        self.val_rows: list[np.ndarray] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.train_rows.append(batch["index"].numpy().copy())
+        self.train_labels.append(batch["y"].numpy().copy())
+        return self.layer(batch["x"]).pow(2).mean()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            self.val_rows.append(batch["index"][batch["mask"]].numpy().copy())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _datamodule(h5ad: Path, store: Path, num_workers: int) -> AnnBatchDataModule:
+    return AnnBatchDataModule(
+        [h5ad], store, selector={"x": A.X, "y": A.obs["cell_type"]}, batch_size=250,
+        chunk_size=100, preload_nchunks=4, num_workers=num_workers, val_fraction=0.2, seed=3,
+        densify=True, dataset_kwargs={"return_index": True},
+        sampler=ClassBalancedSampler("cell_type", num_samples=16_000))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_datamodule_trains_class_balanced_on_the_training_split_only(
+        imbalanced_h5ad: Path, tmp_path: Path, num_workers: int) -> None:
+    dm = _datamodule(imbalanced_h5ad, tmp_path / "store", num_workers)
+    model = _Seen()
+    pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(model, datamodule=dm)
+    assert dm.val_chunks is not None
+    starts = dm.val_chunks * dm.chunk_size
+    val = set(sampling.global_rows(np.stack([starts, np.minimum(starts + dm.chunk_size,
+                                                                  N_OBS)], axis=1)).tolist())
+    train = np.concatenate(model.train_rows)
+    assert len(train) == 16_000
+    assert not set(train.tolist()) & val  # held-out rows never come up in training
+    share = np.bincount(np.concatenate(model.train_labels), minlength=N_CLASSES) / len(train)
+    np.testing.assert_allclose(share, 1 / N_CLASSES, rtol=0.15)
+    seen_val = np.concatenate(model.val_rows)  # validation: unweighted, each row once
+    assert sorted(seen_val.tolist()) == sorted(val)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_datamodules_sampled_epoch_resumes_mid_epoch(imbalanced_h5ad: Path,
+                                                         tmp_path: Path, num_workers: int
+                                                         ) -> None:
+    store = tmp_path / "store"
+
+    def loader_of(dm: AnnBatchDataModule) -> Any:
+        dm.prepare_data()
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    full = [b["index"].numpy().copy() for b in loader_of(_datamodule(imbalanced_h5ad, store,
+                                                                     num_workers))]
+    dm = _datamodule(imbalanced_h5ad, store, num_workers)
+    loader = loader_of(dm)
+    it = iter(loader)
+    head = [next(it)["index"].numpy().copy() for _ in range(len(full) // 2)]
+    state = dm.state_dict()
+    loader_state = loader.state_dict()
+    del it, loader
+    dm2 = _datamodule(imbalanced_h5ad, store, num_workers)
+    dm2.load_state_dict(state)
+    resumed = loader_of(dm2)
+    resumed.load_state_dict(loader_state)
+    tail = [b["index"].numpy().copy() for b in resumed]
+    assert len(head) + len(tail) == len(full)
+    for a, b in zip(head + tail, full):
+        np.testing.assert_array_equal(a, b)

@@ -100,17 +100,26 @@ class Sampler:
 
     _n_obs: int | None = None
     _epoch_cache: tuple[tuple[int, int], np.ndarray] | None = None
+    #: the rows the sampler may draw (sorted), ``None``: all (see :meth:`bind`)
+    allowed: np.ndarray | None = None
 
     # -- binding ---------------------------------------------------------------------
-    def bind(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> Sampler:
+    def bind(self, n_obs: int, columns: Mapping[str, ObsColumn],
+             rows: np.ndarray | None = None) -> Sampler:
         """A copy of this sampler bound to a source of ``n_obs`` rows (this one is left as
-        it is, so one sampler can serve several datasets)."""
+        it is, so one sampler can serve several datasets).
+
+        ``rows``: draw from these rows only (a training split; :attr:`allowed`). The
+        built-in samplers then treat every other row as weight 0 (a subset keeps its rows
+        among them); a stream of your own that holds another row is refused.
+        """
         missing = [c for c in self.columns if c not in columns]
         if missing:
             raise SamplerError(f"{self!r}: bind() got no obs column {missing}.")
         bound = copy.copy(self)
         bound._n_obs = int(n_obs)
         bound._epoch_cache = None
+        bound.allowed = None if rows is None else np.unique(np.asarray(rows, dtype=np.int64))
         bound.prepare(int(n_obs), {c: columns[c] for c in self.columns})
         n = len(bound)
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
@@ -119,6 +128,24 @@ class Sampler:
 
     def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
         """Check the sampler against a source and build its tables (on the bound copy)."""
+
+    @property
+    def is_bound(self) -> bool:
+        """Whether :meth:`bind` made this copy."""
+        return self._n_obs is not None
+
+    @property
+    def n_allowed(self) -> int:
+        """Rows the sampler may draw: :attr:`allowed`'s, else all of the source's."""
+        return self.n_obs if self.allowed is None else len(self.allowed)
+
+    def _restricted_codes(self, codes: np.ndarray) -> np.ndarray:
+        """``codes`` with every row outside :attr:`allowed` set to ``-1`` (never drawn)."""
+        if self.allowed is None:
+            return np.asarray(codes)
+        out = np.full(len(codes), -1, dtype=np.asarray(codes).dtype)
+        out[self.allowed] = np.asarray(codes)[self.allowed]
+        return out
 
     @property
     def n_obs(self) -> int:
@@ -158,6 +185,12 @@ class Sampler:
             bad = int(arr[(arr < 0) | (arr >= self.n_obs)][0])
             raise SamplerError(f"{self!r}: epoch_rows returned row {bad}, outside "
                                f"[0, {self.n_obs}) (the source's rows).")
+        if self.allowed is not None:
+            out = ~np.isin(arr, self.allowed)
+            if out.any():
+                raise SamplerError(f"{self!r}: epoch_rows returned row {int(arr[out][0])}, "
+                                   "which is not among the rows it may draw (the training "
+                                   "split); draw from self.allowed.")
         return arr.astype(np.int64, copy=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -321,6 +354,12 @@ class WeightedSampler(_BlockSampler):
                 raise SamplerError(f"WeightedSampler weights hold {len(self.weights)} numbers "
                                    f"but the source has {n_obs} rows: give one weight per row.")
             row_w = self.weights
+            if self.allowed is not None:
+                row_w = np.zeros(n_obs)
+                row_w[self.allowed] = self.weights[self.allowed]
+                if not row_w.any():
+                    raise SamplerError("WeightedSampler weights are 0 on every row it may "
+                                       "draw (the training split); give some of them weight.")
         else:
             col = columns[self.column]
             cats = list(col.categories)
@@ -340,18 +379,18 @@ class WeightedSampler(_BlockSampler):
                     "default=<weight> for the categories not listed.")
             class_w = np.array([self.category_weights.get(c, self.default) for c in cats],
                                dtype=np.float64)
-            self._table = _ClassTable(col.codes, len(cats))
+            codes = self._restricted_codes(col.codes)
+            self._table = _ClassTable(codes, len(cats))
             mass = class_w * self._table.counts
             if not mass.any():
                 raise SamplerError(
                     f"WeightedSampler.from_column({self.column!r}): every row of obs column "
                     f"{self.column!r} has weight 0 (or a missing value); give a category "
                     "with rows a positive weight.")
-            codes = np.asarray(col.codes)
             row_w = np.where(codes >= 0, class_w[np.maximum(codes, 0)], 0.0) if (
                 not self.replacement) else None
             self._class_cdf = _cdf(mass)
-        self._len = n_obs if self.num_samples is None else self.num_samples
+        self._len = self.n_allowed if self.num_samples is None else self.num_samples
         if not self.replacement:
             assert row_w is not None
             n_pos = int(np.count_nonzero(row_w))
@@ -417,7 +456,7 @@ class ClassBalancedSampler(_BlockSampler):
 
     def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
         col = columns[self.column]
-        self._table = _ClassTable(col.codes, len(col.categories))
+        self._table = _ClassTable(self._restricted_codes(col.codes), len(col.categories))
         present = self._table.counts > 0
         if not present.any():
             raise SamplerError(f"ClassBalancedSampler({self.column!r}): obs column "
@@ -425,7 +464,7 @@ class ClassBalancedSampler(_BlockSampler):
                                "with labelled rows.")
         self._class_cdf = _cdf(present.astype(np.float64))
         self.n_classes = int(present.sum())
-        self._len = n_obs if self.num_samples is None else self.num_samples
+        self._len = self.n_allowed if self.num_samples is None else self.num_samples
 
     def __len__(self) -> int:
         return self._len
@@ -471,6 +510,11 @@ class SubsetSampler(Sampler):
         if bad.any():
             raise SamplerError(f"SubsetSampler rows hold row {int(self.subset[bad][0])}, "
                                f"outside [0, {n_obs}) (the source's rows).")
+        if self.allowed is not None:  # the subset's rows in the training split
+            self.subset = self.subset[np.isin(self.subset, self.allowed)]
+            if not len(self.subset):
+                raise SamplerError("SubsetSampler: none of its rows is in the training split; "
+                                   "choose rows of it (or no validation split).")
 
     def __len__(self) -> int:
         return len(self.subset)

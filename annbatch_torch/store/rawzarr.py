@@ -323,26 +323,45 @@ class RawZarrArray:
         flat = out.reshape(-1).view(np.uint8)
         views = [flat[d : d + n] for d, n in zip(d_b.tolist(), (hi_b - lo_b).tolist())]
         chunk_at = [*np.flatnonzero(new_chunk).tolist(), len(chunk)]
-        stretch_at = np.flatnonzero(new_stretch)
+        stretch_at = [*np.flatnonzero(new_stretch).tolist(), len(chunk)]
+        lo_l, hi_l, chunks = lo_b.tolist(), hi_b.tolist(), chunk.tolist()
         crcs: dict[int, int] = {}
         files = _Files()
+        fast = _fast_flags()  # preadv flags of a read that must not wait (None: gated reads)
+        k = 0  # the next stretch
         try:
             for i0, i1 in itertools.pairwise(chunk_at):
-                c = int(chunk[i0])
+                c = chunks[i0]
+                while stretch_at[k] < i0:
+                    k += 1
                 known = self._verified.get(c) if self.per_shard else None
                 if self.crc and (known is None or known[1] != below):
-                    crc = self._verify_chunk(c, lo_b[i0:i1].tolist(), views[i0:i1], below)
+                    crc = self._verify_chunk(c, lo_l[i0:i1], views[i0:i1], below)
                 elif (where := self._locate(c)) is None:  # absent: fill value (or error)
                     crc = self._read_chunk_segments(c, 0, 0, views[i0:i1], below)
                 else:
                     path, base, _ = where
                     fd = files.open(path)
-                    j = np.searchsorted(stretch_at, [i0, i1]).tolist()
-                    bounds = [*stretch_at[j[0] : j[1]].tolist(), i1]
-                    for s0, s1 in itertools.pairwise(bounds):
-                        want = int(hi_b[s1 - 1] - lo_b[s0])
-                        if _preadv_full(fd, views[s0:s1], base + int(lo_b[s0]), want) != want:
-                            raise ChunkError(f"{path}: chunk file is truncated")
+                    while stretch_at[k] < i1:
+                        s0, s1 = stretch_at[k], stretch_at[k + 1]
+                        k += 1
+                        off, want = base + lo_l[s0], hi_l[s1 - 1] - lo_l[s0]
+                        bufs = views[s0:s1]
+                        got = 0
+                        if fast is not None and len(bufs) <= _IOV_MAX:
+                            try:
+                                got = os.preadv(fd, bufs, off, fast)
+                            except BlockingIOError:
+                                got = 0
+                            except OSError:  # the flag refused here: gated reads note it
+                                got = 0
+                        if got < want:
+                            rest = _split(bufs, got)[1]
+                            got += _preadv_full(fd, rest, off + got, want - got)
+                            if got != want:
+                                raise ChunkError(f"{path}: chunk file is truncated")
+                        else:
+                            _count_warm()
                     crc = None if known is None else known[0]
                 if crc is not None:
                     crcs[c] = crc
@@ -600,6 +619,24 @@ def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tupl
         return _preadv_all(fd, bufs, offset), time.perf_counter() - t0
     finally:
         slot.acquire()
+
+
+def _fast_flags() -> int | None:
+    """``preadv`` flags for a first try that copies only what is in the page cache
+    (``RWF_NOWAIT`` under :func:`io_gate`, ``0`` without a gate), ``None`` where that try
+    is not possible (no ``RWF_NOWAIT``, or refused by the file system)."""
+    if _GATE.slot is None:
+        return 0
+    if _NOWAIT is None or _NOWAIT_REFUSED[0]:
+        return None
+    return _NOWAIT
+
+
+def _count_warm() -> None:
+    """Count a read copied from the page cache (what :func:`_preadv_full` would note)."""
+    slot = _GATE.slot
+    if slot is not None:
+        slot.note(False)
 
 
 def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,
