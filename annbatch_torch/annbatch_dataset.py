@@ -24,6 +24,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 from torch.utils.data import IterableDataset
+from torch.utils.data import Sampler as TorchSampler
 
 from . import sampling
 from .convert import batch_dict_converter
@@ -41,6 +42,7 @@ from .sampling import ObsColumn, Sampler
 from .store.collection import Source
 from .store.inplace import as_source
 from .store.manifest import RAW_X
+from .torch_sampler import TorchIndexSampler
 from .world import SharedEpoch, World, distributed_rank_world
 
 __all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS", "bind_sampler"]
@@ -83,10 +85,13 @@ def _int_array(name: str, values: Any) -> np.ndarray:
 def bind_sampler(source: Source, sampler: Any, rows: np.ndarray | None = None) -> Sampler:
     """``sampler`` bound to ``source`` with the obs columns it asked for (read as global
     codes), drawing from ``rows`` only when given (a training split)."""
+    if isinstance(sampler, TorchSampler) and not isinstance(sampler, Sampler):
+        sampler = TorchIndexSampler(sampler)  # its indices as the stream
     if not isinstance(sampler, Sampler):
         raise TypeError(
             "sampler must be an annbatch_torch Sampler (WeightedSampler, ClassBalancedSampler, "
-            f"SubsetSampler or a subclass of Sampler), got {type(sampler).__name__}.")
+            "SubsetSampler or a subclass of Sampler) or a torch.utils.data.Sampler of row "
+            f"indices, got {type(sampler).__name__}.")
     columns = {}
     for name in sampler.columns:
         try:
@@ -176,12 +181,15 @@ class AnnBatchDataset(IterableDataset):
     sampler
         Sampling mode: a :class:`~annbatch_torch.Sampler` (``WeightedSampler``,
         ``ClassBalancedSampler``, ``SubsetSampler`` or your own) chooses the rows of each
-        epoch, a stream of row ids seeded by ``(seed, epoch)``. The stream is cut into
-        batches, dealt to ranks (equal counts, ``even_batches``) and workers, and each
-        pool (``chunk_size * preload_nchunks`` sampled rows, rounded down to whole
-        batches) is read by random access. ``shuffle=False`` then keeps the stream's
-        batch order with DataLoader workers. Default ``None``: chunked mode. Cannot be
-        combined with ``chunk_ids`` (give the rows to a ``SubsetSampler``).
+        epoch, a stream of row ids seeded by ``(seed, epoch)``; a plain
+        ``torch.utils.data.Sampler`` of row indices works too
+        (:mod:`~annbatch_torch.torch_sampler`: iterated with torch's generator seeded by
+        ``(seed, epoch)``, refused if it gives other indices when iterated again). The
+        stream is cut into batches, dealt to ranks (equal counts, ``even_batches``) and
+        workers, and each pool (``chunk_size * preload_nchunks`` sampled rows, rounded
+        down to whole batches) is read by random access. ``shuffle=False`` then keeps the
+        stream's batch order with DataLoader workers. Default ``None``: chunked mode.
+        Cannot be combined with ``chunk_ids`` (give the rows to a ``SubsetSampler``).
     """
 
     def __init__(
@@ -207,7 +215,7 @@ class AnnBatchDataset(IterableDataset):
         prefetch: bool | None = None,
         device: str | torch.device | None = None,
         var_names: Sequence[str] | None = None,
-        sampler: Sampler | None = None,
+        sampler: Sampler | TorchSampler | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = _check_int("batch_size", batch_size, 1)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.utils.data import Sampler as TorchSampler
 
 try:
     import lightning.pytorch as pl
@@ -149,13 +150,14 @@ class AnnBatchDataModule(pl.LightningDataModule):
         collection_kwargs: Mapping[str, Any] | None = None,
         dataloader_kwargs: Mapping[str, Any] | None = None,
         dataset_kwargs: Mapping[str, Any] | None = None,
-        sampler: Sampler | None = None,
+        sampler: Sampler | TorchSampler | None = None,
     ) -> None:
         super().__init__()
-        if sampler is not None and not isinstance(sampler, Sampler):
+        if sampler is not None and not isinstance(sampler, Sampler | TorchSampler):
             raise TypeError("sampler must be an annbatch_torch Sampler (WeightedSampler, "
-                            "ClassBalancedSampler, SubsetSampler or a subclass of Sampler), "
-                            f"got {type(sampler).__name__}.")
+                            "ClassBalancedSampler, SubsetSampler or a subclass of Sampler) or "
+                            "a torch.utils.data.Sampler of row indices, got "
+                            f"{type(sampler).__name__}.")
         if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not (
             0.0 <= float(val_fraction) < 1.0
         ):

@@ -49,6 +49,7 @@ FACE_MODULES = frozenset(
         "convert",
         "resume",
         "world",
+        "torch_sampler",
         "cli",
         "demo",
         "datasets",

@@ -287,3 +287,41 @@ def test_the_datamodules_sampled_epoch_resumes_mid_epoch(imbalanced_h5ad: Path,
     assert len(head) + len(tail) == len(full)
     for a, b in zip(head + tail, full):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_torch_sampler_of_indices_is_dealt_like_ours(imbalanced_collection: Collection
+                                                       ) -> None:
+    from torch.utils.data import WeightedRandomSampler
+
+    weights = torch.ones(N_OBS)
+    weights[:100] = 50.0  # the first rows come up far more often
+
+    def run(num_workers: int) -> list[np.ndarray]:
+        ds = AnnBatchDataset(imbalanced_collection, selector={"y": A.obs["cell_type"]},
+                             batch_size=200, chunk_size=200, preload_nchunks=2,
+                             return_index=True, seed=2,
+                             sampler=WeightedRandomSampler(weights, 3000))
+        ds.set_epoch(1)
+        return [b["index"].numpy() for b in AnnBatchDataLoader(ds, num_workers=num_workers)]
+
+    one, two = run(0), run(2)  # every process draws the same stream
+    assert sorted(map(tuple, one)) == sorted(map(tuple, two))
+    assert len(one) == 15
+    rows = np.concatenate(one)
+    assert (rows < 100).mean() > 0.3  # the weights are honoured (5000 / 10900 of the mass)
+
+
+def test_torch_samplers_that_cannot_be_dealt_are_refused(imbalanced_collection: Collection
+                                                         ) -> None:
+    from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
+
+    rows = range(N_OBS)
+    with pytest.raises(SamplerError, match="gives other indices each time it is iterated"):
+        AnnBatchDataset(imbalanced_collection,
+                        sampler=RandomSampler(rows, generator=torch.Generator()))
+    with pytest.raises(SamplerError, match="the dataset deals batches to ranks itself"):
+        AnnBatchDataset(imbalanced_collection,
+                        sampler=DistributedSampler(rows, num_replicas=2, rank=0))
+    with pytest.raises(SamplerError, match="yields lists, not row indices"):
+        AnnBatchDataset(imbalanced_collection,
+                        sampler=BatchSampler(RandomSampler(rows), 10, drop_last=False))

@@ -1,0 +1,78 @@
+"""A plain ``torch.utils.data.Sampler`` of row indices as a sampling-mode sampler.
+
+``AnnBatchDataset(..., sampler=WeightedRandomSampler(weights, n))`` works: the torch
+sampler's indices become the epoch's stream, and the dataset deals it to ranks and workers
+as it deals its own samplers' (equal batch counts, each batch once). What makes that safe
+under DDP and DataLoader workers is that every process must compute the same stream: the
+sampler is iterated with torch's global generator seeded by ``(seed, epoch)`` (in a forked
+RNG state, so the caller's is untouched) and ``set_epoch(epoch)`` first when it has one.
+That covers torch's own samplers without a ``generator`` of their own
+(``RandomSampler``, ``WeightedRandomSampler``, ``SubsetRandomSampler``,
+``SequentialSampler``); one that draws from its own generator, or from anything else
+that differs between processes, gives other rows when iterated again and is refused at
+construction. A ``DistributedSampler`` is refused too: the dataset deals rows to ranks
+itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+from torch.utils.data import Sampler as TorchSampler
+
+from .errors import SamplerError
+from .sampling import ObsColumn, Sampler
+
+__all__ = ["TorchIndexSampler"]
+
+_TAG = 0x54524348  # "TRCH": torch's generator is seeded by (seed, epoch, _TAG)
+
+
+class TorchIndexSampler(Sampler):
+    """``sampler``'s indices as the epoch's stream (see the module docstring)."""
+
+    def __init__(self, sampler: TorchSampler) -> None:
+        if isinstance(sampler, DistributedSampler):
+            raise SamplerError(
+                "sampler: a DistributedSampler gives each rank its own share, but the dataset "
+                "deals batches to ranks itself; pass the sampler it wraps (or a plain torch "
+                "sampler) and every rank gets an equal share of its indices.")
+        self.sampler = sampler
+
+    def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
+        first = self._draw(0, 0)
+        if not np.array_equal(first, self._draw(0, 0)):
+            raise SamplerError(
+                f"sampler {self.sampler!r} gives other indices each time it is iterated with "
+                "the same seed, so DataLoader workers and ranks would disagree on the epoch "
+                "(it draws from a generator of its own?). Construct it without generator=, "
+                "or use abt.WeightedSampler / ClassBalancedSampler / SubsetSampler.")
+        self._len = len(first)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _draw(self, seed: int, epoch: int) -> np.ndarray:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(np.random.SeedSequence([seed, epoch, _TAG])
+                                  .generate_state(1, np.uint64)[0]) & (2**63 - 1))
+            rows = list(self.sampler)
+        bad = next((i for i in rows if not isinstance(i, int | np.integer)
+                    and not (isinstance(i, torch.Tensor) and i.ndim == 0)), None)
+        if bad is not None:
+            raise SamplerError(f"sampler {self.sampler!r} yields {type(bad).__name__}s, not "
+                               "row indices (a batch sampler?); pass a sampler of indices: "
+                               "the dataset makes the batches.")
+        return np.asarray([int(i) for i in rows], dtype=np.int64)
+
+    def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
+        return self._draw(seed, epoch)
+
+    def __repr__(self) -> str:
+        return f"TorchIndexSampler({self.sampler!r})"
