@@ -25,7 +25,7 @@ def run_example(name: str, *args: str, timeout: int = 300) -> str:
 
 def test_every_example_is_tested() -> None:
     tested = {"plain_dataloader.py", "train_classifier.py", "selectors_and_transforms.py",
-              "lightning_ddp.py"}
+              "lightning_ddp.py", "class_balanced.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -47,6 +47,17 @@ def test_train_classifier_beats_chance_by_far() -> None:
     speeds = re.findall(r"cells/s: ([0-9,]+)", out)
     assert len(speeds) == 3
     assert all(int(s.replace(",", "")) > 0 for s in speeds)
+
+
+def test_class_balanced_training_learns_the_rare_types() -> None:
+    out = run_example("class_balanced.py")
+    m = re.search(r"smallest type ([0-9.]+)%", out)
+    assert m, out
+    assert float(m.group(1)) < 1.0
+    acc = dict(re.findall(r"^(each row once|class-balanced): balanced accuracy ([0-9.]+)", out,
+                          re.M))
+    assert set(acc) == {"each row once", "class-balanced"}, out
+    assert float(acc["class-balanced"]) > float(acc["each row once"]) + 0.05, out
 
 
 def test_selectors_and_transforms() -> None:
