@@ -34,6 +34,8 @@ _TAG = 0x54524348  # "TRCH": torch's generator is seeded by (seed, epoch, _TAG)
 class TorchIndexSampler(Sampler):
     """``sampler``'s indices as the epoch's stream (see the module docstring)."""
 
+    _pure = True  # checked by prepare() itself
+
     def __init__(self, sampler: TorchSampler) -> None:
         if isinstance(sampler, DistributedSampler):
             raise SamplerError(
@@ -50,6 +52,15 @@ class TorchIndexSampler(Sampler):
                 "the same seed, so DataLoader workers and ranks would disagree on the epoch "
                 "(it draws from a generator of its own?). Construct it without generator=, "
                 "or use abt.WeightedSampler / ClassBalancedSampler / SubsetSampler.")
+        allowed = self.allowed
+        if allowed is not None and len(first):
+            out = ~np.isin(first, allowed)
+            if out.any():
+                raise SamplerError(
+                    f"sampler {self.sampler!r} draws row {int(first[out][0])}, which is held "
+                    "out (with val_fraction, the DataModule trains on the training split's "
+                    "rows only): use abt.WeightedSampler, ClassBalancedSampler or "
+                    "SubsetSampler, which keep to the training split, or val_fraction=0.")
         self._len = len(first)
 
     def __len__(self) -> int:
@@ -62,14 +73,13 @@ class TorchIndexSampler(Sampler):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(np.random.SeedSequence([seed, epoch, _TAG])
                                   .generate_state(1, np.uint64)[0]) & (2**63 - 1))
-            rows = list(self.sampler)
-        bad = next((i for i in rows if not isinstance(i, int | np.integer)
-                    and not (isinstance(i, torch.Tensor) and i.ndim == 0)), None)
-        if bad is not None:
-            raise SamplerError(f"sampler {self.sampler!r} yields {type(bad).__name__}s, not "
-                               "row indices (a batch sampler?); pass a sampler of indices: "
-                               "the dataset makes the batches.")
-        return np.asarray([int(i) for i in rows], dtype=np.int64)
+            try:
+                return np.fromiter(self.sampler, dtype=np.int64)
+            except (TypeError, ValueError):
+                first = next(iter(self.sampler), None)
+        raise SamplerError(f"sampler {self.sampler!r} yields {type(first).__name__}s, not row "
+                           "indices (a batch sampler?); pass a sampler of indices: the dataset "
+                           "makes the batches.")
 
     def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
         return self._draw(seed, epoch)

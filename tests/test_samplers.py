@@ -213,7 +213,7 @@ def test_without_replacement_draws_each_row_at_most_once_by_weight() -> None:
     (lambda: WeightedSampler([1.0], num_samples=0), "num_samples must be an integer >= 1"),
     (lambda: WeightedSampler([1.0], replacement="no"), "replacement must be True or False"),
     (lambda: WeightedSampler.from_column("ct", {}), "non-empty mapping"),
-    (lambda: WeightedSampler.from_column("ct", {"a": -2.0}), "finite and >= 0"),
+    (lambda: WeightedSampler.from_column("ct", {"a": -2.0}), "category 'a' must be a finite"),
     (lambda: ClassBalancedSampler(""), "obs column name"),
     (lambda: ClassBalancedSampler("ct", num_samples=-3), "num_samples"),
     (lambda: SubsetSampler([1, 2, 2]), "row 2 2 times"),
@@ -312,3 +312,59 @@ def test_a_sampler_bound_to_some_rows_draws_from_them_only() -> None:
     w[1] = 1.0
     with pytest.raises(SamplerError, match="weights are 0 on every row it may draw"):
         WeightedSampler(w).bind(1000, {}, rows=rows)
+
+
+def test_huge_and_tiny_weights_draw_by_weight() -> None:
+    big = WeightedSampler(np.full(100, 1e308), num_samples=5000).bind(100, {})
+    assert len(np.unique(big.rows(0, 0, 0, 5000))) > 90  # not one row (an inf total)
+    w = np.zeros(1000)
+    w[:5] = 1e-310  # subnormal: log(u) / w would overflow to -inf, like the zero weights
+    rows = WeightedSampler(w, num_samples=5, replacement=False).bind(1000, {}).rows(0, 0, 0, 5)
+    assert sorted(rows.tolist()) == [0, 1, 2, 3, 4]
+
+
+def test_a_users_sampler_that_is_not_a_function_of_seed_and_epoch_is_refused() -> None:
+    class Unseeded(Sampler):
+        def __len__(self) -> int:
+            return 50
+
+        def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
+            return np.random.permutation(50)  # noqa: NPY002 - unseeded on purpose
+
+    with pytest.raises(SamplerError, match="gives other rows when asked twice"):
+        Unseeded().bind(50, {})
+
+
+def test_a_users_rows_override_is_held_to_the_training_split() -> None:
+    class Everything(Sampler):
+        def __len__(self) -> int:
+            return 10
+
+        def rows(self, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+            return np.arange(start, stop)
+
+    bound = Everything().bind(10, {}, rows=np.arange(5))
+    with pytest.raises(SamplerError, match="row 5, which is not among the rows it may draw"):
+        sampling.sample_rank_items(bound, 10, 10, seed=0, epoch=0)[0]
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: WeightedSampler.from_column("ct", {"a": -1.0}),
+     "the weight of category 'a' must be a finite number >= 0"),
+    (lambda: WeightedSampler.from_column("ct", {"a": 1.0}, default=float("nan")),
+     "default must be a finite number >= 0"),
+])
+def test_bad_category_weights_are_named(make, match: str) -> None:
+    with pytest.raises(SamplerError, match=match):
+        make()
+
+
+def test_columns_given_as_a_string_is_refused() -> None:
+    class OneColumn(Sampler):
+        columns = "cell_type"  # type: ignore[assignment]
+
+        def __len__(self) -> int:
+            return 1
+
+    with pytest.raises(SamplerError, match=r"write \('cell_type',\), not 'cell_type'"):
+        OneColumn().bind(3, {})

@@ -325,3 +325,15 @@ def test_torch_samplers_that_cannot_be_dealt_are_refused(imbalanced_collection: 
     with pytest.raises(SamplerError, match="yields lists, not row indices"):
         AnnBatchDataset(imbalanced_collection,
                         sampler=BatchSampler(RandomSampler(rows), 10, drop_last=False))
+
+
+def test_a_torch_sampler_that_draws_held_out_rows_is_refused_at_setup(
+        imbalanced_h5ad: Path, tmp_path: Path) -> None:
+    from torch.utils.data import WeightedRandomSampler
+
+    dm = AnnBatchDataModule([imbalanced_h5ad], tmp_path / "store", batch_size=100,
+                            chunk_size=100, val_fraction=0.2,
+                            sampler=WeightedRandomSampler(torch.ones(N_OBS), 1000))
+    dm.prepare_data()
+    with pytest.raises(SamplerError, match=r"which is held out .* use abt\.WeightedSampler"):
+        dm.setup("fit")

@@ -705,9 +705,10 @@ def test_read_runs_of_disjoint_runs_matches_numpy_reference(case: dict[str, Any]
     with tempfile.TemporaryDirectory() as tmp:
         raw = write_raw(Path(tmp) / "a", src, case["chunk"], case["crc"],
                         per_shard=case["per_shard"])
-        for _ in range(2):
+        for trust in (False, True, True):
             out = np.full(case["out_len"], sentinel(dtype), dtype=dtype)
-            raw.read_runs(case["starts"], 0, case["dests"], out, ends=case["ends"])
+            raw.read_runs(case["starts"], 0, case["dests"], out, ends=case["ends"],
+                          trust_verified=trust)
             np.testing.assert_array_equal(out, ref)
         if case["crc"] and case["per_shard"] and len(case["starts"]):
             assert raw._verified  # sharded chunks are remembered as verified
@@ -731,19 +732,21 @@ def test_damage_between_the_runs_of_a_first_read_is_caught(tmp_path: Path) -> No
     _flip_in_shard(raw, 0, 4 * 10)  # element 10: between the runs asked for
     out = np.zeros(4, dtype=np.int32)
     with pytest.raises(ChunkError, match="checksum mismatch"):
-        raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, ends=np.array([3, 17]))
+        raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, ends=np.array([3, 17]),
+                      trust_verified=True)
 
 
 def test_a_shard_file_rewritten_after_its_chunks_were_verified_is_verified_again(
         tmp_path: Path) -> None:
     raw, src = _sharded(tmp_path)
     out = np.zeros(4, dtype=np.int32)
-    raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, ends=np.array([3, 17]))
+    kw = {"ends": np.array([3, 17]), "trust_verified": True}
+    raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, **kw)
     np.testing.assert_array_equal(out, src[[1, 2, 15, 16]])
     assert 0 in raw._verified
     _flip_in_shard(raw, 0, 4 * 10)  # same process, same open array: the file changed
     with pytest.raises(ChunkError, match="checksum mismatch"):
-        raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, ends=np.array([3, 17]))
+        raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, **kw)
 
 
 def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
@@ -752,7 +755,8 @@ def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
     raw, src = _sharded(tmp_path)
     starts, ends = np.array([1, 15, 45]), np.array([3, 17, 46])
     out = np.zeros(5, dtype=np.int32)
-    raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends)  # verifies chunks 0, 2
+    got = raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends, trust_verified=True)
+    assert sorted(got) == [0, 2]  # chunks 0 and 2 read whole and verified: their CRCs
     sizes: list[int] = []
     real = os.preadv
 
@@ -762,9 +766,13 @@ def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
 
     monkeypatch.setattr(os, "preadv", counting)
     out[:] = 0
-    raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends)
+    got = raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends, trust_verified=True)
     np.testing.assert_array_equal(out, src[[1, 2, 15, 16, 45]])
     assert sorted(sizes) == [4, 8, 8]  # the runs' bytes, no whole chunks
+    assert got is None  # read without their checksum: the caller must check the values
+    sizes.clear()
+    raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends)  # not trusted: whole again
+    assert sorted(sizes) == [84, 84]  # each chunk whole, with its 4-byte CRC
 
 
 @pytest.mark.parametrize("kind", SOURCE_KINDS)
@@ -782,8 +790,68 @@ def test_pool_read_of_many_drawn_rows_with_repeats(
             uniq, order = np.unique(drawn, return_inverse=True)
             assert len(uniq) >= GATHER_PIECES
             ranges = np.stack([uniq, uniq + 1], axis=1)
-            got = reader.read(ranges, order)
+            got = reader.read(ranges, order, random_access=True)
             for f in FIELDS:
                 assert_same(got[f], full[f][drawn], f)
     finally:
         reader.close()
+
+
+def _damage_keeping_identity(raw: RawZarrArray, c: int, element: int, value: int) -> None:
+    """Set element ``element`` of inner chunk ``c`` to ``value`` in place (its CRC now
+    wrong), with the shard file's inode, size and mtime as they were: what silent damage on
+    the medium looks like to a reader that verified the chunk before."""
+    path, base, _ = raw._locate(c)
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(base + element * raw.dtype.itemsize)
+        f.write(np.array([value], dtype=raw.dtype).tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+@pytest.fixture
+def sharded_store(synthetic_h5ads: list[Path], tmp_path: Path) -> Path:
+    """A small raw collection in zarr v3 shard files of several inner chunks each."""
+    store = tmp_path / "store"
+    create_anndata_collection(synthetic_h5ads, store, seed=1, n_obs_per_shard=900,
+                              zarr_chunk_elems=1 << 12, zarr_shard_elems=1 << 14,
+                              progress=False)
+    return store
+
+
+@pytest.mark.parametrize("densify", [False, True])
+def test_damage_after_verification_never_becomes_an_out_of_range_index(
+        sharded_store: Path, densify: bool) -> None:
+    """Drawn rows of a chunk verified before are read without its checksum, but their
+    column indices are still checked: a damaged index is a ReadError (not a crash, not a
+    value written into another row)."""
+    import annbatch_torch as abt
+
+    coll = open_collection(sharded_store)
+    n = coll.n_obs
+    ds = AnnBatchDataset(coll, batch_size=64, chunk_size=64, preload_nchunks=4,
+                         densify=densify, sampler=abt.SubsetSampler(np.arange(n)))
+    assert sum(len(b["X"]) for b in ds) == n  # every chunk verified in this process
+    indices = ds._stream.reader.source.element(0, "X").indices
+    assert indices._verified
+    _damage_keeping_identity(indices, 0, 5, 10**6)
+    ds.set_epoch(1)
+    with pytest.raises(ReadError, match=r"column index 1000000 outside \[0, 200\)"):
+        for _ in ds:
+            pass
+
+
+def test_chunked_pools_of_many_pieces_still_verify_every_chunk(sharded_store: Path) -> None:
+    """Chunked mode reads whole chunks and checks their CRC on every read, whatever the
+    number of pieces in a pool (here 135 chunks of 4 rows)."""
+    coll = open_collection(sharded_store)
+    ds = AnnBatchDataset(coll, batch_size=540, chunk_size=4, preload_nchunks=135)
+    for _ in ds:
+        pass
+    data = ds._stream.reader.source.element(0, "X").data
+    _damage_keeping_identity(data, 0, 3, 7)
+    ds.set_epoch(1)
+    with pytest.raises(ReadError, match="checksum mismatch"):
+        for _ in ds:
+            pass

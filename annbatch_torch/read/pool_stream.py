@@ -82,7 +82,7 @@ class PoolStream:
     def read(self, item: WorkItem, shared: bool = False) -> HostPool | DevicePool:
         """Read ``item``'s pool, laid out batch after batch in ``item.order``; ``shared``:
         host batches are densified into shared memory (in DataLoader workers)."""
-        values = self.reader.read(item.ranges, item.order)
+        values = self.reader.read(item.ranges, item.order, random_access=item.random_access)
         if self.genes:  # cut before any upload: only the selected genes travel
             values = {p: (self.genes[p].cut(v) if p in self.genes else v)
                       for p, v in values.items()}

@@ -277,7 +277,8 @@ class PoolReader:
             el = el.as_csr_element()
         return el
 
-    def read(self, ranges: np.ndarray, order: np.ndarray | None = None) -> dict[str, Any]:
+    def read(self, ranges: np.ndarray, order: np.ndarray | None = None, *,
+             random_access: bool = False) -> dict[str, Any]:
         """Read ``ranges`` for every field.
 
         Parameters
@@ -291,6 +292,12 @@ class PoolReader:
             a row twice; each row is read once). CSR fields of raw stores are read straight
             into their places (no gather afterwards; a repeated row is copied within the
             pool); other fields are gathered after reading.
+        random_access
+            The rows were drawn by a sampler: many small ranges across the source. CSR
+            fields of raw stores are read in a few gather calls per shard, reading each
+            inner chunk whole (and verifying it) only the first time this process touches
+            it (``RawZarrArray.read_runs``'s ``trust_verified``; column indices are checked
+            on every pool then); other fields by covering reads.
         """
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
@@ -320,10 +327,11 @@ class PoolReader:
             if els and isinstance(els[0], CSRElement):
                 scatter = order is not None and all(el.can_scatter for el in by_shard.values())
                 jobs[field], job_els[field] = self._submit_csr(
-                    ex, field, pieces, els, csr_buffers, order if scatter else None)
+                    ex, field, pieces, els, csr_buffers, order if scatter else None,
+                    random_access)
                 if order is not None and not scatter:
                     permute_after.add(field)
-            elif len(pieces) >= GATHER_PIECES:  # many small pieces: covering reads
+            elif random_access and len(pieces) >= GATHER_PIECES:  # covering reads
                 covered.add(field)
                 jobs[field] = [
                     (pieces[a], ex.submit(self._gated, self._read_cover, els[a], pieces[a:b]))
@@ -381,11 +389,12 @@ class PoolReader:
         els: list[Any],
         buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
         order: np.ndarray | None,
+        random_access: bool = False,
     ) -> tuple[list[tuple[Piece, Future[Any]]], list[Any]]:
         """Allocate the pool's data/indices once; every row is read into its final place
         (canonical order, or ``order`` when given). Returns the jobs and the element each
-        reads: one job per piece, or with many pieces (rows a sampler drew) a few per
-        shard that read all their rows at once (:meth:`CSRElement.read_rows_gather`)."""
+        reads: one job per piece, or for many pieces of drawn rows (``random_access``) a
+        few per shard that read all their rows at once (:meth:`CSRElement.read_rows_gather`)."""
         canon = _row_lengths(pieces, els)
         out_len = canon if order is None else canon[order]
         indptr = np.zeros(len(out_len) + 1, dtype=np.int64)
@@ -401,7 +410,7 @@ class PoolReader:
         # be well after the result is seen (a busy machine preempts it in between); handed
         # over in a list the task empties, the pool's buffers are not held by it past its
         # return, so a dropped pool's buffers are free for the next pool at once
-        if len(pieces) >= GATHER_PIECES and all(
+        if random_access and len(pieces) >= GATHER_PIECES and all(
                 el.can_scatter and hasattr(el, "read_rows_gather") for el in els):
             jobs, job_els = [], []
             # from the disk: many reads in flight; from the page cache: one call per shard
@@ -424,7 +433,7 @@ class PoolReader:
         destinations, taken out of the list as in :meth:`_read_csr_piece`)."""
         rows, data, indices, dests = arrays
         arrays.clear()
-        return el.read_rows_gather(rows, data, indices, dests)
+        return el.read_rows_gather(rows, data, indices, dests, trust_verified=True)
 
     @staticmethod
     def _read_csr_piece(el: CSRElement, p: Piece, arrays: list[np.ndarray]

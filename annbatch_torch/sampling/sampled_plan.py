@@ -32,6 +32,7 @@ class SampleRows:
     :class:`~annbatch_torch.sampling.worklist.PoolRows` of sampling mode)."""
 
     shuffled = False  # a pool's batches are runs of the stream, in stream order
+    random_access = True
 
     def __init__(self, sampler: Sampler, seed: int, epoch: int) -> None:
         self.sampler, self.seed, self.epoch = sampler, int(seed), int(epoch)
@@ -48,6 +49,14 @@ class SampleRows:
             raise SamplerError(f"{self.sampler!r}: rows({a}, {b}) holds a row outside "
                                f"[0, {n_obs}) (the source's rows).")
         uniq, inverse = np.unique(rows.astype(np.int64, copy=False), return_inverse=True)
+        allowed = self.sampler.allowed  # kept for samplers that do not apply it themselves
+        if allowed is not None and len(uniq):
+            at = np.minimum(np.searchsorted(allowed, uniq), len(allowed) - 1)
+            out = allowed[at] != uniq
+            if out.any():
+                raise SamplerError(f"{self.sampler!r}: rows({a}, {b}) holds row "
+                                   f"{int(uniq[out][0])}, which is not among the rows it may "
+                                   "draw (the training split); draw from self.allowed.")
         ranges = merge_ranges(np.stack([uniq, uniq + 1], axis=1))
         ranges.flags.writeable = False
         return ranges, inverse.reshape(-1).astype(np.int64, copy=False)

@@ -102,6 +102,10 @@ class Sampler:
     _epoch_cache: tuple[tuple[int, int], np.ndarray] | None = None
     #: the rows the sampler may draw (sorted), ``None``: all (see :meth:`bind`)
     allowed: np.ndarray | None = None
+    #: a stream known to be a function of (seed, epoch) only (not checked by bind)
+    _pure = False
+    #: prepare() builds ``allowed`` into the tables, so bind need not keep it
+    _drops_allowed = False
 
     # -- binding ---------------------------------------------------------------------
     def bind(self, n_obs: int, columns: Mapping[str, ObsColumn],
@@ -113,6 +117,10 @@ class Sampler:
         built-in samplers then treat every other row as weight 0 (a subset keeps its rows
         among them); a stream of your own that holds another row is refused.
         """
+        if isinstance(self.columns, str) or not all(isinstance(c, str) for c in self.columns):
+            raise SamplerError(f"{type(self).__name__}.columns must be a tuple of obs column "
+                               f"names, got {self.columns!r} (write ('cell_type',), not "
+                               "'cell_type').")
         missing = [c for c in self.columns if c not in columns]
         if missing:
             raise SamplerError(f"{self!r}: bind() got no obs column {missing}.")
@@ -124,6 +132,18 @@ class Sampler:
         n = len(bound)
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
             raise SamplerError(f"{self!r}: an epoch must hold at least one row, got {n!r}.")
+        if not bound._pure:  # a sampler of the user's: every process must draw the same
+            head = min(int(n), 4096)
+            first = np.array(bound.rows(0, 0, 0, head), copy=True)
+            bound._epoch_cache = None
+            if not np.array_equal(first, bound.rows(0, 0, 0, head)):
+                raise SamplerError(
+                    f"{self!r} gives other rows when asked twice for the same (seed, epoch), "
+                    "so DataLoader workers and ranks would disagree on the epoch: seed every "
+                    "generator from (seed, epoch), e.g. np.random.default_rng([seed, epoch]).")
+            bound._epoch_cache = None
+        elif bound._drops_allowed:
+            bound.allowed = None  # prepare() applied it to the tables
         return bound
 
     def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
@@ -205,6 +225,9 @@ class Sampler:
 class _BlockSampler(Sampler):
     """A sampler whose stream is drawn block by block (:data:`BLOCK` positions each)."""
 
+    _pure = True
+    _drops_allowed = True
+
     _blocks: dict[tuple[int, int, int], np.ndarray] | None = None
 
     def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -247,7 +270,7 @@ class _ClassTable:
         order = np.argsort(codes, kind="stable").astype(index)
         counts = np.bincount(codes[codes >= 0], minlength=n_classes)
         n_missing = int((codes < 0).sum())
-        self.rows = order[n_missing:]  # rows of class 0, then class 1, ...
+        self.rows = order[n_missing:].copy()  # rows of class 0, then class 1, ...
         self.counts = counts.astype(np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
 
@@ -261,7 +284,8 @@ class _ClassTable:
 
 def _cdf(weights: np.ndarray) -> np.ndarray:
     """Cumulative weights normalised to end at exactly 1.0."""
-    cdf = np.cumsum(weights, dtype=np.float64)
+    weights = np.asarray(weights, dtype=np.float64)
+    cdf = np.cumsum(weights / weights.max())  # scaled first: a sum of huge weights is finite
     return cdf / cdf[-1]
 
 
@@ -336,6 +360,13 @@ class WeightedSampler(_BlockSampler):
         if not isinstance(weights, Mapping) or not weights:
             raise SamplerError("weights must be a non-empty mapping {category: weight}, got "
                                f"{weights!r}.")
+        for cat, w in [*weights.items(), *([] if default is None else [("default", default)])]:
+            if isinstance(w, bool) or not isinstance(w, int | float | np.integer | np.floating
+                                                     ) or not np.isfinite(w) or w < 0:
+                what = "default" if cat == "default" and default is not None else (
+                    f"the weight of category {cat!r}")
+                raise SamplerError(f"WeightedSampler.from_column({column!r}): {what} must be "
+                                   f"a finite number >= 0, got {w!r}.")
         values = _check_weights(list(weights.values()) + ([] if default is None else [default]),
                                 "WeightedSampler.from_column weights")
         self = cls.__new__(cls)
@@ -419,10 +450,11 @@ class WeightedSampler(_BlockSampler):
 
     def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
         # without replacement: the num_samples largest keys u ** (1 / w), in decreasing
-        # order, are a draw of successive weighted sampling (Efraimidis and Spirakis 2006)
+        # order, are a draw of successive weighted sampling (Efraimidis and Spirakis 2006);
+        # ranked by log w - log(-log u) (the same order; finite for tiny w, -inf for w == 0)
         rng = np.random.default_rng([seed, epoch, 0, TAG_SAMPLE])
         with np.errstate(divide="ignore"):
-            keys = np.log(rng.random(len(self._row_w))) / self._row_w  # -inf where w == 0
+            keys = np.log(self._row_w) - np.log(-np.log(rng.random(len(self._row_w))))
         top = np.argpartition(-keys, self._len - 1)[: self._len]
         return top[np.argsort(-keys[top], kind="stable")].astype(np.int64)
 
@@ -487,6 +519,9 @@ class SubsetSampler(Sampler):
         A new order every epoch, seeded by ``(seed, epoch)`` (default). ``False``: the
         order given.
     """
+
+    _pure = True
+    _drops_allowed = True
 
     def __init__(self, rows: Sequence[int] | np.ndarray, *, shuffle: bool = True) -> None:
         arr = np.asarray(rows)

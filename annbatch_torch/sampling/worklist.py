@@ -61,6 +61,8 @@ class WorkItem:
     padding: bool = False
     order: np.ndarray | None = None
     batch_size: int = 0
+    #: rows drawn by a sampler (read by random access, not as chunks)
+    random_access: bool = False
 
     def bounds(self, batch: int) -> tuple[int, int]:
         """Positions ``[lo, hi)`` of batch ``batch`` in the pool laid out in ``order``."""
@@ -152,6 +154,8 @@ class PoolRows(Protocol):
     #: whether a pool's batches are not runs of the stream (:meth:`WorkList.per_batch`
     #: then refuses)
     shuffled: bool
+    #: whether pools are drawn rows (read by random access)
+    random_access: bool
 
     def pool(self, pool_index: int, a: int, b: int, batch_size: int
              ) -> tuple[np.ndarray, np.ndarray | None]: ...
@@ -165,6 +169,7 @@ class ChunkRows:
         self.stream, self.row_order = stream, row_order
         self.total = stream.total
         self.shuffled = row_order is not None and row_order.shuffle
+        self.random_access = False
 
     def pool(self, pool_index: int, a: int, b: int, batch_size: int
              ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -232,6 +237,7 @@ class WorkList(Sequence[WorkItem]):
             padding=p < 0,
             order=order,
             batch_size=self.batch_size,
+            random_access=self.source.random_access,
         )
 
     def __iter__(self) -> Iterator[WorkItem]:

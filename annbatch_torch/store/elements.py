@@ -189,19 +189,21 @@ class CSRElement(Element):
 
     def read_rows_gather(
         self, rows: np.ndarray, data_out: np.ndarray, indices_out: np.ndarray,
-        dests: np.ndarray,
+        dests: np.ndarray, trust_verified: bool = False,
     ) -> dict[int, int] | None:
         """Copy rows ``rows`` (ascending, distinct)' values and column indices to
         ``data_out[dests[i]:]`` and ``indices_out[dests[i]:]``: :meth:`read_rows_scatter`
-        for rows anywhere in the matrix (the rows a sampler drew), one call for all of
-        them. Needs :attr:`can_scatter`; returns the indices chunks' CRCs likewise."""
+        for rows anywhere in the matrix, one call for all of them. Needs
+        :attr:`can_scatter`; returns the indices chunks' CRCs likewise (those read and
+        verified whole). ``trust_verified``: see ``RawZarrArray.read_runs`` (rows a
+        sampler drew)."""
         rows = np.asarray(rows, dtype=np.int64)
         starts, ends = self.indptr[rows], self.indptr[rows + 1]
         crcs: dict[int, int] | None = None
         for src, out in ((self.data, data_out), (self.indices, indices_out)):
             is_indices = src is self.indices
             got = src.read_runs(starts, 0, dests, out, below=self.n_cols if is_indices else None,
-                                ends=ends)
+                                ends=ends, trust_verified=trust_verified)
             if is_indices and getattr(src, "crc", False):
                 crcs = got
         return crcs

@@ -89,10 +89,10 @@ class RawZarrArray:
         self.chunk_nbytes = self.chunk_rows * self.row_items * self.dtype.itemsize
         self.attrs: dict[str, Any] = meta.get("attributes", {})
         #: inner chunks of shard files this process verified whole (CRC-32C, and ``below``
-        #: when asked): ``{chunk: (crc, below)}``; a later read of part of one reads only
-        #: that part. Forgotten for a shard file whose identity (inode, size, mtime) changed.
-        self._verified: dict[int, tuple[int, int | None]] = {}
-        self._file_ids: dict[int, tuple[int, int, int]] = {}
+        #: when asked): ``{chunk: (below, identity of its shard file then)}``; see
+        #: :meth:`read_runs`'s ``trust_verified``
+        self._verified: dict[int, tuple[int | None, tuple[int, int, int]]] = {}
+        self._seen_ids: dict[int, tuple[int, int, int]] = {}
         # chunk file names: f"{prefix}{c}{suffix}" (built once: this is on the hot path)
         rest = self._sep.join(["0"] * (len(self.shape) - 1))
         self._suffix = self._sep + rest if rest else ""
@@ -116,7 +116,7 @@ class RawZarrArray:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_verified"], state["_file_ids"] = {}, {}  # verified again where it is read
+        state["_verified"], state["_seen_ids"] = {}, {}  # verified again where it is read
         if self.per_shard:  # indexes are read again where needed; locks do not pickle
             state["_indexes"], state["_index_lock"] = {}, None
         return state
@@ -216,7 +216,8 @@ class RawZarrArray:
     def read_runs(
         self, starts: np.ndarray, stop: int, dests: np.ndarray, out: np.ndarray,
         below: int | None = None, ends: np.ndarray | None = None,
-    ) -> dict[int, int]:
+        trust_verified: bool = False,
+    ) -> dict[int, int] | None:
         """Scatter elements ``[starts[0], stop)`` of this 1-D array into ``out``.
 
         The run ``[starts[i], starts[i + 1])`` (the last one ends at ``stop``) lands at
@@ -224,9 +225,14 @@ class RawZarrArray:
         ``[starts[i], ends[i])`` and the elements between runs are not delivered. Each
         chunk is read with one ``preadv`` call straight into the destinations (no
         intermediate copy) and, with ``crc32c``, verified in place: the pool reader uses
-        this to put CSR rows directly at their shuffled positions. A chunk verified once in
-        this process (the whole chunk, with the same ``below``) is afterwards read only
-        where runs fall (the rows a sampler drew), without reading the rest again.
+        this to put CSR rows directly at their shuffled positions.
+
+        ``trust_verified`` (with ``ends``; random access to drawn rows): an inner chunk of
+        a shard file that this process verified whole before, while the file kept its
+        inode, size and mtime, is read only where the runs fall, without its checksum
+        (reading and checking all of it for each drawn row costs ~30x the bytes); the call
+        then returns ``None`` instead of the CRCs: the caller must check what was
+        delivered itself (a damaged value is not caught there; see ``docs/format.md``).
 
         Returns the CRC-32C of every chunk read (``{chunk: crc}``; empty without the
         ``crc32c`` codec): a chunk read again with the same CRC holds the same values.
@@ -244,7 +250,7 @@ class RawZarrArray:
         dests = np.asarray(dests, dtype=np.int64)
         if ends is not None:
             return self._read_disjoint(starts, np.asarray(ends, dtype=np.int64), dests, out,
-                                       below)
+                                       below, trust_verified)
         if starts.size == 0 or stop <= int(starts[0]):
             return {}
         ends = np.append(starts[1:], stop)
@@ -288,13 +294,15 @@ class RawZarrArray:
         return crcs
 
     def _read_disjoint(self, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray,
-                       out: np.ndarray, below: int | None) -> dict[int, int]:
+                       out: np.ndarray, below: int | None, trust: bool
+                       ) -> dict[int, int] | None:
         """:meth:`read_runs` of disjoint runs ``[starts[i], ends[i])``.
 
-        The first read of a chunk with ``crc32c`` reads all of it (the bytes between runs
-        into scratch) to verify it, and checks those bytes ``< below`` too; later reads of
-        a verified chunk read the runs only: one ``preadv`` per stretch of touching runs,
-        the chunks of one shard file through one descriptor.
+        A chunk with ``crc32c`` is read whole (the bytes between runs into scratch) and
+        verified, those bytes checked ``< below`` too; with ``trust``, a chunk verified so
+        before under the shard file's current identity is read where the runs fall only:
+        one ``preadv`` per stretch of touching runs, the chunks of one shard file through
+        one descriptor.
         """
         keep = ends > starts
         starts, ends, dests = starts[keep], ends[keep], dests[keep]
@@ -315,8 +323,8 @@ class RawZarrArray:
         lo_b = (seg_lo - chunk * size) * item  # bytes, from the chunk's start
         hi_b = (seg_hi - chunk * size) * item
         d_b = (dests[run] + (seg_lo - starts[run])) * item
-        if self.crc and self.per_shard:
-            self._forget_changed(np.unique(chunk // self.per_shard).tolist())
+        idents = (self._identities(np.unique(chunk // self.per_shard).tolist())
+                  if self.crc and self.per_shard else {})
         new_chunk = np.concatenate([[True], chunk[1:] != chunk[:-1]])
         # a stretch: touching segments of one chunk, read by one preadv
         new_stretch = new_chunk | np.concatenate([[True], lo_b[1:] != hi_b[:-1]])
@@ -326,6 +334,7 @@ class RawZarrArray:
         stretch_at = [*np.flatnonzero(new_stretch).tolist(), len(chunk)]
         lo_l, hi_l, chunks = lo_b.tolist(), hi_b.tolist(), chunk.tolist()
         crcs: dict[int, int] = {}
+        trusted = False  # a chunk was read without its checksum
         files = _Files()
         fast = _fast_flags()  # preadv flags of a read that must not wait (None: gated reads)
         k = 0  # the next stretch
@@ -334,9 +343,10 @@ class RawZarrArray:
                 c = chunks[i0]
                 while stretch_at[k] < i0:
                     k += 1
-                known = self._verified.get(c) if self.per_shard else None
-                if self.crc and (known is None or known[1] != below):
-                    crc = self._verify_chunk(c, lo_l[i0:i1], views[i0:i1], below)
+                ident = idents.get(c // self.per_shard) if self.per_shard else None
+                known = self._verified.get(c) if trust and ident is not None else None
+                if self.crc and (known is None or known != (below, ident)):
+                    crc = self._verify_chunk(c, lo_l[i0:i1], views[i0:i1], below, ident)
                 elif (where := self._locate(c)) is None:  # absent: fill value (or error)
                     crc = self._read_chunk_segments(c, 0, 0, views[i0:i1], below)
                 else:
@@ -362,33 +372,30 @@ class RawZarrArray:
                                 raise ChunkError(f"{path}: chunk file is truncated")
                         else:
                             _count_warm()
-                    crc = None if known is None else known[0]
+                    crc, trusted = None, True  # not checked now: the caller checks its part
                 if crc is not None:
                     crcs[c] = crc
         finally:
             files.close()
-        return crcs
+        return None if trusted else crcs
 
-    def _forget_changed(self, files: list[int]) -> None:
-        """Forget the verified chunks of shard files that changed since they were verified
-        (a collection rewritten in place under a running reader)."""
+    def _identities(self, files: list[int]) -> dict[int, tuple[int, int, int]]:
+        """``{shard file: (inode, size, mtime)}`` of those that exist now."""
+        out = {}
         for k in files:
             try:
                 st = os.stat(self._file_name(k))
             except FileNotFoundError:
                 continue  # the read reports it
-            ident = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if self._file_ids.get(k) != ident:
-                if k in self._file_ids:
-                    lo, hi = k * self.per_shard, (k + 1) * self.per_shard
-                    self._verified = {c: v for c, v in self._verified.items()
-                                      if not lo <= c < hi}
-                    with self._index_lock:  # its index too may have changed
-                        self._indexes.pop(k, None)
-                self._file_ids[k] = ident
+            out[k] = ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if self._seen_ids.setdefault(k, ident) != ident:  # replaced or rewritten
+                self._seen_ids[k] = ident
+                with self._index_lock:  # its index is read again
+                    self._indexes.pop(k, None)
+        return out
 
     def _verify_chunk(self, c: int, offsets: list[int], dsts: list[np.ndarray],
-                      below: int | None) -> int | None:
+                      below: int | None, ident: tuple[int, int, int] | None) -> int | None:
         """Read all of chunk ``c``, the pieces at ``offsets`` (bytes, ascending, disjoint)
         into ``dsts`` and the rest into scratch; verify its CRC-32C and the scratch bytes'
         values ``< below``; remember it as verified. Returns its CRC (``None`` if absent)."""
@@ -410,8 +417,8 @@ class RawZarrArray:
             if below is not None:
                 for gap in gaps:
                     self._check_below(self._chunk_name(c), below, gap)
-            if self.per_shard:
-                self._verified[c] = (crc, below)
+            if ident is not None:  # verified under this identity of its shard file
+                self._verified[c] = (below, ident)
         return crc
 
     def _read_chunk_segments(self, c: int, first: int, last: int, segs: list[np.ndarray],
