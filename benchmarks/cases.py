@@ -327,22 +327,39 @@ def _scd_densify(batch: tuple[Any, np.ndarray]) -> dict[str, Any]:
     return {"x": torch.from_numpy(x.astype(np.float32, copy=False)), "y": torch.from_numpy(y)}
 
 
-def _make_scdataset(workers: int) -> Callable[[Config], Result]:
+def _scd_strategy(kind: str, codes: np.ndarray, block_size: int) -> Any:
+    """scDataset's strategy: ``shuffle`` (block shuffling), ``balanced`` (class-balanced
+    by ``codes``) or ``weighted`` (per-row weights, random, seed 0)."""
+    from scdataset import BlockShuffling, BlockWeightedSampling, ClassBalancedSampling
+
+    if kind == "balanced":
+        return ClassBalancedSampling(codes, block_size=block_size)
+    if kind == "weighted":
+        weights = np.random.default_rng(0).random(len(codes)) + 0.1
+        return BlockWeightedSampling(block_size=block_size, weights=weights)
+    return BlockShuffling(block_size=block_size)
+
+
+_SCD_STRATEGY = {"shuffle": "block shuffling", "balanced": "ClassBalancedSampling",
+                 "weighted": "BlockWeightedSampling"}
+
+
+def _make_scdataset(workers: int, kind: str = "shuffle") -> Callable[[Config], Result]:
     def case(cfg: Config) -> Result:
         import anndata as ad
         import scdataset
         import torch
         from anndata.experimental import AnnCollection
-        from scdataset import BlockShuffling, scDataset
+        from scdataset import scDataset
 
         adatas = [ad.read_h5ad(p, backed="r") for p in cfg["paths"]]
         collection = AnnCollection(adatas)
         collection.codes = _global_codes(adatas)
         block_size, fetch_factor = cfg["scd_block_size"], cfg["scd_fetch_factor"]
         ds = scDataset(
-            collection, BlockShuffling(block_size=block_size), batch_size=cfg["batch_size"],
-            fetch_factor=fetch_factor, fetch_callback=_scd_fetch, batch_callback=_scd_batch,
-            batch_transform=_scd_densify, seed=cfg["seed"],
+            collection, _scd_strategy(kind, collection.codes, block_size),
+            batch_size=cfg["batch_size"], fetch_factor=fetch_factor, fetch_callback=_scd_fetch,
+            batch_callback=_scd_batch, batch_transform=_scd_densify, seed=cfg["seed"],
         )
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
                                              persistent_workers=workers > 0)
@@ -350,11 +367,12 @@ def _make_scdataset(workers: int) -> Callable[[Config], Result]:
             run = time_batches(lambda e: loader, n_warmup=cfg["n_warmup"],
                                n_batches=cfg["n_batches"], n_cells_of=_rows,
                                labels_of=_torch_labels, consume=_check_dense)
+        extra = {} if kind == "shuffle" else {"sampler": kind}
         return _loader_result(run, mon, cfg, block_size=block_size, fetch_factor=fetch_factor,
-                              version=scdataset.__version__)
+                              version=scdataset.__version__, **extra)
 
-    case.__doc__ = (f"scDataset block shuffling over backed h5ad (AnnCollection), densified "
-                    f"in batch_transform, num_workers={workers}.")
+    case.__doc__ = (f"scDataset {_SCD_STRATEGY[kind]} over backed h5ad (AnnCollection), "
+                    f"densified in batch_transform, num_workers={workers}.")
     return case
 
 
@@ -658,42 +676,6 @@ def _make_sampling(kind: str, densify: bool, workers: int) -> Callable[[Config],
     return case
 
 
-def _make_scdataset_sampling(kind: str, workers: int) -> Callable[[Config], Result]:
-    def case(cfg: Config) -> Result:
-        import anndata as ad
-        import scdataset
-        import torch
-        from anndata.experimental import AnnCollection
-        from scdataset import BlockWeightedSampling, ClassBalancedSampling, scDataset
-
-        adatas = [ad.read_h5ad(p, backed="r") for p in cfg["paths"]]
-        collection = AnnCollection(adatas)
-        collection.codes = _global_codes(adatas)
-        block_size, fetch_factor = cfg["scd_block_size"], cfg["scd_fetch_factor"]
-        if kind == "balanced":
-            strategy = ClassBalancedSampling(collection.codes, block_size=block_size)
-        else:
-            weights = np.random.default_rng(0).random(len(collection.codes)) + 0.1
-            strategy = BlockWeightedSampling(block_size=block_size, weights=weights)
-        ds = scDataset(collection, strategy, batch_size=cfg["batch_size"],
-                       fetch_factor=fetch_factor, fetch_callback=_scd_fetch,
-                       batch_callback=_scd_batch, batch_transform=_scd_densify,
-                       seed=cfg["seed"])
-        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
-                                             persistent_workers=workers > 0)
-        with MemoryMonitor() as mon:
-            run = time_batches(lambda e: loader, n_warmup=cfg["n_warmup"],
-                               n_batches=cfg["n_batches"], n_cells_of=_rows,
-                               labels_of=_torch_labels, consume=_check_dense)
-        return _loader_result(run, mon, cfg, block_size=block_size, fetch_factor=fetch_factor,
-                              version=scdataset.__version__, sampler=kind)
-
-    strategy = "ClassBalancedSampling" if kind == "balanced" else "BlockWeightedSampling"
-    case.__doc__ = (f"scDataset {strategy} over backed h5ad (AnnCollection), densified, "
-                    f"num_workers={workers}.")
-    return case
-
-
 def case_train_balanced(cfg: Config) -> Result:
     """The training effect of class balancing: a linear classifier on the log1p counts of
     64 random genes (few of each type's marker genes: a task a linear model does not
@@ -868,8 +850,8 @@ CASES: dict[str, Callable[[Config], Result]] = {
     "memory": case_memory,
     **{f"ours_{kind}_{'dense' if d else 'sparse'}_w{w}": _make_sampling(kind, d, w)
        for kind in ("balanced", "weighted") for d in (False, True) for w in (0, 2)},
-    "scdataset_balanced_w0": _make_scdataset_sampling("balanced", 0),
-    "scdataset_weighted_w0": _make_scdataset_sampling("weighted", 0),
+    "scdataset_balanced_w0": _make_scdataset(0, "balanced"),
+    "scdataset_weighted_w0": _make_scdataset(0, "weighted"),
     "train_balanced": case_train_balanced,
     **EXPERIMENTS,
 }
