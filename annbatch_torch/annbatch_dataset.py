@@ -17,6 +17,7 @@ import copy
 import logging
 import os
 import pickle
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -390,6 +391,19 @@ class AnnBatchDataset(IterableDataset):
                                                pin_memory=pin_memory, collate_fn=collate_fn)
 
     # -- resume (torchdata Stateful) -----------------------------------------------------
+    def _plan_fingerprint(self) -> dict[str, Any]:
+        """What the epoch's batches depend on besides seed, epoch and world size (JSON
+        scalars): a state saved under other values would skip other batches."""
+        ids = self.chunk_ids
+        return {
+            "n_obs": int(self.source.n_obs), "batch_size": self.batch_size,
+            "chunk_size": self.chunk_size, "preload_nchunks": self.preload_nchunks,
+            "shuffle": self.shuffle, "drop_last": self.drop_last,
+            "even_batches": self.even_batches,
+            "chunk_ids": None if ids is None else zlib.crc32(ids.tobytes()),
+            "sampler": None if self.sampler is None else repr(self.sampler),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Small JSON-serialisable progress of this copy: seed, epoch, worker, batches done.
 
@@ -398,7 +412,7 @@ class AnnBatchDataset(IterableDataset):
         the start of that epoch.
         """
         return self._resumer.state_dict(seed=self.seed, world_size=self.world_size,
-                                        epoch=self.epoch)
+                                        epoch=self.epoch, plan=self._plan_fingerprint())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration skips the batches done.
@@ -408,7 +422,7 @@ class AnnBatchDataset(IterableDataset):
         epoch's last batch resumes that epoch with nothing left.
         """
         epoch = self._resumer.load(state_dict, seed=self.seed, world_size=self.world_size,
-                                   epoch=self.epoch)
+                                   epoch=self.epoch, plan=self._plan_fingerprint())
         if epoch is not None:
             self.set_epoch(epoch)
             self._epoch.forget_start()  # resuming the same epoch is intended

@@ -77,17 +77,22 @@ class Resumer:
         self.progress = Progress()
         self._pending: Progress | None = None
 
-    def state_dict(self, *, seed: int, world_size: int, epoch: int) -> dict[str, Any]:
-        """``{version, seed, world_size, epoch, worker, num_workers, batches}``; after
+    def state_dict(self, *, seed: int, world_size: int, epoch: int,
+                   plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``{version, seed, world_size, epoch, worker, num_workers, batches, plan}``; after
         ``set_epoch`` moved to another epoch (``epoch``) than the last one iterated, the
-        start of that epoch."""
+        start of that epoch. ``plan``: what the epoch's batches depend on besides the seed
+        (JSON scalars), checked by :meth:`load`."""
         progress = asdict(self.progress)
         if progress["epoch"] != epoch:
             progress.update(epoch=epoch, batches=0)
-        return {"version": 1, "seed": seed, "world_size": world_size, **progress}
+        state = {"version": 1, "seed": seed, "world_size": world_size, **progress}
+        if plan is not None:
+            state["plan"] = dict(plan)
+        return state
 
     def load(self, state: Mapping[str, Any], *, seed: int, world_size: int,
-             epoch: int) -> int | None:
+             epoch: int, plan: Mapping[str, Any] | None = None) -> int | None:
         """Check a saved state and keep it for the next :meth:`start`.
 
         Returns the epoch to set, or ``None`` when a later epoch (``epoch``) is set already:
@@ -109,6 +114,18 @@ class Resumer:
                 "the epoch differs, so the batches done cannot be skipped. Resume with the "
                 "same number of ranks (or start the epoch afresh without the state)."
             )
+        saved_plan = state.get("plan")  # absent from states saved before it was recorded
+        if isinstance(saved_plan, Mapping) and plan is not None:
+            differ = [k for k in sorted(set(saved_plan) | set(plan))
+                      if saved_plan.get(k) != plan.get(k)]
+            if differ:
+                what = ", ".join(f"{k}={saved_plan.get(k)!r} (now {plan.get(k)!r})"
+                                 for k in differ)
+                raise ValueError(
+                    f"load_state_dict: the state was saved by a dataset with {what}: its "
+                    "epochs hold other batches, so the batches done cannot be skipped. "
+                    "Construct the dataset as it was saved (or start the epoch afresh "
+                    "without the state).")
         self._pending = None
         if epoch > got["epoch"]:
             logger.info("AnnBatchDataset: epoch %d is set, later than the loaded state's "

@@ -84,5 +84,6 @@ class TorchIndexSampler(Sampler):
     def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
         return self._draw(seed, epoch)
 
-    def __repr__(self) -> str:
-        return f"TorchIndexSampler({self.sampler!r})"
+    def __repr__(self) -> str:  # stable across processes (resume states compare it)
+        n = f", {self._len} indices" if self.is_bound else ""
+        return f"TorchIndexSampler({type(self.sampler).__name__}{n})"

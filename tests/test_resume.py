@@ -177,3 +177,28 @@ def test_rank_zeros_state_resumes_every_rank_with_workers(h5ad: Path, k: int) ->
         resumed = AnnBatchDataLoader(ds(rank), num_workers=2)
         resumed.load_state_dict(state)
         assert _same(_run(resumed), full[k:]), rank
+
+
+def test_a_state_of_another_plan_is_refused_and_an_old_state_loads(h5ad: Path) -> None:
+    """A state records what the epoch's batches depend on: resumed by a dataset that would
+    deal other batches, it would skip the wrong ones."""
+    from annbatch_torch import SubsetSampler
+
+    ds = _ds(h5ad)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    json.dumps(state)
+    other = AnnBatchDataset(h5ad, selector={"x": A.X}, batch_size=32, chunk_size=8,
+                            preload_nchunks=4, return_index=True, seed=9)
+    with pytest.raises(ValueError, match=r"chunk_size=16 \(now 8\)"):
+        other.load_state_dict(state)
+    sampled = AnnBatchDataset(h5ad, selector={"x": A.X}, batch_size=32, chunk_size=16,
+                              preload_nchunks=4, return_index=True, seed=9,
+                              sampler=SubsetSampler(range(500)))
+    with pytest.raises(ValueError, match=r"sampler=None \(now 'SubsetSampler"):
+        sampled.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "plan"}  # saved before plans were kept
+    fresh = _ds(h5ad)
+    fresh.load_state_dict(old)
+    assert len(list(fresh)) == len(ds) - 1
