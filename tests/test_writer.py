@@ -749,3 +749,32 @@ def test_ordered_categories_in_different_orders_are_stored_unordered_with_a_warn
     b.obs["grade"] = pd.Categorical(b.obs["grade"], categories=["lo", "hi"], ordered=True)
     same = create_anndata_collection([a, b], tmp_path / "t", progress=False)
     assert same.fields["obs/grade"].ordered is True
+
+
+def test_every_shard_file_reaches_the_disk_before_the_manifest(
+        synthetic_h5ads: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A power loss after the manifest's rename must not leave a valid-looking manifest
+    over shard files still in the page cache: every file and folder of the collection is
+    fsynced before manifest.json is written, and the folder it is renamed into after."""
+    from annbatch_torch.write.writer import create_anndata_collection
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    out = tmp_path / "store"
+    create_anndata_collection(synthetic_h5ads, out, seed=0, n_obs_per_shard=1024,
+                              progress=False)
+    manifest_at = next(i for i, p in enumerate(synced) if p.endswith(MANIFEST_NAME + ".tmp"))
+    tmp_root = Path(synced[manifest_at]).parent
+    before = {str(Path(p).relative_to(tmp_root)) for p in synced[:manifest_at]
+              if Path(p).is_relative_to(tmp_root)}
+    files = {str(p.relative_to(out)) for p in out.rglob("*")
+             if p.name not in (MANIFEST_NAME, "var_names.json")}
+    assert files, "the collection holds no files?"
+    assert files <= before, sorted(files - before)[:5]
+    assert str(tmp_path) in synced[manifest_at + 1:]  # the parent, after the rename

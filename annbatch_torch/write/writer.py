@@ -16,7 +16,9 @@ Algorithm (out of core, exact global shuffle, every input read once, sequentiall
 4. Pass 2, shard by shard: load the bucket, put rows in position order, write the shard as
    a standard AnnData zarr store (X and layers CSR, obsm dense, obs categoricals with the
    global categories, so stored codes are global codes), delete the bucket.
-5. Write ``manifest.json`` last and rename the temporary folder into place.
+5. ``fsync`` every shard file and folder, write ``manifest.json`` last and rename the
+   temporary folder into place (then ``fsync`` its parent): a power loss never leaves a
+   manifest over shard files that did not reach the disk.
 
 Memory: ``max_memory`` bounds the peak RSS of the whole process. Once the inputs are
 opened and the schema resolved, the writer measures the RSS already in use (interpreter and
@@ -196,6 +198,33 @@ def _remove_stale_temporaries(out: Path) -> None:
         else:
             logger.warning("%s belongs to a write that may still run (host %s, process %d); "
                            "not removed.", p, host, pid)
+
+
+def sync_dir(path: Path) -> None:
+    """``fsync`` a directory: the renames and new entries in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems cannot sync a directory; data is synced anyway
+        logger.debug("fsync of directory %s: %s", path, e)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: Path) -> None:
+    """``fsync`` every file below ``root``, then every directory (deepest first): written
+    data is on the disk, not only in the page cache, before anything points to it."""
+    dirs = []
+    for here, _, names in os.walk(root):
+        dirs.append(Path(here))
+        for name in names:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in reversed(dirs):
+        sync_dir(d)
 
 
 def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
@@ -407,9 +436,12 @@ def create_anndata_collection(
         tmp.mkdir()
         shards, dtypes = _run_passes(sources, schema, tmp, n_total, (shard_obs, block_obs),
                                      shuffle, seed, work, opts, progress, value_check)
+        sync_tree(tmp)  # the shards reach the disk before a manifest can vouch for them
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor)
+        sync_dir(tmp)  # the manifest's own rename
         _swap_into_place(tmp, out, overwrite)
+        sync_dir(out.parent)  # the rename of the collection into place
         tmp = None
     finally:
         for s in sources:
