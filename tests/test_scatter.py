@@ -855,3 +855,33 @@ def test_chunked_pools_of_many_pieces_still_verify_every_chunk(sharded_store: Pa
     with pytest.raises(ReadError, match="checksum mismatch"):
         for _ in ds:
             pass
+
+
+def test_covering_reads_of_drawn_rows_span_a_bounded_number_of_bytes(
+        pool_sources: dict[str, tuple[Any, dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drawn rows of a dense field are read by covering reads that bridge gaps of at most
+    GATHER_GAP_BYTES: few rows of a wide field, many of a narrow obs column."""
+    import annbatch_torch.read.reader as reader_mod
+
+    src, full = pool_sources["raw"]
+    spans: dict[str, list[int]] = {"obsm/X_pca": [], "obs/n_counts": []}
+    real = reader_mod.PoolReader._read_cover
+
+    def recording(self: Any, el: Any, pieces: list[Any]) -> list[Any]:
+        spans[el.name].append(max(p.stop for p in pieces) - pieces[0].start)
+        return real(self, el, pieces)
+
+    width = full["obsm/X_pca"].shape[1] * full["obsm/X_pca"].dtype.itemsize
+    monkeypatch.setattr(reader_mod.PoolReader, "_read_cover", recording)
+    monkeypatch.setattr(reader_mod, "GATHER_GAP_BYTES", 5 * width)  # 5 rows of X_pca
+    rows = np.arange(0, src.n_obs, 10)  # a drawn row every 10 rows
+    reader = PoolReader(src, list(spans), threads=1)
+    try:
+        got = reader.read(np.stack([rows, rows + 1], axis=1), random_access=True)
+    finally:
+        reader.close()
+    for f in spans:
+        assert_same(got[f], full[f][rows], f)
+    assert max(spans["obsm/X_pca"]) == 1  # gaps of 9 rows of X_pca exceed the budget
+    assert max(spans["obs/n_counts"]) > 10  # a narrow column's gaps are bridged
