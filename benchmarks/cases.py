@@ -641,14 +641,9 @@ EXPERIMENTS: dict[str, Callable[[Config], Result]] = {
 def _store_codes(store: str) -> np.ndarray:
     """Global ``cell_type`` codes of every row of our collection."""
     from annbatch_torch import open_collection
-    from annbatch_torch.read.reader import PoolReader
 
     coll = open_collection(store)
-    reader = PoolReader(coll, ["obs/cell_type"], threads=1)
-    try:
-        return np.asarray(reader.read(np.array([[0, coll.n_obs]]))["obs/cell_type"])
-    finally:
-        reader.close()
+    return np.asarray(coll.obs_at(np.arange(coll.n_obs), "cell_type")["cell_type"].cat.codes)
 
 
 def _sampler(kind: str, store: str) -> Any:
@@ -658,7 +653,7 @@ def _sampler(kind: str, store: str) -> Any:
 
     if kind == "balanced":
         return abt.ClassBalancedSampler("cell_type")
-    n = len(_store_codes(store))
+    n = abt.open_collection(store).n_obs
     return abt.WeightedSampler(np.random.default_rng(0).random(n) + 0.1)
 
 

@@ -361,10 +361,8 @@ class RawZarrArray:
                         if fast is not None and len(bufs) <= _IOV_MAX:
                             try:
                                 got = os.preadv(fd, bufs, off, fast)
-                            except BlockingIOError:
-                                got = 0
-                            except OSError:  # the flag refused here: gated reads note it
-                                got = 0
+                            except OSError:  # not cached, or the flag refused here (the
+                                got = 0  # gated read below notes a refusal)
                         if got < want:
                             rest = _split(bufs, got)[1]
                             got += _preadv_full(fd, rest, off + got, want - got)
