@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data import Sampler as TorchSampler
 
-from . import sampling
+from . import resume, sampling
 from .convert import batch_dict_converter
 from .errors import BatchError, SamplerError, SchemaError
 from .fields import Field, normalize_selector
@@ -341,8 +341,14 @@ class AnnBatchDataset(IterableDataset):
         )
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch (the same on every rank)."""
+        """Batches this rank yields per epoch (the same on every rank). In an epoch resumed
+        on another number of ranks, the batches every rank yielded before plus those it
+        yields now."""
         world = self._resolve_dist()[1]
+        segments, steps = self._resumer.planned(self.epoch, world)
+        if segments:
+            return steps + resume.rank_items(self._deal(self.epoch), segments, 0,
+                                             world).n_batches
         if self.sampler is not None:
             return sampling.sample_batches_per_rank(
                 self.sampler, self.batch_size, self._pool_rows(), world_size=world,
@@ -353,28 +359,38 @@ class AnnBatchDataset(IterableDataset):
         return sampling.pool_rows(self.batch_size, self.chunk_size, self.preload_nchunks)
 
     def plan(
-        self, epoch: int | None = None, worker: int = 0, num_workers: int = 1
+        self, epoch: int | None = None, worker: int = 0, num_workers: int = 1, *,
+        rank: int | None = None, world_size: int | None = None,
+        segments: Sequence[resume.Segment] | None = None,
     ) -> Sequence[sampling.WorkItem]:
-        """The work items (pools, their row order and batch ranges) of one worker of this
-        rank."""
-        rank, world = self._resolve_dist()
+        """The work items (pools, their row order and batch ranges) of one worker of a rank
+        (default: this rank, in this world) in ``epoch``. ``segments``: the parts of the
+        epoch run before under other topologies (default: those of a loaded state, see
+        :mod:`~annbatch_torch.resume`)."""
+        own_rank, own_world = self._resolve_dist()
         epoch = self.epoch if epoch is None else epoch
-        return self._plan(epoch, World(rank, world, worker, max(1, num_workers)))
+        world = World(own_rank if rank is None else rank,
+                      own_world if world_size is None else world_size, worker,
+                      max(1, num_workers))
+        if segments is None:
+            segments = self._resumer.planned(epoch, world.world_size)[0]
+        return self._plan(epoch, world, tuple(segments))
 
-    def _plan(self, epoch: int, world: World) -> Sequence[sampling.WorkItem]:
+    def _deal(self, epoch: int) -> sampling.EpochDeal:
+        """How ``epoch``'s stream is dealt to ranks and workers."""
         if self.sampler is not None:
-            items = sampling.sample_rank_items(
+            return sampling.sample_deal(
                 self.sampler, self.batch_size, self._pool_rows(), seed=self.seed, epoch=epoch,
-                rank=world.rank, world_size=world.world_size, drop_last=self.drop_last,
-                even_batches=self.even_batches)
-        else:
-            items = sampling.rank_items(
-                **self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-                rank=world.rank, world_size=world.world_size,
-            )
-        if not self.shuffle and world.num_workers > 1:
-            items = items.per_batch()  # in order from any number of workers
-        return sampling.worker_items(items, world.worker, world.num_workers)
+                drop_last=self.drop_last, even_batches=self.even_batches,
+                in_order=not self.shuffle)
+        return sampling.chunk_deal(**self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed,
+                                   epoch=epoch)
+
+    def _plan(self, epoch: int, world: World, segments: tuple[resume.Segment, ...] = ()
+              ) -> Sequence[sampling.WorkItem]:
+        deal = self._deal(epoch)
+        items = resume.rank_items(deal, segments, world.rank, world.world_size)
+        return deal.workers(items, world.num_workers)[world.worker]
 
     def densify_policy_for_workers(self, *, num_workers: int, pin_memory: bool = False,
                                    collate_fn: Callable[..., Any] | None = None
@@ -426,6 +442,11 @@ class AnnBatchDataset(IterableDataset):
         if epoch is not None:
             self.set_epoch(epoch)
             self._epoch.forget_start()  # resuming the same epoch is intended
+
+    def _resume_handed_to_workers(self, num_workers: int) -> None:
+        """A loader's ``num_workers`` workers took their copies of this dataset, and with
+        them a loaded state: this copy, which does not iterate, forgets it."""
+        self._resumer.handed_over(self.world_size, num_workers)
 
     # -- pickling -----------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -502,10 +523,10 @@ class AnnBatchDataset(IterableDataset):
         epoch = self.epoch
         if world.worker == 0:
             self._epoch.start(epoch, warn_repeat=self.shuffle)
-        skip = self._resumer.start(epoch, world)
+        segments, skip = self._resumer.start(epoch, world)
         if self.device is not None:
             check_device(self.device)  # refuses DataLoader workers with the fix
-        items = self._plan(epoch, world)
+        items = self._plan(epoch, world, segments)
         if skip:
             items = sampling.remaining_items(items, skip)
         return self._iter_items(items, epoch, world)

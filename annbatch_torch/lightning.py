@@ -204,6 +204,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self._restored_epoch: int | None = None
         self._train_loader: AnnBatchDataLoader | None = None
         self._pending_loader_state: dict[str, Any] | None = None
+        #: the trainer's reload_dataloaders_every_n_epochs while a reload is forced
+        self._reload_setting: int | None = None
 
     # -- data preparation --------------------------------------------------------------
     @property
@@ -355,11 +357,36 @@ class AnnBatchDataModule(pl.LightningDataModule):
         epoch :meth:`load_state_dict` restored.
         """
         loader = self._train_loader_for_epoch()
+        self._end_forced_reload()
         if self._pending_loader_state is not None:  # a mid-epoch checkpoint: exact resume
             loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None
+            if loader.resumed_elsewhere:
+                self._force_reload_after_this_epoch(loader)
         self._train_loader = loader
         return loader
+
+    def _force_reload_after_this_epoch(self, loader: AnnBatchDataLoader) -> None:
+        """An epoch resumed on another number of devices holds another number of batches
+        per rank than the next ones (what was done before is counted in both). Lightning
+        reads the epoch's length once, when it sets up the train loader, and stops an epoch
+        there; so the train loader is set up again for the next epoch
+        (``Trainer.reload_dataloaders_every_n_epochs`` is 1 for one epoch, then as it was)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or not hasattr(trainer, "reload_dataloaders_every_n_epochs"):
+            return
+        self._reload_setting = trainer.reload_dataloaders_every_n_epochs
+        trainer.reload_dataloaders_every_n_epochs = 1
+        logger.info("AnnBatchDataModule: the resumed epoch runs on another number of devices "
+                    "and yields %d batches per rank in all; the train loader is reloaded for "
+                    "the next epoch.", len(loader))
+
+    def _end_forced_reload(self) -> None:
+        if self._reload_setting is not None:
+            trainer = getattr(self, "trainer", None)
+            if trainer is not None:
+                trainer.reload_dataloaders_every_n_epochs = self._reload_setting
+            self._reload_setting = None
 
     def _train_loader_for_epoch(self) -> AnnBatchDataLoader:
         epoch = self._fit_loop_epoch()

@@ -99,6 +99,9 @@ class AnnBatchDataLoader(StatefulDataLoader):
             kwargs["worker_init_fn"] = policy.installer(kwargs.get("worker_init_fn"))
         super().__init__(dataset, **kwargs)
         self.finished_starts_next_epoch = bool(finished_starts_next_epoch)
+        #: whether the last :meth:`load_state_dict` resumed an epoch saved on another number
+        #: of ranks or workers (its batches are dealt anew, and its ``len`` differs)
+        self.resumed_elsewhere = False
         # DataLoader forbids assigning `sampler` after __init__; iterable-style loaders only
         # use it as an infinite source of None, which this sampler still is.
         object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))
@@ -107,6 +110,8 @@ class AnnBatchDataLoader(StatefulDataLoader):
 
     def __iter__(self) -> Any:
         it = super().__iter__()
+        if self.num_workers > 0:  # the workers took their copies (and a loaded state)
+            self.dataset._resume_handed_to_workers(self.num_workers)
         return Densifying(it, self.densify_policy) if self.densify_policy.where == "main" else it
 
     def state_dict(self) -> dict[str, Any]:
@@ -118,35 +123,52 @@ class AnnBatchDataLoader(StatefulDataLoader):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` (also plain ``StatefulDataLoader`` states).
+        """Resume from :meth:`state_dict` (also plain ``StatefulDataLoader`` states), on
+        any number of ranks and workers.
 
-        With workers, each worker's progress is recomputed for *this* rank from the number
-        of batches the loader had yielded: ranks yield the same number of batches, but
-        their workers need not (the last round of pools is split by batches), and Lightning
-        checkpoints rank 0's state only.
+        Saved with as many ranks and workers: torchdata restores every worker's copy, each
+        worker's progress recomputed for *this* rank from the number of batches the loader
+        had yielded (ranks yield the same number of batches, but their workers need not,
+        and Lightning checkpoints rank 0's state only). Saved with another number of ranks
+        or workers: the batches every old rank had yielded follow from that number (ranks
+        are in step); the rest of the epoch is dealt anew to this topology
+        (:func:`~annbatch_torch.resume.remaining_batches`).
         """
+        self.resumed_elsewhere = False
         state = dict(state_dict)
         epoch = state.pop(resume.EPOCH_KEY, None)
         if epoch is not None and int(epoch) > self.dataset.epoch:
             self.dataset.set_epoch(int(epoch))  # a later epoch than the snapshots' wins
-        snap = state.get("_snapshot")
-        multi = isinstance(snap, dict) and bool(snap.get("_worker_snapshots"))
+        saved = resume.loader_progress(state)
+        if saved is None:  # not a state of this dataset: torchdata says why
+            super().load_state_dict(state)
+            return
+        ds_state = saved.dataset_state
+        world, workers = self.dataset.world_size, max(1, self.num_workers)
+        saved_world = int(ds_state.get("world_size") or world)  # None in states of 0.1.0
         if self.finished_starts_next_epoch:
-            epoch, step, workers = resume.loader_progress(state)
-            if (epoch is not None and step is not None
-                    and step >= sum(self._worker_counts(epoch, workers))):
+            segments = [resume.Segment.from_json(s) for s in ds_state.get("segments") or []]
+            total = sum(sampling.total_batches(self.dataset.plan(
+                saved.epoch, w, saved.workers, rank=0, world_size=saved_world,
+                segments=segments)) for w in range(saved.workers))
+            if saved.steps >= total:
                 # the epoch was done (Lightning: a checkpoint at its last step, applied to
                 # the next epoch's iterator): start the next epoch afresh
-                if epoch + 1 > self.dataset.epoch:
-                    self.dataset.set_epoch(epoch + 1)
+                if saved.epoch + 1 > self.dataset.epoch:
+                    self.dataset.set_epoch(saved.epoch + 1)
                 super().load_state_dict({})
                 return
-        if multi:
-            epoch, _, workers = resume.loader_progress(state)
-            if epoch is not None:
-                state["_snapshot"] = resume.for_rank(snap, self._worker_counts(epoch, workers))
+        if (saved_world, saved.workers) != (world, workers):  # elastic: the rest, dealt anew
+            self.dataset.load_state_dict({**ds_state, "steps": saved.steps})
+            self.resumed_elsewhere = True
+            super().load_state_dict({})
+            return
+        # the same topology: torchdata restores each copy; this copy knows the epoch's
+        # segments (its len) until the workers take theirs
+        self.dataset.load_state_dict(ds_state)
+        snap = state.get("_snapshot")
+        if isinstance(snap, dict) and snap.get("_worker_snapshots"):
+            counts = [sampling.total_batches(self.dataset.plan(saved.epoch, w, workers))
+                      for w in range(workers)]
+            state["_snapshot"] = resume.for_rank(snap, counts)
         super().load_state_dict(state)
-
-    def _worker_counts(self, epoch: int, num_workers: int) -> list[int]:
-        return [sampling.total_batches(self.dataset.plan(epoch, w, num_workers))
-                for w in range(num_workers)]

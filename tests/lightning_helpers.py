@@ -107,3 +107,47 @@ class EarlyLoaderRecorder(Recorder):
     def configure_optimizers(self) -> Any:
         self.total_steps = int(self.trainer.estimated_stepping_batches)  # builds the loader
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Preempted(Exception):
+    """Raised right after a checkpoint: a job preempted there."""
+
+
+class StepRecorder(pl.LightningModule):
+    """A linear model that writes the row ids of every training batch it sees, with their
+    epoch, to ``{out}/{tag}_r{rank}.npz`` when fit ends, or after ``stop_after`` batches: it
+    saves the checkpoint ``ckpt`` there first, then raises :class:`Preempted`."""
+
+    def __init__(self, out: str, tag: str, n_vars: int, stop_after: int | None = None,
+                 ckpt: str | None = None) -> None:
+        super().__init__()
+        self.out, self.tag = Path(out), tag
+        self.layer = torch.nn.Linear(n_vars, 1)
+        self.stop_after, self.ckpt = stop_after, ckpt
+        self._seen: list[tuple[int, np.ndarray]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._seen.append((self.current_epoch, batch["index"].cpu().numpy().copy()))
+        return self.layer(batch["x"]).pow(2).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.stop_after is not None and len(self._seen) == self.stop_after:
+            assert self.ckpt is not None
+            self.trainer.save_checkpoint(self.ckpt)
+            self._dump()
+            raise Preempted
+
+    def on_train_end(self) -> None:
+        self._dump()
+
+    def _dump(self) -> None:
+        seen = self._seen
+        np.savez(self.out / f"{self.tag}_r{self.global_rank}.npz",
+                 epoch=np.array([e for e, _ in seen], dtype=np.int64),
+                 sizes=np.array([len(i) for _, i in seen], dtype=np.int64),
+                 index=np.concatenate([i for _, i in seen]) if seen else np.zeros(0, np.int64),
+                 len=len(self.trainer.train_dataloader) if self.trainer.train_dataloader
+                 is not None else -1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -11,12 +11,16 @@ dealt like chunked mode's).
 from .plan import (
     TAG_CHUNKS,
     TAG_SPLIT,
+    EpochDeal,
     EvenBatches,
     batch_positions,
     batches_per_rank,
+    chunk_deal,
     chunk_order,
     chunk_stream,
+    deal_batches,
     deal_pools,
+    epoch_batches,
     epoch_pools,
     n_chunks,
     pool_rows,
@@ -26,7 +30,7 @@ from .plan import (
     validate_params,
     worker_items,
 )
-from .sampled_plan import SampleRows, sample_batches_per_rank, sample_rank_items
+from .sampled_plan import SampleRows, sample_batches_per_rank, sample_deal, sample_rank_items
 from .samplers import (
     BLOCK,
     TAG_SAMPLE,
@@ -77,6 +81,11 @@ __all__ = [
     "split_chunks",
     "global_rows",
     "deal_pools",
+    "deal_batches",
+    "epoch_batches",
+    "EpochDeal",
+    "chunk_deal",
+    "sample_deal",
     "rank_batches",
     "ChunkRows",
     "PoolRows",

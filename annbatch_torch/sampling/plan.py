@@ -22,7 +22,14 @@ Pure functions over integers (numpy only: no torch, no I/O). Rules, in order:
    ``min(batch_size, n_rows_in_stream)`` rows of the stream, all marked padding) to the
    others.
 5. Item ``j`` of a rank's list goes to worker ``j % num_workers``; so the set of batches of a
-   rank does not depend on ``num_workers``, only their interleaving does.
+   rank does not depend on ``num_workers``, only their interleaving does. Without shuffling
+   and with several workers, a rank's items are first cut into one item per batch
+   (:meth:`WorkList.per_batch`), so the loader's round-robin yields them in stream order.
+6. A resumed epoch (:meth:`EpochDeal.rest`): batch ``g`` of the epoch is batch
+   ``g % per_pool`` of pool ``g // per_pool``; the batches not yet yielded, in ``g`` order,
+   are split into ``world_size`` contiguous runs of equal length (``even_batches`` as in
+   rule 4: the remainder dropped, or one padding item for the short ranks), each run cut
+   into items at pool boundaries and gaps.
 
 Work lists are lazy (:class:`WorkList`): planning costs ``O(n_chunks)`` numpy work, and a
 pool's ranges are only computed when its :class:`WorkItem` is taken from the list.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -55,6 +63,10 @@ __all__ = [
     "rank_batches",
     "batch_positions",
     "split_chunks",
+    "EpochDeal",
+    "chunk_deal",
+    "deal_batches",
+    "epoch_batches",
 ]
 
 EvenBatches = Literal["drop", "pad"]
@@ -190,11 +202,11 @@ def _deal(
     pools plus the partial last pool), which are split into equal contiguous runs, one per
     rank, so no rank is starved when there are fewer pools than ranks.
     """
-    n_full, rest = divmod(total, pool)
+    n_full = total // pool
     per_pool = pool // batch_size
-    last = rest // batch_size if drop_last else -(-rest // batch_size)
     head = (n_full // world_size) * world_size
-    return per_pool, head, n_full, (n_full - head) * per_pool + last
+    return per_pool, head, n_full, epoch_batches(total, pool, batch_size, drop_last) - (
+        head * per_pool)
 
 
 def _rank_target(head: int, per_pool: int, tail: int, world_size: int, even: str) -> int:
@@ -287,15 +299,34 @@ def rank_items(
         world_size=world_size,
         even_batches=even_batches,
     )
+    return chunk_deal(n_obs, chunk_size, preload_nchunks, batch_size, shuffle=shuffle,
+                      seed=seed, epoch=epoch, drop_last=drop_last, even_batches=even_batches,
+                      chunk_ids=chunk_ids).fresh(rank, world_size)
+
+
+def chunk_deal(
+    n_obs: int,
+    chunk_size: int,
+    preload_nchunks: int,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    drop_last: bool = False,
+    even_batches: EvenBatches = "drop",
+    chunk_ids: np.ndarray | None = None,
+) -> EpochDeal:
+    """The :class:`EpochDeal` of one epoch in chunked mode (rules 1-3: chunk stream, pools,
+    row order)."""
     stream = Stream(
         chunk_stream(
             n_obs, chunk_size, shuffle=shuffle, seed=seed, epoch=epoch, chunk_ids=chunk_ids
         )
     )
-    pool = pool_rows(batch_size, chunk_size, preload_nchunks)
-    return deal_pools(ChunkRows(stream, RowOrder(seed, epoch, shuffle)), pool, batch_size,
-                      rank=rank, world_size=world_size, drop_last=drop_last,
-                      even_batches=even_batches)
+    return EpochDeal(ChunkRows(stream, RowOrder(seed, epoch, shuffle)),
+                     pool_rows(batch_size, chunk_size, preload_nchunks), batch_size,
+                     drop_last=drop_last, even_batches=even_batches, in_order=not shuffle)
 
 
 def deal_pools(source: PoolRows, pool: int, batch_size: int, *, rank: int, world_size: int,
@@ -340,6 +371,87 @@ def rank_batches(total: int, pool: int, batch_size: int, *, world_size: int, dro
     rows (what :func:`deal_pools` gives each rank)."""
     per_pool, head, _, tail = _deal(total, pool, batch_size, world_size, drop_last)
     return _rank_target(head, per_pool, tail, world_size, even_batches)
+
+
+def epoch_batches(total: int, pool: int, batch_size: int, drop_last: bool) -> int:
+    """Batches of an epoch of ``total`` positions in pools of ``pool`` rows, before ranks are
+    made equal: batch ``g`` is batch ``g % (pool // batch_size)`` of pool
+    ``g // (pool // batch_size)``."""
+    n_full, rest = divmod(total, pool)
+    last = rest // batch_size if drop_last else -(-rest // batch_size)
+    return n_full * (pool // batch_size) + last
+
+
+def deal_batches(source: PoolRows, pool: int, batch_size: int, batches: np.ndarray, *,
+                 rank: int, world_size: int, even_batches: EvenBatches) -> WorkList:
+    """Rank ``rank``'s share of the epoch batches ``batches`` (sorted global batch ids, rule
+    6): a contiguous run of them, cut into items at pool boundaries and gaps, then one
+    padding item under ``"pad"`` for a rank one batch short."""
+    ids = np.asarray(batches, dtype=np.int64)
+    base, extra = divmod(len(ids), world_size)
+    if even_batches == "pad":
+        t0, t1 = rank * base + min(rank, extra), (rank + 1) * base + min(rank + 1, extra)
+        target = base + (1 if extra else 0)
+    else:
+        t0, t1, target = rank * base, (rank + 1) * base, base
+    per_pool = pool // batch_size
+    g = ids[t0:t1]
+    pools = g // per_pool
+    cut = np.flatnonzero((np.diff(g) != 1) | (np.diff(pools) != 0)) + 1
+    first = np.concatenate([[0], cut]).astype(np.int64) if len(g) else np.zeros(0, np.int64)
+    last = np.concatenate([cut - 1, [len(g) - 1]]).astype(np.int64) if len(g) else first
+    pool_ids = pools[first]
+    b0, b1 = g[first] - pool_ids * per_pool, g[last] + 1 - pool_ids * per_pool
+    n_pad = target - len(g)
+    return WorkList(
+        source, pool, batch_size,
+        np.concatenate([pool_ids, np.full(n_pad, -1, dtype=np.int64)]),
+        np.concatenate([b0, np.zeros(n_pad, dtype=np.int64)]),
+        np.concatenate([b1, np.ones(n_pad, dtype=np.int64)]),
+    )
+
+
+@dataclass(frozen=True)
+class EpochDeal:
+    """How one epoch's stream is dealt to ranks and workers (rules 4-6), whichever mode
+    made the stream: ``source`` gives a pool's rows, ``pool`` rows per pool (a multiple of
+    ``batch_size``); ``in_order``: not shuffled, so a rank's batches go to its workers one
+    by one (rule 5)."""
+
+    source: PoolRows
+    pool: int
+    batch_size: int
+    drop_last: bool = False
+    even_batches: EvenBatches = "drop"
+    in_order: bool = False
+
+    @property
+    def n_batches(self) -> int:
+        """Batches of the epoch before ranks are made equal (:func:`epoch_batches`)."""
+        return epoch_batches(self.source.total, self.pool, self.batch_size, self.drop_last)
+
+    @property
+    def per_pool(self) -> int:
+        """Batches of a full pool."""
+        return self.pool // self.batch_size
+
+    def fresh(self, rank: int, world_size: int) -> WorkList:
+        """Rank ``rank``'s items of the whole epoch (rule 4)."""
+        return deal_pools(self.source, self.pool, self.batch_size, rank=rank,
+                          world_size=world_size, drop_last=self.drop_last,
+                          even_batches=self.even_batches)
+
+    def rest(self, batches: np.ndarray, rank: int, world_size: int) -> WorkList:
+        """Rank ``rank``'s items of the epoch batches ``batches`` (rule 6)."""
+        return deal_batches(self.source, self.pool, self.batch_size, batches, rank=rank,
+                            world_size=world_size, even_batches=self.even_batches)
+
+    def workers(self, items: WorkList, num_workers: int) -> list[Sequence[WorkItem]]:
+        """A rank's items per DataLoader worker (rule 5; 0 workers count as 1)."""
+        nw = max(1, num_workers)
+        if self.in_order and nw > 1:
+            items = items.per_batch()
+        return [worker_items(items, w, nw) for w in range(nw)]
 
 
 def epoch_pools(

@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import SamplerError
-from .plan import EvenBatches, deal_pools, rank_batches
+from .plan import EpochDeal, EvenBatches, rank_batches
 from .samplers import Sampler
 from .worklist import WorkList, merge_ranges
 
-__all__ = ["SampleRows", "sample_rank_items", "sample_batches_per_rank"]
+__all__ = ["SampleRows", "sample_deal", "sample_rank_items", "sample_batches_per_rank"]
 
 
 class SampleRows:
@@ -79,8 +79,17 @@ def sample_rank_items(sampler: Sampler, batch_size: int, pool: int, *, seed: int
     rank, world_size, drop_last, even_batches
         As in :func:`~annbatch_torch.sampling.plan.rank_items`.
     """
-    return deal_pools(SampleRows(sampler, seed, epoch), pool, batch_size, rank=rank,
-                      world_size=world_size, drop_last=drop_last, even_batches=even_batches)
+    return sample_deal(sampler, batch_size, pool, seed=seed, epoch=epoch, drop_last=drop_last,
+                       even_batches=even_batches).fresh(rank, world_size)
+
+
+def sample_deal(sampler: Sampler, batch_size: int, pool: int, *, seed: int, epoch: int,
+                drop_last: bool = False, even_batches: EvenBatches = "drop",
+                in_order: bool = False) -> EpochDeal:
+    """The :class:`~annbatch_torch.sampling.plan.EpochDeal` of one epoch in sampling mode
+    (``in_order``: the stream's batch order is kept with several DataLoader workers)."""
+    return EpochDeal(SampleRows(sampler, seed, epoch), pool, batch_size, drop_last=drop_last,
+                     even_batches=even_batches, in_order=in_order)
 
 
 def sample_batches_per_rank(sampler: Sampler, batch_size: int, pool: int, *,
