@@ -287,6 +287,7 @@ class AnnBatchDataset(IterableDataset):
         self._stream: PoolStream | None = None  # made in the process that iterates
         # exact resume (torchdata Stateful): what this copy yielded of the current epoch
         self._resumer = Resumer()
+        self._iterations = 0  # iter() calls on this copy: only the newest iterator runs
 
     # -- configuration ---------------------------------------------------------------
     def _bind_sampler(self, sampler: Any) -> Sampler:
@@ -529,10 +530,11 @@ class AnnBatchDataset(IterableDataset):
         items = self._plan(epoch, world, segments)
         if skip:
             items = sampling.remaining_items(items, skip)
-        return self._iter_items(items, epoch, world)
+        self._iterations += 1
+        return self._iter_items(items, epoch, world, self._iterations)
 
-    def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int, world: World
-                    ) -> Iterator[Any]:
+    def _iter_items(self, items: Sequence[sampling.WorkItem], epoch: int, world: World,
+                    iteration: int) -> Iterator[Any]:
         prefetch = self.prefetch if self.prefetch is not None else not world.in_worker
 
         def upcoming() -> sampling.WorkItem | None:  # the next epoch's first pool
@@ -546,14 +548,14 @@ class AnnBatchDataset(IterableDataset):
         try:
             with contextlib.closing(pools):
                 for item, pool in pools:
-                    yield from self._batches(item, pool, world)
+                    yield from self._batches(item, pool, world, iteration)
         except Exception:
             if self._stream is not None:
                 self._stream.drop_read_ahead(wait=True)
             raise
 
-    def _batches(self, item: sampling.WorkItem, pool: HostPool | DevicePool, world: World
-                 ) -> Iterator[Any]:
+    def _batches(self, item: sampling.WorkItem, pool: HostPool | DevicePool, world: World,
+                 iteration: int) -> Iterator[Any]:
         converter = self.batch_converter or batch_dict_converter
         policy = self.densify_policy
         on_device = isinstance(pool, DevicePool)
@@ -592,6 +594,12 @@ class AnnBatchDataset(IterableDataset):
                 out = converter(batch)
             except Exception as e:
                 raise self._batch_error("the batch_converter", item, b, e) from e
+            if self._iterations != iteration:  # never counted into the newer one's progress
+                raise RuntimeError(
+                    "AnnBatchDataset: this iterator was superseded by a newer iter() of the "
+                    "same dataset, which now owns its epoch and resume progress; use the "
+                    "newest iterator, or iterate a copy.deepcopy(dataset) for a second, "
+                    "independent stream.")
             self._resumer.count()  # before yield: state_dict() follows the fetch
             yield out
 

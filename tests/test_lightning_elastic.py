@@ -12,7 +12,6 @@ loader set up again for the next epoch, which is a fresh run's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import anndata as ad
 import numpy as np
@@ -22,10 +21,11 @@ import scipy.sparse as sp
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from lightning_helpers import Preempted, StepRecorder  # noqa: E402
+
 import annbatch_torch as abt  # noqa: E402
 from annbatch_torch import A, resume  # noqa: E402
 from annbatch_torch.lightning import AnnBatchDataModule  # noqa: E402
-from lightning_helpers import Preempted, StepRecorder  # noqa: E402
 
 N_OBS, N_VARS = 1200, 8
 STOP = 7  # batches per rank before the preemption

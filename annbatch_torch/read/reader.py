@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import scipy.sparse as sp
 
-from ..errors import AnnBatchError, ReadError
+from ..errors import AnnBatchError, CollectionError, ReadError
 from ..store.checks import bad_column
 from ..store.collection import Source
 from ..store.elements import CSCElement, CSRElement
@@ -280,6 +280,25 @@ class PoolReader:
 
     def read(self, ranges: np.ndarray, order: np.ndarray | None = None, *,
              random_access: bool = False) -> dict[str, Any]:
+        """Read ``ranges`` for every field (see :meth:`_read` for the parameters), from the
+        collection as it was when it was opened: the source is checked before and after
+        (``Source.check_current``), so a pool that another process's rewrite of the
+        collection reached raises :class:`~annbatch_torch.CollectionError` instead of
+        mixing the two (a failure during the read is reported as that, when it is)."""
+        self.source.check_current()
+        try:
+            out = self._read(ranges, order, random_access=random_access)
+        except Exception as e:
+            try:
+                self.source.check_current()
+            except CollectionError as changed:
+                raise changed from e
+            raise
+        self.source.check_current()
+        return out
+
+    def _read(self, ranges: np.ndarray, order: np.ndarray | None = None, *,
+              random_access: bool = False) -> dict[str, Any]:
         """Read ``ranges`` for every field.
 
         Parameters

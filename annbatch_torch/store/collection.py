@@ -25,7 +25,7 @@ import pandas as pd
 
 from ..errors import CollectionError, SchemaError
 from .elements import CategoricalElement, Element, open_element
-from .manifest import FieldInfo, Manifest, ShardInfo, read_manifest
+from .manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, read_manifest
 from .metadata import (
     MISSING_CATEGORY,
     as_categorical,
@@ -120,6 +120,10 @@ class Source:
         self._pid: int | None = None
         self._handles: dict[int, Any] = {}
         self._elements: dict[tuple[int, str], Element] = {}
+
+    def check_current(self) -> None:
+        """Raise :class:`~annbatch_torch.CollectionError` when what this source reads was
+        replaced since it was opened (collections; inputs read in place are not checked)."""
 
     # -- pickling: drop handles, reopen lazily ------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -303,7 +307,13 @@ class Collection(Source):
     def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
         super().__init__()
         self.path = Path(path)
-        self.manifest = manifest if manifest is not None else read_manifest(self.path)
+        self._manifest_id = _manifest_identity(self.path)
+        if manifest is None:
+            manifest = read_manifest(self.path)
+            while (now := _manifest_identity(self.path)) != self._manifest_id:
+                self._manifest_id = now  # replaced while it was read: read it again
+                manifest = read_manifest(self.path)
+        self.manifest = manifest
         self.fields = dict(self.manifest.fields)
         recorded = self.manifest.extra.get("unavailable", {})
         self._unavailable = (
@@ -320,6 +330,29 @@ class Collection(Source):
         raw_names = self.manifest.raw_var_names
         self.raw_var_names = None if raw_names is None else pd.Index(raw_names,
                                                                      name="raw_var_names")
+
+    def check_current(self) -> None:
+        """Raise :class:`~annbatch_torch.CollectionError` when another process rewrote this
+        collection (``overwrite=True``) since it was opened: its rows cannot be mixed with
+        the ones read before. Shards added since (the old ones kept as they were) pass. One
+        ``stat`` of ``manifest.json`` while it is unchanged."""
+        now = _manifest_identity(self.path)
+        if now == self._manifest_id:
+            return
+        try:
+            shards = read_manifest(self.path).shards if now is not None else None
+        except CollectionError:
+            shards = None
+        ours = self.manifest.shards
+        if shards is not None and len(shards) >= len(ours) and all(
+                a.generation is not None and a == b for a, b in zip(ours, shards)):
+            self._manifest_id = now  # only added to: every shard read here is as it was
+            return
+        raise CollectionError(
+            f"{self.path}: the collection was rewritten by another process (create_anndata_"
+            "collection(..., overwrite=True)) since this process opened it; its rows cannot "
+            "be mixed with those read before. Open it again (a new AnnBatchDataset or "
+            "open_collection) to read the new collection.")
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -622,6 +655,15 @@ class Collection(Source):
             f"Collection({str(self.path)!r}, n_obs={self.n_obs}, n_vars={self.n_vars}, "
             f"shards={len(self.shard_sizes)}, fields=[{fields}])"
         )
+
+
+def _manifest_identity(root: Path) -> tuple[int, int, int] | None:
+    """``(inode, size, mtime)`` of ``root/manifest.json``, ``None`` while it is absent."""
+    try:
+        st = os.stat(root / MANIFEST_NAME)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def open_collection(path: str | os.PathLike[str]) -> Collection:

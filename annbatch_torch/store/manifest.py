@@ -143,10 +143,14 @@ class FieldInfo:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard: its folder name relative to the collection root and its row count."""
+    """One shard: its folder name relative to the collection root, its row count, and the
+    write that made it (``generation``, a random id; ``None`` in collections written before
+    it was recorded): a reader sees whether a shard it reads was replaced since it opened
+    the collection."""
 
     path: str
     n_obs: int
+    generation: str | None = None
 
 
 @dataclass
@@ -180,7 +184,9 @@ class Manifest:
             "n_vars": self.n_vars,
             "var_names_file": VAR_NAMES_NAME,
             "var_names_sha256": var_names_digest(self.var_names),
-            "shards": [{"path": s.path, "n_obs": s.n_obs} for s in self.shards],
+            "shards": [{"path": s.path, "n_obs": s.n_obs,
+                        **({"generation": s.generation} if s.generation else {})}
+                       for s in self.shards],
             "fields": {k: v.to_json() for k, v in self.fields.items()},
             "shuffle": self.shuffle,
             "seed": self.seed,
@@ -337,7 +343,10 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
         shards, where_to = [], []
         for s in raw_shards:
             where_to.append(_safe_child(root, s["path"], "shard", str(mpath)))
-            shards.append(ShardInfo(s["path"], _json_int(s["n_obs"], "n_obs")))
+            gen = s.get("generation")
+            if gen is not None and not isinstance(gen, str):
+                raise TypeError(f"shard generation must be a string, got {gen!r}")
+            shards.append(ShardInfo(s["path"], _json_int(s["n_obs"], "n_obs"), gen))
     except (KeyError, TypeError, ValueError) as e:
         raise CollectionError(
             f"{mpath}: missing or malformed entry {e}; the manifest is damaged, rewrite the "

@@ -55,6 +55,7 @@ written, including all-zero ones (the manifest says so, readers check it). All o
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -545,6 +546,8 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
               "zarr_format": opts["zarr_format"], "zarr_chunk_elems": opts["chunk_elems"],
               "zarr_shard_elems": opts["shard_elems"],
               "compressor": compressor if isinstance(compressor, str) else repr(compressor)}
+    generation = secrets.token_hex(8)  # this write's shards, told apart from a rewrite's
+    shards = [dataclasses.replace(s, generation=generation) for s in shards]
     manifest = Manifest(
         n_obs=sum(s.n_obs for s in shards), n_vars=len(schema.var_names), shards=shards,
         fields=fields, var_names=[str(v) for v in schema.var_names], seed=seed,
