@@ -417,8 +417,8 @@ class AnnBatchDataset(IterableDataset):
             "chunk_size": self.chunk_size, "preload_nchunks": self.preload_nchunks,
             "shuffle": self.shuffle, "drop_last": self.drop_last,
             "even_batches": self.even_batches,
-            "chunk_ids": None if ids is None else zlib.crc32(ids.tobytes()),
-            "sampler": None if self.sampler is None else repr(self.sampler),
+            "chunk_ids": None if ids is None else zlib.crc32(np.sort(ids).tobytes()),
+            "sampler": None if self.sampler is None else self.sampler.signature,
         }
 
     def state_dict(self) -> dict[str, Any]:

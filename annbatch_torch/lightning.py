@@ -358,6 +358,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
         """
         loader = self._train_loader_for_epoch()
         self._end_forced_reload()
+        limit = getattr(getattr(self, "trainer", None), "limit_train_batches", None)
+        if isinstance(limit, int | float) and not isinstance(limit, bool):
+            loader.epoch_limit = limit  # a state at the limit is the epoch's end
         if self._pending_loader_state is not None:  # a mid-epoch checkpoint: exact resume
             loader.load_state_dict(self._pending_loader_state)
             self._pending_loader_state = None

@@ -24,6 +24,7 @@ value Lightning passes to ``set_epoch``; ``trainer.current_epoch`` can lag it th
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -35,6 +36,8 @@ from .annbatch_dataset import AnnBatchDataset
 from .read.densify import Densifying
 
 __all__ = ["AnnBatchDataLoader", "EpochForwardingSampler"]
+
+logger = logging.getLogger(__name__)
 
 # torchdata 0.11 calls torch.set_vital, which torch >= 2.9 deprecates, at every epoch
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning,
@@ -102,6 +105,9 @@ class AnnBatchDataLoader(StatefulDataLoader):
         #: whether the last :meth:`load_state_dict` resumed an epoch saved on another number
         #: of ranks or workers (its batches are dealt anew, and its ``len`` differs)
         self.resumed_elsewhere = False
+        #: the batches an epoch is cut to (Lightning's ``limit_train_batches``: an int, or a
+        #: fraction of the epoch), for ``finished_starts_next_epoch``; ``None``: all
+        self.epoch_limit: int | float | None = None
         # DataLoader forbids assigning `sampler` after __init__; iterable-style loaders only
         # use it as an infinite source of None, which this sampler still is.
         object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))
@@ -146,21 +152,32 @@ class AnnBatchDataLoader(StatefulDataLoader):
         ds_state = saved.dataset_state
         world, workers = self.dataset.world_size, max(1, self.num_workers)
         saved_world = int(ds_state.get("world_size") or world)  # None in states of 0.1.0
-        if self.finished_starts_next_epoch:
-            segments = [resume.Segment.from_json(s) for s in ds_state.get("segments") or []]
-            total = sum(sampling.total_batches(self.dataset.plan(
-                saved.epoch, w, saved.workers, rank=0, world_size=saved_world,
-                segments=segments)) for w in range(saved.workers))
-            if saved.steps >= total:
-                # the epoch was done (Lightning: a checkpoint at its last step, applied to
-                # the next epoch's iterator): start the next epoch afresh
-                if saved.epoch + 1 > self.dataset.epoch:
-                    self.dataset.set_epoch(saved.epoch + 1)
-                super().load_state_dict({})
-                return
-        if (saved_world, saved.workers) != (world, workers):  # elastic: the rest, dealt anew
-            self.dataset.load_state_dict({**ds_state, "steps": saved.steps})
-            self.resumed_elsewhere = True
+        if self.finished_starts_next_epoch and self._finished(saved, saved_world):
+            # the epoch was done (Lightning: a checkpoint at its last step, applied to the
+            # next epoch's iterator): start the next epoch afresh
+            if saved.epoch + 1 > self.dataset.epoch:
+                self.dataset.set_epoch(saved.epoch + 1)
+            super().load_state_dict({})
+            return
+        if (not saved.multiprocess and saved.steps and not ds_state.get("batches")
+                and not ds_state.get("segments")):
+            # without workers the dataset's state is taken with the loader's: set_epoch moved
+            # on after the last batch (a checkpoint between epochs), the next one is whole
+            self.dataset.load_state_dict(ds_state)
+            super().load_state_dict({})
+            return
+        if saved.epoch < self.dataset.epoch:  # stale: that epoch runs from its start, and
+            logger.info("AnnBatchDataLoader: epoch %d is set, later than the loaded state's "
+                        "(%d); it runs from its start.", self.dataset.epoch, saved.epoch)
+            super().load_state_dict({})  # nothing of the old epoch's iterator carries over
+            return
+        if (saved_world, saved.workers, saved.multiprocess) != (world, workers,
+                                                                self.num_workers > 0):
+            # another topology (or 0 <-> 1 workers, whose torchdata states differ): the
+            # rest of the epoch is dealt anew (with 1 worker as without: the same plan)
+            self.dataset.load_state_dict({**ds_state, "world_size": saved_world,
+                                          "num_workers": saved.workers, "steps": saved.steps})
+            self.resumed_elsewhere = (saved_world, saved.workers) != (world, workers)
             super().load_state_dict({})
             return
         # the same topology: torchdata restores each copy; this copy knows the epoch's
@@ -172,3 +189,20 @@ class AnnBatchDataLoader(StatefulDataLoader):
                       for w in range(workers)]
             state["_snapshot"] = resume.for_rank(snap, counts)
         super().load_state_dict(state)
+
+    def _finished(self, saved: resume.LoaderProgress, saved_world: int) -> bool:
+        """Whether ``saved`` was taken at its epoch's end: after every batch of its
+        topology, or at :attr:`epoch_limit`."""
+        segments = [resume.Segment.from_json(s) for s in saved.dataset_state.get("segments")
+                    or []]
+        total = sum(seg.steps for seg in segments) + sum(
+            sampling.total_batches(self.dataset.plan(saved.epoch, w, saved.workers, rank=0,
+                                                     world_size=saved_world,
+                                                     segments=segments))
+            for w in range(saved.workers))
+        limit = self.epoch_limit
+        if isinstance(limit, float) and limit < 1.0:
+            total = max(1, int(total * limit))
+        elif isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            total = min(total, limit)
+        return saved.epoch_steps >= total

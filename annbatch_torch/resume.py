@@ -126,8 +126,11 @@ class _Loaded:
 
     def as_segment(self) -> Segment:
         """This state's own part of the epoch, as a segment to resume elsewhere."""
-        assert self.world_size is not None
-        assert self.steps is not None
+        if self.world_size is None or self.steps is None:
+            raise ValueError(
+                "load_state_dict: a state without world_size or the loader's step cannot "
+                "resume on another topology; load AnnBatchDataLoader.state_dict() into an "
+                "AnnBatchDataLoader (or resume on the same ranks and workers).")
         return Segment(self.world_size, self.num_workers, self.steps)
 
 
@@ -258,7 +261,10 @@ class Resumer:
                     f"Cannot resume: the saved state comes from worker {pending.worker} of "
                     f"{pending.num_workers} DataLoader workers, this is worker {world.worker} "
                     f"of {world.num_workers}.")
-            segments, skip = pending.segments, pending.batches
+            segments = pending.segments
+            # one worker's count is its rank's: the loader's step, when it handed one over
+            skip = (pending.steps if pending.steps is not None and pending.num_workers == 1
+                    else pending.batches)
         elif pending is not None:
             if pending.steps is None:
                 raise ValueError(
@@ -394,6 +400,8 @@ class LoaderProgress:
     steps: int
     workers: int
     dataset_state: Mapping[str, Any]
+    #: a state of a loader with workers (torchdata's multi-process format)
+    multiprocess: bool = False
 
     @property
     def epoch_steps(self) -> int:
@@ -419,7 +427,7 @@ def loader_progress(state: Mapping[str, Any]) -> LoaderProgress | None:
               None)
     if ds is None or not isinstance(step, int) or isinstance(step, bool) or step < 0:
         return None
-    return LoaderProgress(ds["epoch"], step, workers, ds)
+    return LoaderProgress(ds["epoch"], step, workers, ds, isinstance(snap, dict))
 
 
 def for_rank(snap: dict[str, Any], counts: Sequence[int]) -> dict[str, Any]:

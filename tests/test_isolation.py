@@ -158,3 +158,15 @@ def test_two_iterators_of_one_dataset(store: Path) -> None:
     for x, y in zip(a, b):  # interleaved, independent, the same epoch
         np.testing.assert_array_equal(x["index"], y["index"])
     assert ds.state_dict()["batches"] == other.state_dict()["batches"] == len(ds)
+
+
+def test_metadata_readers_refuse_a_rewritten_collection(store: Path) -> None:
+    """obs_names_at maps batch["index"] back to cells: after a rewrite it must not answer
+    with the new write's names."""
+    coll = abt.open_collection(store)
+    names = coll.obs_names_at([0, 1, 2])
+    _rewrite(store)
+    with pytest.raises(CollectionError, match="rewritten"):
+        coll.obs_names_at([0, 1, 2])
+    assert list(abt.open_collection(store).obs_names_at([0])) != []
+    assert len(names) == 3

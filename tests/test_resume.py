@@ -205,3 +205,63 @@ def test_a_state_of_another_plan_is_refused_and_an_old_state_loads(h5ad: Path) -
     fresh = _ds(h5ad)
     fresh.load_state_dict(old)
     assert len(list(fresh)) == len(ds) - 1
+
+
+@pytest.mark.parametrize(("before", "after"), [(0, 1), (1, 0), (2, 0), (0, 2)])
+def test_worker_count_changes_resume_exactly(h5ad: Path, before: int, after: int) -> None:
+    """0 <-> 1 workers (torchdata's two state formats, one plan: the very rest, in order)
+    and 2 <-> 0 (the rest dealt anew): every batch of the epoch once."""
+    full = _epoch(h5ad, 0, before)
+    loader = AnnBatchDataLoader(_ds(h5ad), num_workers=before)
+    it = iter(loader)
+    head = [next(it)["index"].numpy().copy() for _ in range(10)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    resumed = AnnBatchDataLoader(_ds(h5ad), num_workers=after)
+    resumed.load_state_dict(state)
+    rest = _run(resumed)
+    assert len(head) + len(rest) == len(full)
+    rows = np.concatenate(head + rest)
+    assert sorted(rows.tolist()) == sorted(np.concatenate(full).tolist())
+    if {before, after} == {0, 1}:
+        assert _same(head + rest, full)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stale_state_carries_nothing_into_the_later_epoch(h5ad: Path, num_workers: int
+                                                           ) -> None:
+    """A mid-epoch-0 state loaded after set_epoch(1): epoch 1 runs whole and in order, and
+    a state saved in it counts only its own batches."""
+    loader = AnnBatchDataLoader(_ds(h5ad), num_workers=num_workers)
+    it = iter(loader)
+    for _ in range(10):
+        next(it)
+    state = loader.state_dict()
+    del it
+    fresh = _ds(h5ad)
+    fresh.set_epoch(1)
+    resumed = AnnBatchDataLoader(fresh, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    head = [next(it)["index"].numpy().copy() for _ in range(5)]
+    mid = resumed.state_dict()
+    from annbatch_torch import resume
+
+    saved = resume.loader_progress(mid)
+    assert saved is not None
+    assert (saved.epoch, saved.steps) == (1, 5)
+    rest = [b["index"].numpy().copy() for b in it]
+    assert _same(head + rest, _epoch(h5ad, 1, num_workers))
+
+
+def test_a_sampler_with_other_weights_is_another_plan(h5ad: Path) -> None:
+    from annbatch_torch import WeightedSampler
+
+    def ds(weights: list[float]) -> AnnBatchDataset:
+        return AnnBatchDataset(h5ad, selector={"x": A.X}, batch_size=32, seed=9,
+                               sampler=WeightedSampler(weights, num_samples=500))
+    a = ds([1.0] * 500 + [2.0] * 500)
+    next(iter(a))
+    with pytest.raises(ValueError, match="sampler="):
+        ds([2.0] * 500 + [1.0] * 500).load_state_dict(a.state_dict())
+    ds([1.0] * 500 + [2.0] * 500).load_state_dict(a.state_dict())  # the same: loads

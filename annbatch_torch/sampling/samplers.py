@@ -23,6 +23,7 @@ class, int32) plus ``O(n_classes)``; :class:`SubsetSampler` 8 bytes per subset r
 from __future__ import annotations
 
 import copy
+import zlib
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,10 @@ class Sampler:
     _pure = False
     #: prepare() builds ``allowed`` into the tables, so bind need not keep it
     _drops_allowed = False
+    #: what identifies the bound sampler's streams (set by :meth:`bind`: its repr, epoch
+    #: length and a checksum of the start of its ``(seed=0, epoch=0)`` stream and of
+    #: ``allowed``); resume states record it
+    signature: str = ""
 
     # -- binding ---------------------------------------------------------------------
     def bind(self, n_obs: int, columns: Mapping[str, ObsColumn],
@@ -132,10 +137,15 @@ class Sampler:
         n = len(bound)
         if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
             raise SamplerError(f"{self!r}: an epoch must hold at least one row, got {n!r}.")
+        head = min(int(n), 4096)
+        first = np.array(bound.rows(0, 0, 0, head), dtype=np.int64, copy=True)
+        bound._epoch_cache = None
+        # what a resume state records of the sampler: its arguments show in the stream
+        bound.signature = (f"{bound!r}; {int(n)} rows per epoch; stream crc32 "
+                           f"{zlib.crc32(first.tobytes()):08x}" + (
+                               "" if bound.allowed is None else
+                               f"; allowed crc32 {zlib.crc32(bound.allowed.tobytes()):08x}"))
         if not bound._pure:  # a sampler of the user's: every process must draw the same
-            head = min(int(n), 4096)
-            first = np.array(bound.rows(0, 0, 0, head), copy=True)
-            bound._epoch_cache = None
             if not np.array_equal(first, bound.rows(0, 0, 0, head)):
                 raise SamplerError(
                     f"{self!r} gives other rows when asked twice for the same (seed, epoch), "

@@ -55,18 +55,24 @@ T = TypeVar("T")
 
 
 def _damage_is_collection_error(method: Callable[..., T]) -> Callable[..., T]:
-    """``method`` of a collection, whose failures to read bytes (a truncated or corrupted
-    chunk) raise :class:`CollectionError` with the rewrite fix, as batch reads do."""
+    """``method`` of a collection that reads its shards: from the collection as it was
+    opened (:meth:`Source.check_current` before and after, as batch reads do), and whose
+    failures to read bytes (a truncated or corrupted chunk) raise :class:`CollectionError`
+    with the rewrite fix."""
 
     @functools.wraps(method)
     def wrapped(self: Source, *args: Any, **kwargs: Any) -> T:
+        self.check_current()
         try:
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
         except CollectionError:
             raise
         except (OSError, RuntimeError) as e:  # e.g. rawzarr's ChunkError, a codec's error
+            self.check_current()  # a rewrite explains it
             raise CollectionError(f"{self.describe()}: {type(e).__name__}: {e}. "
                                   f"{self.DAMAGE_FIX}") from e
+        self.check_current()
+        return out
 
     return wrapped
 
