@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,38 +181,47 @@ def _frames(path: Path, f: Any, k: int) -> list[tuple[int, np.ndarray]]:
     return frames
 
 
-def bucket_totals(path: Path, segments: list[Segment]) -> dict[str, int]:
-    """Elements of every segment in a bucket (from its frame headers; nothing else read).
-    A bucket that was never written holds nothing."""
-    if not path.exists():
-        return {s.name: 0 for s in segments}
-    with open(path, "rb", buffering=0) as f:
-        frames = _frames(path, f, len(segments))
-    totals = np.sum([lens for _, lens in frames], axis=0) if frames else [0] * len(segments)
+def _bucket_paths(path: Path | Sequence[Path]) -> list[Path]:
+    """The files of one bucket that exist (one per pass-1 task that wrote to it)."""
+    paths = [path] if isinstance(path, Path) else list(path)
+    return [p for p in paths if p.exists()]
+
+
+def bucket_totals(path: Path | Sequence[Path], segments: list[Segment]) -> dict[str, int]:
+    """Elements of every segment in a bucket (from its frame headers; nothing else read),
+    held in one file or in several. A bucket that was never written holds nothing."""
+    totals = np.zeros(len(segments), dtype=np.int64)
+    for p in _bucket_paths(path):
+        with open(p, "rb", buffering=0) as f:
+            for _, lens in _frames(p, f, len(segments)):
+                totals += lens
     return {s.name: int(t) // s.dtype.itemsize for t, s in zip(totals, segments)}
 
 
-def load_bucket(path: Path, segments: list[Segment]) -> dict[str, np.ndarray]:
-    """Read every frame of a bucket into one preallocated array per segment (a bucket that
-    was never written: empty arrays)."""
+def load_bucket(path: Path | Sequence[Path], segments: list[Segment]) -> dict[str, np.ndarray]:
+    """Read every frame of a bucket (one file or several) into one preallocated array per
+    segment (a bucket that was never written: empty arrays)."""
     k = len(segments)
-    if not path.exists():
-        return {s.name: np.zeros((0, s.per_row) if s.matrix else 0, dtype=s.dtype)
-                for s in segments}
-    with open(path, "rb", buffering=0) as f:
-        frames = _frames(path, f, k)
-        totals = np.sum([lens for _, lens in frames], axis=0) if frames else np.zeros(k, int)
-        out = [np.empty(int(t) // s.dtype.itemsize, dtype=s.dtype)
-               for t, s in zip(totals, segments)]
-        cursor = [0] * k
-        for start, lens in frames:
-            f.seek(start)
-            for j, n in enumerate(lens):
-                n = int(n)
-                view = memoryview(out[j].view(np.uint8))[cursor[j] : cursor[j] + n]
-                while len(view):
-                    view = view[f.readinto(view):]
-                cursor[j] += n
+    files = []
+    for p in _bucket_paths(path):
+        with open(p, "rb", buffering=0) as f:
+            files.append((p, _frames(p, f, k)))
+    totals = np.zeros(k, dtype=np.int64)
+    for _, frames in files:
+        for _, lens in frames:
+            totals += lens
+    out = [np.empty(int(t) // s.dtype.itemsize, dtype=s.dtype) for t, s in zip(totals, segments)]
+    cursor = [0] * k
+    for p, frames in files:
+        with open(p, "rb", buffering=0) as f:
+            for start, lens in frames:
+                f.seek(start)
+                for j, n in enumerate(lens):
+                    n = int(n)
+                    view = memoryview(out[j].view(np.uint8))[cursor[j] : cursor[j] + n]
+                    while len(view):
+                        view = view[f.readinto(view):]
+                    cursor[j] += n
     arrays = {}
     n_rows = out[0].size if out else 0  # the first segment is "pos": one per row
     for s, a in zip(segments, out):
@@ -402,9 +411,11 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
         buckets.append(int(bucket[r0]), r1 - r0, arrays)
 
 
-def iter_blocks(src: InputSource, readers: dict[str, Any], budget: int,
-            schema: Schema) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-    """Row blocks ``[a, b)`` of ``src`` whose in-memory working set fits ``budget``."""
+def iter_blocks(src: InputSource, readers: dict[str, Any], budget: int, schema: Schema,
+                start: int = 0, stop: int | None = None
+                ) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+    """Row blocks ``[a, b)`` of ``src`` (of its rows ``[start, stop)``, default all) whose
+    in-memory working set fits ``budget``."""
     fixed = 400.0
     nnz_cost: dict[str, float] = {}
     for f in schema.fields:
@@ -416,7 +427,7 @@ def iter_blocks(src: InputSource, readers: dict[str, Any], budget: int,
                 nnz_cost[f.key] = 8.0 + 3.0 * (4 + f.dtype.itemsize) + 8.0
         else:
             fixed += 24.0
-    a, n = 0, src.n_obs
+    a, n = start, src.n_obs if stop is None else stop
     while a < n:
         b = min(n, a + max(1, min(1 << 20, int(budget // fixed))))
         ips = {k: src.named_read(f"{k}/indptr rows [{a}, {b}]",

@@ -277,6 +277,8 @@ def create_anndata_collection(
     zarr_shard_elems: int | None = DEFAULT_SHARD_ELEMS,
     compressor: Any = "raw",
     value_check: Callable[[str, str, Any], None] | None = None,
+    scheduler: Any = None,
+    n_workers: int | None = None,
 ) -> Collection:
     """Shuffle AnnData inputs into a collection of zarr shards, out of core.
 
@@ -349,7 +351,17 @@ def create_anndata_collection(
     value_check
         Hook called as ``value_check(input_label, field, block)`` on every block of X,
         layers and obsm read (CSR matrix or array); raise to reject an input (e.g. NaN or
-        negative counts).
+        negative counts). With a ``scheduler`` it runs in the workers: it must pickle.
+    scheduler
+        Where the two passes run. ``None`` (default): this process, one task after the
+        other. ``"processes"``: a local Dask cluster of ``n_workers`` processes started for
+        this write; ``"threads"``: one process of ``n_workers`` threads (in-memory AnnData
+        inputs need it or ``None``). A ``dask.distributed.Client``: its cluster, whose
+        workers must see the inputs and the output folder at the same paths (shared
+        storage). The shards are the same whatever the scheduler (the same rows at the same
+        positions); ``max_memory`` bounds each worker. Needs the ``dask`` extra.
+    n_workers
+        Workers of a local ``scheduler`` (default: the usable CPUs).
 
     Returns
     -------
@@ -435,8 +447,16 @@ def create_anndata_collection(
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = _sibling(out, "tmp")
         tmp.mkdir()
-        shards, dtypes = _run_passes(sources, schema, tmp, n_total, (shard_obs, block_obs),
-                                     shuffle, seed, work, opts, progress, value_check)
+        if scheduler is None:
+            shards, dtypes = _run_passes(sources, schema, tmp, n_total, (shard_obs, block_obs),
+                                         shuffle, seed, work, opts, progress, value_check)
+        else:
+            from .parallel import run_passes
+
+            shards, dtypes = run_passes(
+                sources, schema, tmp, n_total, (shard_obs, block_obs),
+                permutation(n_total, shuffle, seed), work, opts, progress, value_check,
+                scheduler, n_workers)
         sync_tree(tmp)  # the shards reach the disk before a manifest can vouch for them
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor)
@@ -452,6 +472,15 @@ def create_anndata_collection(
     return open_collection(out)
 
 
+def permutation(n_total: int, shuffle: bool, seed: int) -> np.ndarray | None:
+    """``dest[g]``: the output position of global input row ``g`` (``None``: in order)."""
+    if not shuffle:
+        return None
+    dest = np.arange(n_total, dtype=np.uint32 if n_total < 2**32 else np.int64)
+    np.random.default_rng(seed).shuffle(dest)
+    return dest
+
+
 def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
                 layout: tuple[int, int], shuffle: bool, seed: int, work: int,
                 opts: dict[str, Any], progress: bool,
@@ -459,11 +488,7 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
     import zarr
 
     shard_obs, block_obs = layout
-    if shuffle:  # dest[g]: output position of global input row g
-        dest = np.arange(n_total, dtype=np.uint32 if n_total < 2**32 else np.int64)
-        np.random.default_rng(seed).shuffle(dest)
-    else:
-        dest = None
+    dest = permutation(n_total, shuffle, seed)
     segments = bucket_segments(schema.fields)
     buckets = BucketWriter(tmp / ".buckets", segments)
     csc_limit = work // 4  # converting to CSR holds it twice; pass 1 then holds it once

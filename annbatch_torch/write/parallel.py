@@ -1,0 +1,313 @@
+"""The writer's two passes as tasks on Dask: ``create_anndata_collection(scheduler=...)``.
+
+The serial writer (:mod:`.writer`) runs pass 1 input by input and pass 2 shard by shard in
+one process. Both passes are parallel by nature, and here they run as tasks on a Dask
+``distributed`` scheduler: a ``LocalCluster`` this module starts (``"processes"``,
+``"threads"``) or the caller's ``Client`` (a cluster whose workers share the file system
+holding the inputs and the output).
+
+* **Pass 1** is cut into tasks of contiguous input rows (:func:`pass1_tasks`: about four
+  per worker). A task routes its rows (the very :func:`~.shardio.route_block` of the serial
+  writer, positions from the one permutation the caller drew) into bucket files of its own
+  (``.buckets/t<task>/``), written in a part folder renamed into place when the task is done:
+  a task run again after its worker died starts afresh, and pass 2 never sees half a task.
+* **Pass 2** is one task per shard: it reads the shard's buckets from every pass-1 task's
+  folder (:func:`~.shardio.load_bucket` over several files), puts rows in position order
+  and writes the shard into a part folder renamed into place, then records it done
+  (``.buckets/<shard>.done.json``) and deletes its buckets; run again, a done shard is
+  returned as it is.
+
+Rows land at the positions the permutation gives whichever task routes them and in
+whichever order, so the shards equal the serial writer's array for array.
+
+Memory: every task sizes its blocks from the working memory the caller computed from
+``max_memory``, so ``max_memory`` bounds each worker process (about its own baseline plus
+the buffers, as in the serial writer); ``n_workers`` processes take up to ``n_workers x
+max_memory`` in all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import CollectionError, InputError
+from ..store.inputs import InputSource, open_input
+from ..store.manifest import ShardInfo
+from .schema import Schema
+from .shardio import (
+    BucketWriter,
+    Segment,
+    bucket_id,
+    bucket_segments,
+    bucket_totals,
+    iter_blocks,
+    load_bucket,
+    release_memory,
+    route_block,
+)
+from .shardstore import ShardStore
+
+__all__ = ["Pass1Task", "pass1_tasks", "run_passes", "open_scheduler", "SCHEDULERS"]
+
+logger = logging.getLogger(__name__)
+
+#: names of the local schedulers ``create_anndata_collection(scheduler=...)`` starts
+SCHEDULERS = ("processes", "threads")
+#: pass-1 tasks per worker: enough to balance inputs of unequal size, few enough that the
+#: bucket files (tasks x buckets) stay few
+TASKS_PER_WORKER = 4
+
+
+class Pass1Task(NamedTuple):
+    """Rows ``[start, stop)`` of input ``source``; ``offset``: the global input row of its
+    row 0 (the permutation is indexed by global input rows)."""
+
+    task: int
+    source: int
+    start: int
+    stop: int
+    offset: int
+
+
+def pass1_tasks(n_obs: Sequence[int], n_workers: int) -> list[Pass1Task]:
+    """Pass-1 tasks of inputs of ``n_obs`` rows: every input cut into pieces of about
+    ``total / (TASKS_PER_WORKER * n_workers)`` rows (an input with no rows takes none)."""
+    total = sum(n_obs)
+    size = max(1, -(-total // (TASKS_PER_WORKER * max(1, n_workers))))
+    tasks: list[Pass1Task] = []
+    offset = 0
+    for i, n in enumerate(n_obs):
+        pieces = -(-n // size) if n else 0
+        for k in range(pieces):
+            a, b = k * n // pieces, (k + 1) * n // pieces
+            tasks.append(Pass1Task(len(tasks), i, a, b, offset))
+        offset += n
+    return tasks
+
+
+@contextlib.contextmanager
+def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any, int]]:
+    """``(client, workers)`` of ``scheduler``: a ``LocalCluster`` started (and closed) here for
+    ``"processes"`` / ``"threads"``, or the caller's ``distributed.Client`` as it is."""
+    try:
+        import distributed
+    except ImportError as e:
+        raise InputError(
+            f"scheduler={scheduler!r} needs Dask: pip install 'annbatch-torch[dask]' (dask and "
+            "distributed); or leave scheduler=None for the single-process writer.") from e
+    if isinstance(scheduler, distributed.Client):
+        workers = len(scheduler.scheduler_info().get("workers", {})) or 1
+        yield scheduler, workers
+        return
+    if scheduler not in SCHEDULERS:
+        raise InputError(
+            f"scheduler={scheduler!r} is unknown: use None (one process), 'processes' or "
+            "'threads' (a local Dask cluster of n_workers), or a dask.distributed.Client.")
+    if n_workers is None:
+        n_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+        raise InputError(f"n_workers={n_workers!r} must be a positive integer.")
+    procs = scheduler == "processes"
+    cluster = distributed.LocalCluster(  # on loopback only (threads: in this process)
+        n_workers=n_workers if procs else 1, threads_per_worker=1 if procs else n_workers,
+        processes=procs, memory_limit=0, dashboard_address="127.0.0.1:0",
+        silence_logs=logging.ERROR, **({"host": "127.0.0.1"} if procs else {}))
+    try:
+        with distributed.Client(cluster) as client:
+            yield client, n_workers
+    finally:
+        cluster.close()
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def _source(obj: Any, index: int) -> InputSource:
+    return obj if isinstance(obj, InputSource) else open_input(obj, index)
+
+
+def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schema,
+               layout: tuple[int, int], work: int, folder: str,
+               value_check: Any) -> dict[str, str]:
+    """Pass 1 for one task: its rows into ``folder/t<task>`` (renamed into place when done).
+    Returns the fields it found bad values in (``Schema.dropped``)."""
+    shard_obs, block_obs = layout
+    schema = copy.copy(schema)  # drops are this task's, reported back
+    schema.dropped, schema.unavailable = dict(schema.dropped), dict(schema.unavailable)
+    src = _source(obj, task.source)
+    final = Path(folder) / f"t{task.task:05d}"
+    part = final.with_name(f"{final.name}.part-{secrets.token_hex(4)}")
+    buckets = BucketWriter(part, segments_of(schema))
+    try:
+        readers = {f.key: src.matrix_reader(f.key, work // 4)
+                   for f in schema.fields if f.kind in ("csr", "dense")}
+        obs = {f.key: src.obs_reader(f.key[4:])
+               for f in schema.fields if f.key.startswith("obs/")}
+        for a, b, ips in iter_blocks(src, readers, work // 2, schema, task.start, task.stop):
+            d = (np.arange(task.offset + a, task.offset + b, dtype=np.int64) if dest is None
+                 else dest[a - task.start: b - task.start].astype(np.int64))
+            route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, block_obs,
+                        buckets, value_check)
+            del d, ips
+            release_memory()
+    finally:
+        buckets.close()
+        if src is not obj:
+            src.close()
+    try:
+        os.rename(part, final)
+    except OSError:  # an earlier run of this task finished it: the same rows
+        shutil.rmtree(part, ignore_errors=True)
+    return dict(schema.dropped)
+
+
+def segments_of(schema: Schema) -> list[Segment]:
+    """The bucket frame layout of ``schema`` (every field, dropped ones as placeholders)."""
+    return bucket_segments(schema.fields)
+
+
+def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: Schema,
+                layout: tuple[int, int], opts: dict[str, Any]) -> tuple[ShardInfo, dict[str, str]]:
+    """Pass 2 for shard ``shard`` of ``n`` rows: its buckets from every pass-1 task into
+    ``tmp/shard_<s>.zarr`` (a part folder renamed into place), recorded done, its buckets
+    deleted. Returns its :class:`ShardInfo` and the stored dtypes."""
+    import zarr
+
+    shard_obs, block_obs = layout
+    name = f"shard_{shard:05d}.zarr"
+    done = Path(tmp) / ".buckets" / f"{name}.done.json"
+    if done.exists():  # an earlier run finished it
+        return ShardInfo(name, n), json.loads(done.read_text())["dtypes"]
+    segments = segments_of(schema)
+    paths = [[Path(d) / f"bucket_{bucket_id(shard, j, shard_obs, block_obs):05d}.bin"
+              for d in task_dirs] for j in range(-(-n // block_obs))]
+    totals = [bucket_totals(p, segments) for p in paths]
+    got = sum(t["pos"] for t in totals)
+    if got != n:
+        raise InputError(f"{tmp}: shard {shard} received {got} rows, expected {n}; an input "
+                         "changed while being read?")
+    nnz = {f.key: sum(t[f"{f.key}:idx"] for t in totals) for f in schema.kept
+           if f.kind == "csr"}
+    final = Path(tmp) / name
+    part = final.with_name(f"{name}.part-{secrets.token_hex(4)}")
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        store = ShardStore(part, schema.kept, n, nnz, schema.var_names, opts, schema.var,
+                           schema.raw_var)
+        for j, p in enumerate(paths):
+            arrays = load_bucket(p, segments)
+            store.append(arrays, j * block_obs)
+            del arrays
+            release_memory()
+        dtypes = store.close()
+    del store
+    release_memory()
+    if final.exists():  # a run that died between its rename and its record: the same shard
+        shutil.rmtree(final)
+    os.rename(part, final)
+    note = done.with_suffix(".tmp")
+    note.write_text(json.dumps({"dtypes": dtypes}))
+    os.replace(note, done)
+    for p in paths:
+        for f in p:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(f)
+    return ShardInfo(name, n), dtypes
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _describe(task: Pass1Task | int, sources: Sequence[InputSource]) -> str:
+    if isinstance(task, int):
+        return f"pass 2, shard {task}"
+    return f"pass 1, rows [{task.start}, {task.stop}) of {sources[task.source].label}"
+
+
+def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any) -> list[Any]:
+    """Submit ``(description, fn, args)`` calls, wait for all (the bar moves as each one
+    ends), return their results in order; the first failure cancels the rest and raises."""
+    import distributed
+
+    futures = [client.submit(fn, *args, pure=False, key=f"annbatch-{secrets.token_hex(6)}")
+               for _, fn, args in calls]
+    index = {f.key: i for i, f in enumerate(futures)}
+    results: list[Any] = [None] * len(futures)
+    try:
+        for fut in distributed.as_completed(futures):
+            i = index[fut.key]
+            try:
+                results[i] = fut.result()
+            except (InputError, CollectionError):
+                raise
+            except distributed.KilledWorker as e:
+                raise CollectionError(
+                    f"the parallel write lost its workers running {calls[i][0]} (each worker "
+                    "that ran it died); nothing was published. Rerun it, with more memory "
+                    f"per worker if they were killed for memory ({e}).") from e
+            except Exception as e:
+                raise CollectionError(f"the parallel write failed in {calls[i][0]}: "
+                                      f"{type(e).__name__}: {e}") from e
+            bar.update(1)
+    except BaseException:
+        client.cancel(futures)
+        raise
+    return results
+
+
+def run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
+               layout: tuple[int, int], dest: np.ndarray | None, work: int,
+               opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
+               n_workers: int | None) -> tuple[list[ShardInfo], dict[str, str]]:
+    """Both passes on ``scheduler``: the shards in ``tmp`` and the stored dtypes. Updates
+    ``schema.dropped`` with what pass 1 found."""
+    from tqdm.auto import tqdm
+
+    shard_obs = layout[0]
+    local_threads = scheduler == "threads"
+    for s in sources:
+        if s.path is None and not local_threads:
+            raise InputError(
+                f"{s.label} is an AnnData in memory: scheduler={scheduler!r} runs pass 1 in "
+                "other processes, which cannot see it. Fix: write it first "
+                "(adata.write_h5ad(path)) and pass the path, or use scheduler='threads'.")
+    folder = tmp / ".buckets"
+    folder.mkdir(exist_ok=True)
+    with open_scheduler(scheduler, n_workers) as (client, workers):
+        tasks = pass1_tasks([s.n_obs for s in sources], workers)
+        n_shards = -(-n_total // shard_obs)
+        logger.info("Writing on %d Dask workers (%s): %d pass-1 tasks, %d shards; each worker "
+                    "within max_memory, %d x that in all.", workers,
+                    scheduler if isinstance(scheduler, str) else "a Client", len(tasks),
+                    n_shards, workers)
+        objs = [s if s.path is None else s.path for s in sources]
+        with tqdm(total=len(tasks) + n_shards, desc=f"shuffle on {workers} workers",
+                  unit="tasks", disable=not progress, dynamic_ncols=True, leave=False) as bar:
+            calls = [(_describe(t, sources), route_task, (
+                t, objs[t.source], None if dest is None
+                else dest[t.offset + t.start: t.offset + t.stop], schema, layout, work,
+                str(folder), value_check)) for t in tasks]
+            for dropped in _run(client, calls, bar):
+                for key, reason in dropped.items():
+                    schema.drop(key, reason)
+            task_dirs = [str(folder / f"t{t.task:05d}") for t in tasks]
+            calls = [(_describe(s, sources), write_shard, (
+                s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,
+                schema, layout, opts)) for s in range(n_shards)]
+            done = _run(client, calls, bar)
+    shutil.rmtree(folder, ignore_errors=True)
+    dtypes: dict[str, str] = {}
+    for _, d in done:
+        dtypes.update(d)
+    return [info for info, _ in done], dtypes
