@@ -34,6 +34,7 @@ from .store.zarrs import set_codec_pipeline
 
 if TYPE_CHECKING:
     from .lightning import AnnBatchDataModule
+    from .write.append import append_to_collection
     from .write.prepare import prepare_collection
     from .write.writer import create_anndata_collection
 
@@ -58,6 +59,7 @@ __all__ = [
     "Source",
     "SubsetSampler",
     "WeightedSampler",
+    "append_to_collection",
     "batch_dict_converter",
     "create_anndata_collection",
     "datasets",
@@ -74,6 +76,10 @@ def __getattr__(name: str) -> Any:
         from .write.writer import create_anndata_collection
 
         return create_anndata_collection
+    if name == "append_to_collection":
+        from .write.append import append_to_collection
+
+        return append_to_collection
     if name == "prepare_collection":
         from .write.prepare import prepare_collection
 

@@ -51,6 +51,7 @@ _EXAMPLES = """\
 Examples:
 
     annbatch-torch shuffle a.h5ad b.zarr -o store/ --var-join outer --max-memory 4GB
+    annbatch-torch append store/ c.h5ad
     annbatch-torch info store/
     annbatch-torch info a.h5ad
     annbatch-torch demo --n-obs 20000
@@ -373,6 +374,16 @@ def _shuffle(args: argparse.Namespace, parser: CliParser) -> int:
     return 0
 
 
+def _append(args: argparse.Namespace, parser: CliParser) -> int:
+    from .write.append import append_to_collection
+
+    coll = append_to_collection(**parser.api_kwargs(args))
+    added = int(coll.manifest.extra["appended"][-1]["n_obs"])
+    print(f"appended {added:,} cells to {coll.path}: {coll.n_obs:,} cells in "
+          f"{len(coll.shards)} shards")
+    return 0
+
+
 # -- info --------------------------------------------------------------------------------
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -600,6 +611,14 @@ _PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {"demo": _demo, "bench": _
 
 
 # -- the parser ----------------------------------------------------------------------------
+def _scheduler_feeds(cmd: CliParser) -> None:
+    cmd.feed("--scheduler", param="scheduler", choices=["processes", "threads"],
+             help="run the two passes on a local Dask cluster of --n-workers processes (or "
+                  "threads; the dask extra); default: this process")
+    cmd.feed("--n-workers", param="n_workers", type=int, metavar="N",
+             help="workers of --scheduler (default: the usable CPUs)")
+
+
 def build_parser() -> CliParser:
     """The ``annbatch-torch`` argument parser.
 
@@ -678,7 +697,31 @@ def build_parser() -> CliParser:
     s.feed("--compressor", param="compressor", metavar="CODEC",
            help="raw (uncompressed + CRC-32C, fastest reads), lz4, zstd or none (no "
                 "checksum) (default: %(default)s)")
+    _scheduler_feeds(s)
     s.set_defaults(func=_shuffle)
+
+    from .write.append import append_to_collection
+
+    a = sub.add_parser(
+        "append", help="add AnnData files to a collection as new shards (nothing rewritten)",
+        description="Add the cells of .h5ad files / AnnData zarr stores to a collection as "
+        "new shards, shuffled among themselves; existing shards are not touched and the "
+        "manifest is replaced last. The options are those of "
+        "annbatch_torch.append_to_collection, with its defaults.",
+        api="append_to_collection", signature=inspect.signature(append_to_collection),
+    )
+    p.commands["append"] = a
+    a.feed("store", param="collection", metavar="STORE", help="the collection folder")
+    a.feed("inputs", param="adata_paths", nargs="+", metavar="INPUT",
+           help=".h5ad files or AnnData zarr stores to add")
+    a.feed("--seed", param="seed", type=int,
+           help="seed of the shuffle of the new cells (default: %(default)s)")
+    a.feed("--max-memory", param="max_memory", metavar="SIZE",
+           help="peak RSS bound of the whole process, e.g. 4GB (default: as shuffle's)")
+    a.feed("--no-progress", param="progress", action="store_true",
+           help="hide the progress bars (default: shown on stderr)")
+    _scheduler_feeds(a)
+    a.set_defaults(func=_append)
 
     i = sub.add_parser(
         "info", help="describe a collection (schema, sizes, categories) or an AnnData input",

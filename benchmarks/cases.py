@@ -93,14 +93,17 @@ def _check_dense(batch: dict[str, Any]) -> None:
 
 
 # -- the writer and its baseline -----------------------------------------------------
-def case_writer(cfg: Config) -> Result:
-    """``create_anndata_collection`` on the two grouped h5ad files (time, peak RSS)."""
+def _write(cfg: Config, paths: list[Any], store: Path, *, append_to: Path | None = None,
+           **extra: Any) -> Result:
+    """Time and peak RSS (this process and its children: Dask workers too) of one write:
+    ``create_anndata_collection(paths, store, **extra)``, or with ``append_to`` the append
+    of ``paths`` to that collection."""
     import annbatch_torch as abt
 
     writer = abt.create_anndata_collection
     params = inspect.signature(writer).parameters
     kwargs: dict[str, Any] = {"seed": cfg["seed"], "overwrite": True,
-                              **cfg.get("writer_kwargs", {})}
+                              **cfg.get("writer_kwargs", {}), **extra}
     if cfg.get("max_memory") is not None:
         kwargs["max_memory"] = cfg["max_memory"]
     if "obs_columns" in params:
@@ -112,14 +115,21 @@ def case_writer(cfg: Config) -> Result:
     with MemoryMonitor(interval=0.05) as mon:
         clock = CpuClock()
         t0 = time.perf_counter()
-        coll = writer(cfg["paths"], cfg["store"], **kwargs)
+        if append_to is None:
+            coll = writer(paths, store, **kwargs)
+        else:
+            keep = ("seed", "max_memory", "progress", "scheduler", "n_workers")
+            coll = abt.append_to_collection(append_to, paths,
+                                            **{k: v for k, v in kwargs.items() if k in keep})
         seconds = time.perf_counter() - t0
         cpu = clock.read()
-    files = [f for f in Path(cfg["store"]).rglob("*") if f.is_file()]
+    n_new = (coll.n_obs if append_to is None
+             else int(coll.manifest.extra["appended"][-1]["n_obs"]))
+    files = [f for f in Path(coll.path).rglob("*") if f.is_file()]
     store_bytes = sum(f.stat().st_size for f in files)
     out = {
         "seconds": seconds,
-        "cells_per_s": coll.n_obs / seconds,
+        "cells_per_s": n_new / seconds,
         "max_memory": max_memory,
         "max_memory_bytes": _memory_bytes(max_memory),
         "n_shards": len(coll.shard_sizes),
@@ -129,12 +139,61 @@ def case_writer(cfg: Config) -> Result:
         "files_per_million_cells": len(files) * 1e6 / max(coll.n_obs, 1),
         "bytes_per_cell": store_bytes / max(coll.n_obs, 1),
         "kwargs": {k: v for k, v in kwargs.items() if k != "overwrite"},
-        "layout": _store_layout(Path(cfg["store"])),
+        "layout": _store_layout(Path(coll.path)),
         "cpu": cpu,
-        "cells_per_cpu_s": coll.n_obs / cpu["own_cpu_s"] if cpu["own_cpu_s"] else None,
+        "cells_per_cpu_s": n_new / cpu["own_cpu_s"] if cpu["own_cpu_s"] else None,
     }
     out.update(mon.summary())
     return out
+
+
+def case_writer(cfg: Config) -> Result:
+    """``create_anndata_collection`` on the two grouped h5ad files (time, peak RSS)."""
+    return _write(cfg, cfg["paths"], Path(cfg["store"]))
+
+
+def case_writer_parallel(cfg: Config) -> Result:
+    """The writer on a local Dask cluster of 2 processes (``scheduler="processes"``),
+    into a store of its own; peak RSS per worker among the children."""
+    store = Path(str(cfg["store"]) + "_parallel")
+    return _write(cfg, cfg["paths"], store, scheduler="processes", n_workers=2)
+
+
+def case_append(cfg: Config) -> Result:
+    """The second input appended to a collection of the first (the append timed), next to
+    ``append_alone``: the second input written alone."""
+    import annbatch_torch as abt
+
+    base = Path(str(cfg["store"]) + "_append")
+    abt.create_anndata_collection(cfg["paths"][:1], base, seed=cfg["seed"], overwrite=True,
+                                  obs_columns=["cell_type"], progress=False,
+                                  **cfg.get("writer_kwargs", {}))
+    out = _write(cfg, cfg["paths"][1:], base, append_to=base)
+    out["entropy"] = _store_entropy(base, _n_classes(cfg))
+    # the full rewrite of both inputs (the writer case's store), measured alike
+    if (Path(cfg["store"]) / "manifest.json").exists():
+        out["rewrite_entropy"] = _store_entropy(Path(cfg["store"]), _n_classes(cfg))
+    return out
+
+
+def case_append_alone(cfg: Config) -> Result:
+    """The second input written alone (what an append should cost about as much as)."""
+    return _write(cfg, cfg["paths"][1:], Path(str(cfg["store"]) + "_alone"))
+
+
+def _store_entropy(store: Path, n_classes: int, batches: int = 200) -> float:
+    """Mean per-batch entropy of ``cell_type`` (nats) over the first ``batches`` batches of a
+    chunked epoch of ``store``: how well pools mix its cells."""
+    import annbatch_torch as abt
+
+    ds = abt.AnnBatchDataset(store, selector={"y": abt.A.obs["cell_type"]}, batch_size=4096,
+                             seed=0)
+    labels = []
+    for i, b in enumerate(ds):
+        if i == batches:
+            break
+        labels.append(b["y"].numpy())
+    return batch_entropy(labels, n_classes)
 
 
 def _memory_bytes(value: Any) -> int | None:
@@ -827,6 +886,9 @@ def case_ceiling_disk_parallel_cold(cfg: Config) -> Result:
 # -- registry ---------------------------------------------------------------------------
 CASES: dict[str, Callable[[Config], Result]] = {
     "writer": case_writer,
+    "writer_parallel": case_writer_parallel,
+    "append": case_append,
+    "append_alone": case_append_alone,
     "anndata_write": case_anndata_write,
     "ceiling_inmemory": case_ceiling_inmemory,
     "ceiling_seq_zarr": case_ceiling_seq_zarr,

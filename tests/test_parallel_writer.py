@@ -138,6 +138,7 @@ def test_a_failing_task_fails_the_write_and_leaves_nothing(client: Any, tmp_path
     with pytest.raises(Exception, match=r"in1\.h5ad: X has values this test refuses"):
         abt.create_anndata_collection(paths, tmp_path / "par", scheduler=client,
                                       value_check=dask_helpers.RejectInput("in1.h5ad"), **kw)
+    time.sleep(1.0)  # no task writes on after the call returned
     assert not (tmp_path / "par").exists()
     assert not list(tmp_path.glob("par.tmp-*"))
     # cleanly restartable: the same call again, without the refusal

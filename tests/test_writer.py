@@ -592,7 +592,7 @@ def test_peak_memory_bounded(tmp_path: Path) -> None:
     process (``getrusage().ru_maxrss``, cross-checked with ``VmHWM``) must stay under it.
     """
     extra = 200_000_000
-    n_obs = 44_000
+    n_obs = 60_000
     paths = write_synthetic_h5ads(tmp_path / "in", 2, n_obs // 2, 2000, layers=("counts",),
                                   seed=2)
     size = sum(p.stat().st_size for p in paths)

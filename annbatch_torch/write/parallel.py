@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 #: names of the local schedulers ``create_anndata_collection(scheduler=...)`` starts
 SCHEDULERS = ("processes", "threads")
+#: a file in the bucket folder that tells the tasks still to run that the write failed
+ABANDONED = ".abandoned"
 #: pass-1 tasks per worker: enough to balance inputs of unequal size, few enough that the
 #: bucket files (tasks x buckets) stay few
 TASKS_PER_WORKER = 4
@@ -156,6 +158,8 @@ def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schem
         obs = {f.key: src.obs_reader(f.key[4:])
                for f in schema.fields if f.key.startswith("obs/")}
         for a, b, ips in iter_blocks(src, readers, work // 2, schema, task.start, task.stop):
+            if (Path(folder) / ABANDONED).exists():  # the write failed elsewhere: stop
+                return {}
             d = (np.arange(task.offset + a, task.offset + b, dtype=np.int64) if dest is None
                  else dest[a - task.start: b - task.start].astype(np.int64))
             route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, block_obs,
@@ -179,15 +183,18 @@ def segments_of(schema: Schema) -> list[Segment]:
 
 
 def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: Schema,
-                layout: tuple[int, int], opts: dict[str, Any]) -> tuple[ShardInfo, dict[str, str]]:
+                layout: tuple[int, int], opts: dict[str, Any], first_shard: int = 0
+                ) -> tuple[ShardInfo, dict[str, str]]:
     """Pass 2 for shard ``shard`` of ``n`` rows: its buckets from every pass-1 task into
-    ``tmp/shard_<s>.zarr`` (a part folder renamed into place), recorded done, its buckets
-    deleted. Returns its :class:`ShardInfo` and the stored dtypes."""
+    ``tmp/shard_<first_shard + shard>.zarr`` (a part folder renamed into place), recorded
+    done, its buckets deleted. Returns its :class:`ShardInfo` and the stored dtypes."""
     import zarr
 
     shard_obs, block_obs = layout
-    name = f"shard_{shard:05d}.zarr"
+    name = f"shard_{first_shard + shard:05d}.zarr"
     done = Path(tmp) / ".buckets" / f"{name}.done.json"
+    if (Path(tmp) / ".buckets" / ABANDONED).exists():  # the write failed elsewhere
+        return ShardInfo(name, 0), {}
     if done.exists():  # an earlier run finished it
         return ShardInfo(name, n), json.loads(done.read_text())["dtypes"]
     segments = segments_of(schema)
@@ -235,9 +242,11 @@ def _describe(task: Pass1Task | int, sources: Sequence[InputSource]) -> str:
     return f"pass 1, rows [{task.start}, {task.stop}) of {sources[task.source].label}"
 
 
-def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any) -> list[Any]:
+def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Path
+         ) -> list[Any]:
     """Submit ``(description, fn, args)`` calls, wait for all (the bar moves as each one
-    ends), return their results in order; the first failure cancels the rest and raises."""
+    ends), return their results in order; at the first failure the rest are told to stop
+    (the file ``abandon``), waited for, and the failure is raised."""
     import distributed
 
     futures = [client.submit(fn, *args, pure=False, key=f"annbatch-{secrets.token_hex(6)}")
@@ -260,6 +269,13 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any) -> list[Any
                 raise CollectionError(f"the parallel write failed in {calls[i][0]}: "
                                       f"{type(e).__name__}: {e}") from e
             bar.update(1)
+    except Exception:
+        # a cancelled task that started would run on: the others stop at the marker instead
+        # (at their start or their next block), and all are waited for, so that none
+        # writes into the temporary folder once the caller removes it
+        abandon.touch()
+        distributed.wait(futures)
+        raise
     except BaseException:
         client.cancel(futures)
         raise
@@ -269,7 +285,8 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any) -> list[Any
 def run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
                layout: tuple[int, int], dest: np.ndarray | None, work: int,
                opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
-               n_workers: int | None) -> tuple[list[ShardInfo], dict[str, str]]:
+               n_workers: int | None, first_shard: int = 0
+               ) -> tuple[list[ShardInfo], dict[str, str]]:
     """Both passes on ``scheduler``: the shards in ``tmp`` and the stored dtypes. Updates
     ``schema.dropped`` with what pass 1 found."""
     from tqdm.auto import tqdm
@@ -298,14 +315,14 @@ def run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
                 t, objs[t.source], None if dest is None
                 else dest[t.offset + t.start: t.offset + t.stop], schema, layout, work,
                 str(folder), value_check)) for t in tasks]
-            for dropped in _run(client, calls, bar):
+            for dropped in _run(client, calls, bar, folder / ABANDONED):
                 for key, reason in dropped.items():
                     schema.drop(key, reason)
             task_dirs = [str(folder / f"t{t.task:05d}") for t in tasks]
             calls = [(_describe(s, sources), write_shard, (
                 s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,
-                schema, layout, opts)) for s in range(n_shards)]
-            done = _run(client, calls, bar)
+                schema, layout, opts, first_shard)) for s in range(n_shards)]
+            done = _run(client, calls, bar, folder / ABANDONED)
     shutil.rmtree(folder, ignore_errors=True)
     dtypes: dict[str, str] = {}
     for _, d in done:

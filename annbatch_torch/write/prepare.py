@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CollectionError
 from ..store.manifest import FORMAT, MANIFEST_NAME, looks_like_collection
-from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, store_staleness
+from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, appended_inputs, store_staleness
 
 __all__ = ["prepare_collection", "lock_path", "explicit_settings"]
 
@@ -83,6 +83,21 @@ def write_if_stale(
             logger.info("Collection %s is current; not rewriting it.", store)
             return False
         _check_overwritable(store)
+        new = appended_inputs(store, adata_paths, settings)
+        if new is not None:  # the input list only grew: add the new ones, rewrite nothing
+            from .append import append_locked
+            from .budget import parse_memory
+
+            logger.info("Appending %d new input(s) to collection %s.", len(new), store)
+            mem = writer_kwargs.get("max_memory")
+            append_locked(store.expanduser().absolute(), new,
+                          seed=int(writer_kwargs.get("seed") or 0),
+                          budget=None if mem is None else parse_memory(mem),
+                          progress=bool(writer_kwargs.get("progress", True)),
+                          scheduler=writer_kwargs.get("scheduler"),
+                          n_workers=writer_kwargs.get("n_workers"),
+                          value_check=writer_kwargs.get("value_check"))
+            return True
         from .writer import create_anndata_collection
 
         logger.info("Writing collection %s from %d inputs (%s).", store, len(adata_paths),

@@ -112,6 +112,25 @@ def _manifest_staleness(
     return None
 
 
+def appended_inputs(
+    store_path: str | os.PathLike[str],
+    adata_paths: Sequence[str | os.PathLike[str]],
+    settings: Mapping[str, Any] | None = None,
+) -> list[str | os.PathLike[str]] | None:
+    """The inputs to append when ``store_path`` is current for the first of ``adata_paths``
+    and only lacks the rest (the input list only grew), else ``None``."""
+    try:
+        manifest = read_manifest(store_path)
+    except CollectionError:
+        return None
+    n = len(manifest.inputs)
+    if not 0 < n < len(adata_paths):
+        return None
+    if _manifest_staleness(manifest, adata_paths[:n], settings or {}) is not None:
+        return None
+    return list(adata_paths[n:])
+
+
 def store_is_current(
     store_path: str | os.PathLike[str],
     adata_paths: Sequence[str | os.PathLike[str]],

@@ -448,12 +448,12 @@ def create_anndata_collection(
         tmp = _sibling(out, "tmp")
         tmp.mkdir()
         if scheduler is None:
-            shards, dtypes = _run_passes(sources, schema, tmp, n_total, (shard_obs, block_obs),
-                                         shuffle, seed, work, opts, progress, value_check)
+            shards, dtypes = run_passes(sources, schema, tmp, n_total, (shard_obs, block_obs),
+                                        shuffle, seed, work, opts, progress, value_check)
         else:
-            from .parallel import run_passes
+            from .parallel import run_passes as run_parallel
 
-            shards, dtypes = run_passes(
+            shards, dtypes = run_parallel(
                 sources, schema, tmp, n_total, (shard_obs, block_obs),
                 permutation(n_total, shuffle, seed), work, opts, progress, value_check,
                 scheduler, n_workers)
@@ -481,10 +481,12 @@ def permutation(n_total: int, shuffle: bool, seed: int) -> np.ndarray | None:
     return dest
 
 
-def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
-                layout: tuple[int, int], shuffle: bool, seed: int, work: int,
-                opts: dict[str, Any], progress: bool,
-                value_check: Any) -> tuple[list[ShardInfo], dict[str, str]]:
+def run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
+               layout: tuple[int, int], shuffle: bool, seed: int, work: int,
+               opts: dict[str, Any], progress: bool, value_check: Any,
+               first_shard: int = 0) -> tuple[list[ShardInfo], dict[str, str]]:
+    """Both passes in this process: the shards (named from ``shard_<first_shard>``) in
+    ``tmp`` and the stored dtypes."""
     import zarr
 
     shard_obs, block_obs = layout
@@ -519,7 +521,7 @@ def _run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: 
     with _progress(n_total, "shuffle 2/2: write", progress) as bar, \
             zarr.config.set({"array.write_empty_chunks": True}):
         for s in range(-(-n_total // shard_obs)):
-            name = f"shard_{s:05d}.zarr"
+            name = f"shard_{first_shard + s:05d}.zarr"
             n = min(n_total, (s + 1) * shard_obs) - s * shard_obs
             paths = [buckets.path(bucket_id(s, j, shard_obs, block_obs))
                      for j in range(-(-n // block_obs))]
@@ -576,7 +578,8 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
     manifest = Manifest(
         n_obs=sum(s.n_obs for s in shards), n_vars=len(schema.var_names), shards=shards,
         fields=fields, var_names=[str(v) for v in schema.var_names], seed=seed,
-        shuffle=shuffle, var_join=var_join, inputs=[s.record() for s in sources],
+        shuffle=shuffle, var_join=var_join,
+        inputs=[{**s.record(), "generation": generation} for s in sources],
         created_by=created_by, all_chunks_written=True,
         extra={"writer": writer, **({"unavailable": schema.unavailable}
                                     if schema.unavailable else {})},

@@ -1,0 +1,309 @@
+"""Add inputs to a collection without rewriting it: :func:`append_to_collection`.
+
+The new inputs' rows are shuffled among themselves (by ``seed``) into new shards, written by
+the writer's own two passes (in this process or on Dask) into a temporary folder beside the
+collection, then moved in; ``manifest.json`` is replaced last, atomically, listing the old
+shards as they were and the new ones under a new generation. No existing shard file is
+opened for writing. Readers that opened the old manifest go on reading the old shards (a
+manifest that only adds shards passes their checks); a new open sees all.
+
+The collection's schema is kept: its genes (an ``inner`` collection refuses inputs missing
+any of them; an ``outer`` or reference one writes their absent genes as zeros, and refuses
+genes it does not have, which would need a wider collection), its fields (each new input
+must offer every one, with a dtype that casts safely to the stored one), and its categories,
+which only grow at the end: every stored code keeps its meaning.
+
+Chunked mode draws chunks from every shard, so batches after an append mix old and new cells;
+only within a pool, though: rows of the appended inputs sit in their own shards, where a full
+rewrite would spread them over all (see ``docs/format.md``, "Appending").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..errors import CollectionError, InputError
+from ..store.collection import Collection, open_collection
+from ..store.inputs import InputSource, open_inputs, warn_shared_obs_names
+from ..store.manifest import RAW_X, FieldInfo, Manifest, ShardInfo, write_manifest
+from . import budget as _budget
+from .budget import parse_memory
+from .prepare import lock_path
+from .schema import OutField, Schema, resolve_schema
+from .shardio import compressors_for
+from .writer import (
+    DEFAULT_MAX_MEMORY,
+    _remove_stale_temporaries,
+    _sibling,
+    permutation,
+    run_passes,
+    sync_dir,
+    sync_tree,
+)
+
+__all__ = ["append_to_collection"]
+
+logger = logging.getLogger(__name__)
+
+
+def _field_lists(manifest: Manifest) -> dict[str, list[str]]:
+    keys = list(manifest.fields)
+    return {"layers": [k[7:] for k in keys if k.startswith("layers/")],
+            "obsm": [k[5:] for k in keys if k.startswith("obsm/")],
+            "obs_columns": [k[4:] for k in keys if k.startswith("obs/")]}
+
+
+def _check_genes(sources: list[InputSource], manifest: Manifest, where: str) -> None:
+    genes = pd.Index(manifest.var_names)
+    for s in sources:
+        have = pd.Index(s.var_names)
+        missing = genes.difference(have, sort=False)
+        if manifest.var_join == "inner" and len(missing):
+            raise InputError(
+                f"{s.label}: lacks {len(missing)} of the {len(genes)} genes of {where} (e.g. "
+                f"{list(missing[:3])}), which was written with var_join='inner' (every cell "
+                "has every gene). Fix: add them to the input (as zeros, if it truly has none), "
+                "or rewrite the collection from all inputs with var_join='outer'.")
+        extra = have.difference(genes, sort=False)
+        if manifest.var_join == "outer" and len(extra):
+            raise InputError(
+                f"{s.label}: has {len(extra)} genes {where} lacks (e.g. {list(extra[:3])}); "
+                "an outer collection holds every gene of its inputs, and appending cannot "
+                "widen the stored shards. Fix: rewrite the collection from all inputs "
+                "(create_anndata_collection([...], overwrite=True)), or drop those genes.")
+
+
+def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
+    """The new inputs' field ``f`` written as the collection stores it: the stored dtype
+    (a safe cast), and categories that only grow at the end."""
+    if f.kind != stored.kind:
+        raise InputError(f"{f.key}: the new inputs hold it as {f.kind!r}, {where} stores "
+                         f"{stored.kind!r}. Fix: convert the column in the inputs, or rewrite "
+                         "the collection.")
+    dtype = np.dtype(stored.dtype)
+    if f.kind != "categorical" and not np.can_cast(f.dtype, dtype, "same_kind"):
+        raise InputError(f"{f.key}: the new inputs hold {f.dtype}, which does not cast to the "
+                         f"stored {dtype} of {where}. Fix: convert it in the inputs "
+                         f"(e.g. .astype({str(dtype)!r})), or rewrite the collection.")
+    if f.kind in ("csr", "dense") and stored.shape[1] != f.width:
+        raise InputError(f"{f.key}: {f.width} columns in the new inputs, {stored.shape[1]} in "
+                         f"{where}.")
+    if f.kind != "categorical":
+        return dataclasses.replace(f, dtype=dtype)
+    old = list(stored.categories or ())
+    if bool(stored.ordered) != bool(f.ordered):
+        raise InputError(f"{f.key}: ordered={f.ordered} in the new inputs, "
+                         f"ordered={stored.ordered} in {where}. Fix: make the inputs agree.")
+    known = set(old)
+    grown = old + [c for c in (f.categories or []) if c not in known]
+    if stored.ordered and grown != old:
+        raise InputError(f"{f.key}: an ordered categorical cannot take new categories "
+                         f"({[c for c in grown if c not in known][:5]}) at the end of "
+                         f"{where}'s order. Fix: rewrite the collection.")
+    remap = pd.Index(grown).get_indexer(pd.Index(list(f.categories or []), dtype=object))
+    luts = None if f.luts is None else [
+        None if lut is None else np.where(lut >= 0, remap[np.maximum(lut, 0)], -1).astype(
+            lut.dtype) for lut in f.luts]
+    return dataclasses.replace(f, categories=grown, luts=luts)
+
+
+def _append_schema(sources: list[InputSource], coll: Collection) -> Schema:
+    manifest, where = coll.manifest, str(coll.path)
+    if RAW_X in manifest.fields:
+        raise InputError(f"{where} carries raw/X: appending to it is not supported yet "
+                         "(raw's own genes would have to be aligned too). Fix: rewrite it from "
+                         "all inputs (create_anndata_collection([...], overwrite=True)).")
+    _check_genes(sources, manifest, where)
+    lists = _field_lists(manifest)
+    try:
+        schema = resolve_schema(sources, "inner", lists["obs_columns"], lists["layers"],
+                                lists["obsm"], pd.Index(manifest.var_names), raw=False)
+    except InputError as e:
+        raise InputError(f"{e} (Appending to {where}, which stores {list(manifest.fields)}: "
+                         "every new input must offer every one of them.)") from None
+    got = {f.key: f for f in schema.kept}
+    missing = [k for k in manifest.fields if k not in got]
+    if missing:
+        why = {k: schema.unavailable.get(k, "absent") for k in missing}
+        raise InputError(f"the new inputs cannot offer {missing}, which {where} stores "
+                         f"({why}). Fix: add those fields to every new input, or rewrite the "
+                         "collection without them.")
+    schema.fields = [_merge_field(got[k], manifest.fields[k], where) for k in manifest.fields]
+    schema.var = coll.var  # the stored gene metadata, as every old shard has it
+    return schema
+
+
+def append_to_collection(
+    collection: str | os.PathLike[str] | Collection,
+    adata_paths: Sequence[str | os.PathLike[str] | Any] | str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    max_memory: int | str | None = DEFAULT_MAX_MEMORY,
+    progress: bool = True,
+    scheduler: Any = None,
+    n_workers: int | None = None,
+    value_check: Any = None,
+) -> Collection:
+    """Add the cells of ``adata_paths`` to a collection in new shards, rewriting nothing.
+
+    Parameters
+    ----------
+    collection
+        A collection (folder or :class:`~annbatch_torch.Collection`).
+    adata_paths
+        The inputs to add (``.h5ad`` / AnnData-zarr paths or AnnData objects), none of them
+        already in the collection.
+    seed
+        Seed of the shuffle of the new rows among themselves.
+    max_memory, progress, scheduler, n_workers, value_check
+        As in :func:`~annbatch_torch.create_anndata_collection`.
+
+    Returns
+    -------
+    Collection
+        The collection, opened again: its old shards first, then the new ones.
+
+    Raises
+    ------
+    InputError
+        For inputs the collection's schema cannot take (missing genes of an ``inner``
+        collection, genes an ``outer`` one lacks, missing fields, dtypes that do not cast,
+        new categories of an ordered categorical), an input already in the collection, and
+        bad arguments. Nothing is written then.
+    CollectionError
+        If ``collection`` is not a finished collection.
+    """
+    from filelock import FileLock
+
+    root = Path(collection.path if isinstance(collection, Collection) else collection)
+    root = root.expanduser().absolute()
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise InputError(f"seed={seed!r} must be an integer >= 0.")
+    if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
+        adata_paths = [adata_paths]
+    if not adata_paths:
+        raise InputError("adata_paths is empty; pass at least one .h5ad / zarr / AnnData.")
+    budget = None if max_memory is None else parse_memory(max_memory)
+    with FileLock(str(lock_path(root))):  # one writer at a time (prepare_collection's lock)
+        append_locked(root, adata_paths, seed=seed, budget=budget, progress=progress,
+                      scheduler=scheduler, n_workers=n_workers, value_check=value_check)
+    return open_collection(root)
+
+
+def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: int | None,
+                  progress: bool, scheduler: Any, n_workers: int | None,
+                  value_check: Any) -> None:
+    """:func:`append_to_collection` for a caller that holds the collection's lock."""
+    coll = open_collection(root)  # the current manifest, under the lock
+    manifest = coll.manifest
+    sources = open_inputs(adata_paths)
+    tmp: Path | None = None
+    try:
+        known = {str(r.get("path")) for r in manifest.inputs}
+        again = [s.label for s in sources if s.path is not None and str(s.path) in known]
+        if again:
+            raise InputError(f"{again} are in {root} already: their cells would be there "
+                             "twice. Fix: pass only new inputs.")
+        schema = _append_schema(sources, coll)
+        warn_shared_obs_names([s for s in sources if s.n_obs])
+        n_new = sum(s.n_obs for s in sources)
+        writer = dict(manifest.extra.get("writer") or {})
+        opts = _stored_options(writer, str(root))
+        shard_obs = int(writer.get("n_obs_per_shard") or max(coll.shard_sizes or [1]))
+        work = _budget.working_memory(budget, n_new)
+        shard_obs = min(shard_obs, max(n_new, 1))
+        block_obs = _budget.block_size(sources, schema, work, True, shard_obs, opts)
+        first = _next_shard(manifest)
+        logger.info("Appending %d cells from %d input(s) to %s (%d cells) as new shards "
+                    "from shard_%05d.", n_new, len(sources), root, manifest.n_obs, first)
+        _remove_stale_temporaries(root)
+        tmp = _sibling(root, "tmp")
+        tmp.mkdir()
+        layout = (shard_obs, block_obs)
+        if scheduler is None:
+            shards, dtypes = run_passes(sources, schema, tmp, n_new, layout, True, seed,
+                                        work, opts, progress, value_check, first)
+        else:
+            from .parallel import run_passes as run_parallel
+
+            shards, dtypes = run_parallel(sources, schema, tmp, n_new, layout,
+                                          permutation(n_new, True, seed), work, opts,
+                                          progress, value_check, scheduler, n_workers,
+                                          first)
+        differ = {k: (v, manifest.fields[k].dtype) for k, v in dtypes.items()
+                  if k in manifest.fields and v != manifest.fields[k].dtype}
+        if differ:  # never a shard the collection's readers would read as another type
+            raise InputError(f"the new shards would store {differ} (new, stored); nothing "
+                             f"was added to {root}. Fix: convert those fields in the inputs.")
+        sync_tree(tmp)
+        _publish(root, tmp, manifest, shards, schema, sources, seed)
+    finally:
+        for s in sources:
+            s.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _stored_options(writer: dict[str, Any], where: str) -> dict[str, Any]:
+    """The zarr layout and codec the collection was written with (the new shards match)."""
+    compressor = writer.get("compressor", "raw")
+    try:
+        compressors = compressors_for(compressor, int(writer.get("zarr_format", 3)))
+    except (InputError, ValueError, TypeError) as e:
+        raise InputError(f"{where} was written with compressor {compressor!r}, which cannot be "
+                         f"set up again here ({e}); append to it is not possible.") from e
+    fmt = int(writer.get("zarr_format", 3))
+    shard_elems = writer.get("zarr_shard_elems")
+    return {"zarr_format": fmt, "chunk_elems": int(writer.get("zarr_chunk_elems") or 1 << 16),
+            "shard_elems": int(shard_elems) if shard_elems and fmt == 3 else None,
+            "compressors": compressors}
+
+
+def _next_shard(manifest: Manifest) -> int:
+    """The first free shard number after the collection's shards."""
+    nums = [int(s.path[6:11]) for s in manifest.shards
+            if s.path.startswith("shard_") and s.path[6:11].isdigit()]
+    return max(nums, default=-1) + 1
+
+
+def _publish(root: Path, tmp: Path, manifest: Manifest, shards: list[ShardInfo],
+             schema: Schema, sources: list[InputSource], seed: int) -> None:
+    """Move the new shards in, then replace the manifest (atomically, last)."""
+    import secrets
+
+    generation = secrets.token_hex(8)
+    shards = [dataclasses.replace(s, generation=generation) for s in shards]
+    listed = {s.path for s in manifest.shards}
+    for s in shards:
+        target = root / s.path
+        if s.path in listed:  # never replace a shard of the collection
+            raise CollectionError(f"{target}: the new shard's name is taken; internal error.")
+        if target.exists():  # left by an interrupted append: no manifest lists it
+            shutil.rmtree(target)
+        os.rename(tmp / s.path, target)
+    sync_dir(root)
+    fields = dict(manifest.fields)
+    for f in schema.fields:
+        if f.kind == "categorical":
+            fields[f.key] = dataclasses.replace(fields[f.key], categories=tuple(f.categories))
+    appended = list(manifest.extra.get("appended") or [])
+    appended.append({"generation": generation, "seed": seed, "n_obs": sum(s.n_obs for s in
+                                                                            shards)})
+    new = dataclasses.replace(
+        manifest, n_obs=manifest.n_obs + sum(s.n_obs for s in shards),
+        shards=[*manifest.shards, *shards], fields=fields,
+        inputs=[*manifest.inputs, *({**s.record(), "generation": generation} for s in sources)],
+        extra={**manifest.extra, "appended": appended})
+    write_manifest(root, new)
+    with contextlib.suppress(OSError):
+        sync_dir(root)
