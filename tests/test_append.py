@@ -191,3 +191,43 @@ def test_cli_append(tmp_path: Path) -> None:
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert "already" in r.stderr
+
+
+def test_append_edges(tmp_path: Path) -> None:
+    """Values the stored dtype cannot hold, a collection kept in input order, an empty
+    input, n_workers without a scheduler, a folder that is not a collection."""
+    p0, _ = _input(tmp_path, 0, 400, ["A"])
+    store = tmp_path / "store"
+    abt.create_anndata_collection([p0], store, seed=0, shuffle=False, progress=False)
+    big = ad.read_h5ad(p0)
+    big.obs_names = [f"b{i}" for i in range(big.n_obs)]
+    big.X = big.X.astype(np.float64)
+    big.X.data[0] = 1e39  # beyond float32
+    with pytest.raises(InputError, match=r"X holds values in .* beyond the stored float32"):
+        abt.append_to_collection(store, [big], progress=False)
+    p1, a1 = _input(tmp_path, 1, 300, ["B"])
+    coll = abt.append_to_collection(store, [p1], progress=False)
+    names = list(coll.obs_names_at(np.arange(400, 700)))
+    assert names == list(a1.obs_names)  # shuffle=False: the new rows in input order
+    empty = ad.AnnData(sp.csr_matrix((0, N_GENES), dtype=np.float32),
+                       var=pd.DataFrame(index=[f"g{g}" for g in range(N_GENES)]))
+    coll = abt.append_to_collection(store, [empty], progress=False)
+    assert coll.n_obs == 700
+    assert len(coll.manifest.inputs) == 3
+    with pytest.raises(InputError, match="n_workers=2 needs a scheduler"):
+        abt.append_to_collection(store, [p1], n_workers=2, progress=False)
+    with pytest.raises(abt.CollectionError):
+        abt.append_to_collection(tmp_path / "nodir" / "x", [p1], progress=False)
+    assert not (tmp_path / "nodir").exists()  # no lock file made beside a non-collection
+
+
+def test_prepare_rewrites_when_the_grown_inputs_cannot_be_appended(tmp_path: Path) -> None:
+    p0, _ = _input(tmp_path, 0, 500, ["A"])
+    fewer, _ = _input(tmp_path, 1, 200, ["B"], genes=range(3, N_GENES))
+    store = tmp_path / "store"
+    abt.prepare_collection([p0], store, seed=1, progress=False)
+    assert abt.prepare_collection([p0, fewer], store, seed=1, progress=False)
+    coll = abt.open_collection(store)
+    assert coll.n_obs == 700
+    assert coll.n_vars == N_GENES - 3  # rewritten: the inner join of both
+    assert "appended" not in coll.manifest.extra

@@ -129,6 +129,7 @@ def test_a_worker_killed_mid_task_is_retried_and_the_result_is_equal(
     t.join()
     assert killed, "no worker was killed: the test did not test anything"
     _same_shards(serial, par)
+    assert not [p for p in os.listdir(par.path) if ".part-" in p]  # no half-written leftovers
     client.wait_for_workers(2, timeout=60)  # the nanny restarted it
 
 

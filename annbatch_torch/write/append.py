@@ -31,11 +31,19 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
 
 from ..errors import CollectionError, InputError
-from ..store.collection import Collection, open_collection
+from ..store.collection import MAX_LABEL_CATEGORIES, Collection, open_collection
 from ..store.inputs import InputSource, open_inputs, warn_shared_obs_names
-from ..store.manifest import RAW_X, FieldInfo, Manifest, ShardInfo, write_manifest
+from ..store.manifest import (
+    RAW_X,
+    FieldInfo,
+    Manifest,
+    ShardInfo,
+    read_manifest,
+    write_manifest,
+)
 from . import budget as _budget
 from .budget import parse_memory
 from .prepare import lock_path
@@ -91,10 +99,14 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
                          f"{stored.kind!r}. Fix: convert the column in the inputs, or rewrite "
                          "the collection.")
     dtype = np.dtype(stored.dtype)
-    if f.kind != "categorical" and not np.can_cast(f.dtype, dtype, "same_kind"):
+    # matrices: the values are checked to fit block by block (FitsStored); obs columns are
+    # not seen by value checks, so their cast must be safe for any value
+    how = "same_kind" if f.kind in ("csr", "dense") else "safe"
+    if f.kind != "categorical" and not np.can_cast(f.dtype, dtype, how):
         raise InputError(f"{f.key}: the new inputs hold {f.dtype}, which does not cast to the "
-                         f"stored {dtype} of {where}. Fix: convert it in the inputs "
-                         f"(e.g. .astype({str(dtype)!r})), or rewrite the collection.")
+                         f"stored {dtype} of {where} without loss. Fix: convert it in the "
+                         f"inputs (e.g. .astype({str(dtype)!r}) where the values fit), or "
+                         "rewrite the collection.")
     if f.kind in ("csr", "dense") and stored.shape[1] != f.width:
         raise InputError(f"{f.key}: {f.width} columns in the new inputs, {stored.shape[1]} in "
                          f"{where}.")
@@ -106,6 +118,15 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
                          f"ordered={stored.ordered} in {where}. Fix: make the inputs agree.")
     known = set(old)
     grown = old + [c for c in (f.categories or []) if c not in known]
+    if len(grown) > MAX_LABEL_CATEGORIES:
+        raise InputError(f"{f.key}: the new inputs would give it {len(grown)} categories, more "
+                         f"than the {MAX_LABEL_CATEGORIES} a label may have (readers would "
+                         "leave it out). Fix: drop the column from the collection (rewrite it).")
+    codes = pd.Categorical([], categories=range(len(grown))).codes.dtype
+    if codes.itemsize > dtype.itemsize:
+        raise InputError(f"{f.key}: {len(grown)} categories need {codes} codes, the stored "
+                         f"shards of {where} hold {dtype}; appending cannot widen them. Fix: "
+                         "rewrite the collection from all inputs.")
     if stored.ordered and grown != old:
         raise InputError(f"{f.key}: an ordered categorical cannot take new categories "
                          f"({[c for c in grown if c not in known][:5]}) at the end of "
@@ -194,6 +215,10 @@ def append_to_collection(
     if not adata_paths:
         raise InputError("adata_paths is empty; pass at least one .h5ad / zarr / AnnData.")
     budget = None if max_memory is None else parse_memory(max_memory)
+    if n_workers is not None and scheduler is None:
+        raise InputError(f"n_workers={n_workers!r} needs a scheduler (scheduler='processes' or "
+                         "'threads'); without one the append runs in this process.")
+    read_manifest(root)  # not a collection: refused before the lock file is made beside it
     with FileLock(str(lock_path(root))):  # one writer at a time (prepare_collection's lock)
         append_locked(root, adata_paths, seed=seed, budget=budget, progress=progress,
                       scheduler=scheduler, n_workers=n_workers, value_check=value_check)
@@ -214,15 +239,23 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         if again:
             raise InputError(f"{again} are in {root} already: their cells would be there "
                              "twice. Fix: pass only new inputs.")
-        schema = _append_schema(sources, coll)
-        warn_shared_obs_names([s for s in sources if s.n_obs])
         n_new = sum(s.n_obs for s in sources)
+        if n_new == 0:  # nothing to write: the inputs are recorded, as the writer skips them
+            logger.warning("%s: no cells to append; only recorded as inputs.",
+                           ", ".join(s.label for s in sources))
+            _publish(root, tmp or root, manifest, [], None, sources, seed)
+            return
+        schema = _append_schema([s for s in sources if s.n_obs], coll)
+        warn_shared_obs_names([s for s in sources if s.n_obs])
+        check = FitsStored({f.key: f.dtype for f in schema.fields
+                            if f.kind in ("csr", "dense")}, value_check)
+        shuffle = bool(manifest.shuffle)
         writer = dict(manifest.extra.get("writer") or {})
         opts = _stored_options(writer, str(root))
         shard_obs = int(writer.get("n_obs_per_shard") or max(coll.shard_sizes or [1]))
         work = _budget.working_memory(budget, n_new)
         shard_obs = min(shard_obs, max(n_new, 1))
-        block_obs = _budget.block_size(sources, schema, work, True, shard_obs, opts)
+        block_obs = _budget.block_size(sources, schema, work, shuffle, shard_obs, opts)
         first = _next_shard(manifest)
         logger.info("Appending %d cells from %d input(s) to %s (%d cells) as new shards "
                     "from shard_%05d.", n_new, len(sources), root, manifest.n_obs, first)
@@ -231,15 +264,14 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp.mkdir()
         layout = (shard_obs, block_obs)
         if scheduler is None:
-            shards, dtypes = run_passes(sources, schema, tmp, n_new, layout, True, seed,
-                                        work, opts, progress, value_check, first)
+            shards, dtypes = run_passes(sources, schema, tmp, n_new, layout, shuffle, seed,
+                                        work, opts, progress, check, first)
         else:
             from .parallel import run_passes as run_parallel
 
             shards, dtypes = run_parallel(sources, schema, tmp, n_new, layout,
-                                          permutation(n_new, True, seed), work, opts,
-                                          progress, value_check, scheduler, n_workers,
-                                          first)
+                                          permutation(n_new, shuffle, seed), work, opts,
+                                          progress, check, scheduler, n_workers, first)
         differ = {k: (v, manifest.fields[k].dtype) for k, v in dtypes.items()
                   if k in manifest.fields and v != manifest.fields[k].dtype}
         if differ:  # never a shard the collection's readers would read as another type
@@ -252,6 +284,31 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             s.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+class FitsStored:
+    """A ``value_check`` that refuses matrix values the stored dtype cannot hold (an int
+    beyond its range, a float beyond float32's), then runs the caller's check."""
+
+    def __init__(self, dtypes: dict[str, np.dtype], then: Any = None) -> None:
+        self.dtypes, self.then = dtypes, then
+
+    def __call__(self, label: str, field: str, block: Any) -> None:
+        dtype = self.dtypes.get(field)
+        values = block.data if sp.issparse(block) else np.asarray(block)
+        if dtype is not None and dtype.kind in "iuf" and values.size:
+            if dtype.kind == "f":
+                hi = float(np.finfo(dtype).max)
+                lo = -hi
+            else:
+                lo, hi = int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
+            vmin, vmax = values.min(), values.max()
+            if vmin < lo or vmax > hi:
+                raise InputError(f"{label}: {field} holds values in [{vmin}, {vmax}], beyond "
+                                 f"the stored {dtype} of the collection. Fix: scale or clip "
+                                 "them, or rewrite the collection.")
+        if self.then is not None:
+            self.then(label, field, block)
 
 
 def _stored_options(writer: dict[str, Any], where: str) -> dict[str, Any]:
@@ -277,7 +334,7 @@ def _next_shard(manifest: Manifest) -> int:
 
 
 def _publish(root: Path, tmp: Path, manifest: Manifest, shards: list[ShardInfo],
-             schema: Schema, sources: list[InputSource], seed: int) -> None:
+             schema: Schema | None, sources: list[InputSource], seed: int) -> None:
     """Move the new shards in, then replace the manifest (atomically, last)."""
     import secrets
 
@@ -293,7 +350,7 @@ def _publish(root: Path, tmp: Path, manifest: Manifest, shards: list[ShardInfo],
         os.rename(tmp / s.path, target)
     sync_dir(root)
     fields = dict(manifest.fields)
-    for f in schema.fields:
+    for f in schema.fields if schema is not None else ():
         if f.kind == "categorical":
             fields[f.key] = dataclasses.replace(fields[f.key], categories=tuple(f.categories))
     appended = list(manifest.extra.get("appended") or [])

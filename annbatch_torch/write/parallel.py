@@ -208,7 +208,8 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
     nnz = {f.key: sum(t[f"{f.key}:idx"] for t in totals) for f in schema.kept
            if f.kind == "csr"}
     final = Path(tmp) / name
-    part = final.with_name(f"{name}.part-{secrets.token_hex(4)}")
+    # under .buckets (removed with it): a part left by a killed run is never published
+    part = Path(tmp) / ".buckets" / f"{name}.part-{secrets.token_hex(4)}"
     with zarr.config.set({"array.write_empty_chunks": True}):
         store = ShardStore(part, schema.kept, n, nnz, schema.var_names, opts, schema.var,
                            schema.raw_var)
@@ -265,9 +266,9 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Pa
                     f"the parallel write lost its workers running {calls[i][0]} (each worker "
                     "that ran it died); nothing was published. Rerun it, with more memory "
                     f"per worker if they were killed for memory ({e}).") from e
-            except Exception as e:
-                raise CollectionError(f"the parallel write failed in {calls[i][0]}: "
-                                      f"{type(e).__name__}: {e}") from e
+            except Exception as e:  # the task's own error (a value_check's, say), as raised
+                e.add_note(f"(annbatch_torch: raised in the parallel write's {calls[i][0]})")
+                raise
             bar.update(1)
     except Exception:
         # a cancelled task that started would run on: the others stop at the marker instead

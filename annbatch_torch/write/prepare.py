@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import CollectionError
+from ..errors import CollectionError, InputError
 from ..store.manifest import FORMAT, MANIFEST_NAME, looks_like_collection
 from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, appended_inputs, store_staleness
 
@@ -88,16 +88,22 @@ def write_if_stale(
             from .append import append_locked
             from .budget import parse_memory
 
-            logger.info("Appending %d new input(s) to collection %s.", len(new), store)
+            logger.info("Appending %d new input(s) to collection %s (a validation split "
+                        "drawn from its chunks, as AnnBatchDataModule's val_fraction, is drawn "
+                        "again over the grown collection).", len(new), store)
             mem = writer_kwargs.get("max_memory")
-            append_locked(store.expanduser().absolute(), new,
-                          seed=int(writer_kwargs.get("seed") or 0),
-                          budget=None if mem is None else parse_memory(mem),
-                          progress=bool(writer_kwargs.get("progress", True)),
-                          scheduler=writer_kwargs.get("scheduler"),
-                          n_workers=writer_kwargs.get("n_workers"),
-                          value_check=writer_kwargs.get("value_check"))
-            return True
+            try:
+                append_locked(store.expanduser().absolute(), new,
+                              seed=int(writer_kwargs.get("seed") or 0),
+                              budget=None if mem is None else parse_memory(mem),
+                              progress=bool(writer_kwargs.get("progress", True)),
+                              scheduler=writer_kwargs.get("scheduler"),
+                              n_workers=writer_kwargs.get("n_workers"),
+                              value_check=writer_kwargs.get("value_check"))
+                return True
+            except InputError as e:  # refused before anything was published: rewrite
+                logger.warning("Cannot append to %s (%s); rewriting it from all inputs.",
+                               store, e)
         from .writer import create_anndata_collection
 
         logger.info("Writing collection %s from %d inputs (%s).", store, len(adata_paths),

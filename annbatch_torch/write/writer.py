@@ -401,6 +401,9 @@ def create_anndata_collection(
     if n_obs_per_shard is not None and (int(n_obs_per_shard) != n_obs_per_shard
                                         or n_obs_per_shard < 1):
         raise InputError(f"n_obs_per_shard={n_obs_per_shard!r} must be a positive integer.")
+    if n_workers is not None and scheduler is None:
+        raise InputError(f"n_workers={n_workers!r} needs a scheduler (scheduler='processes' or "
+                         "'threads'); without one the writer runs in this process.")
     if zarr_format not in (2, 3):
         raise InputError(f"zarr_format={zarr_format!r} must be 2 or 3.")
     for name, value, low in (("zarr_chunk_elems", zarr_chunk_elems, 1),
