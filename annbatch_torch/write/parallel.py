@@ -122,15 +122,25 @@ def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any,
     if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
         raise InputError(f"n_workers={n_workers!r} must be a positive integer.")
     procs = scheduler == "processes"
-    cluster = distributed.LocalCluster(  # on loopback only (threads: in this process)
-        n_workers=n_workers if procs else 1, threads_per_worker=1 if procs else n_workers,
-        processes=procs, memory_limit=0, dashboard_address="127.0.0.1:0",
-        silence_logs=logging.ERROR, **({"host": "127.0.0.1"} if procs else {}))
+    import dask
+
+    # dask's default MALLOC_TRIM_THRESHOLD_ in workers turns every large numpy buffer into
+    # an mmap and munmap (fresh page faults each block); the writer trims memory itself
+    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        cluster = _local_cluster(distributed, procs, n_workers)
     try:
         with distributed.Client(cluster) as client:
             yield client, n_workers
     finally:
         cluster.close()
+
+
+def _local_cluster(distributed: Any, procs: bool, n_workers: int) -> Any:
+    """A LocalCluster on loopback only (threads: in this process)."""
+    return distributed.LocalCluster(
+        n_workers=n_workers if procs else 1, threads_per_worker=1 if procs else n_workers,
+        processes=procs, memory_limit=0, dashboard_address="127.0.0.1:0",
+        silence_logs=logging.ERROR, **({"host": "127.0.0.1"} if procs else {}))
 
 
 # --------------------------------------------------------------------------- tasks
