@@ -351,7 +351,9 @@ def create_anndata_collection(
     value_check
         Hook called as ``value_check(input_label, field, block)`` on every block of X,
         layers and obsm read (CSR matrix or array); raise to reject an input (e.g. NaN or
-        negative counts). With a ``scheduler`` it runs in the workers: it must pickle.
+        negative counts). With a ``scheduler`` it runs in the workers: it must pickle; and
+        a field nobody asked for that one block drops for bad values is still checked in the
+        blocks of other tasks (the serial writer checks it no more once dropped).
     scheduler
         Where the two passes run. ``None`` (default): this process, one task after the
         other. ``"processes"``: a local Dask cluster of ``n_workers`` processes started for
