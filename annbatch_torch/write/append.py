@@ -53,10 +53,9 @@ from .writer import (
     DEFAULT_MAX_MEMORY,
     _remove_stale_temporaries,
     _sibling,
-    permutation,
-    run_passes,
     sync_dir,
     sync_tree,
+    write_shards,
 )
 
 __all__ = ["append_to_collection"]
@@ -243,7 +242,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         if n_new == 0:  # nothing to write: the inputs are recorded, as the writer skips them
             logger.warning("%s: no cells to append; only recorded as inputs.",
                            ", ".join(s.label for s in sources))
-            _publish(root, tmp or root, manifest, [], None, sources, seed)
+            _publish(root, root, manifest, [], None, sources, seed)
             return
         schema = _append_schema([s for s in sources if s.n_obs], coll)
         warn_shared_obs_names([s for s in sources if s.n_obs])
@@ -263,15 +262,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = _sibling(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
-        if scheduler is None:
-            shards, dtypes = run_passes(sources, schema, tmp, n_new, layout, shuffle, seed,
-                                        work, opts, progress, check, first)
-        else:
-            from .parallel import run_passes as run_parallel
-
-            shards, dtypes = run_parallel(sources, schema, tmp, n_new, layout,
-                                          permutation(n_new, shuffle, seed), work, opts,
-                                          progress, check, scheduler, n_workers, first)
+        shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
+                                      work, opts, progress, check, scheduler, n_workers, first)
         differ = {k: (v, manifest.fields[k].dtype) for k, v in dtypes.items()
                   if k in manifest.fields and v != manifest.fields[k].dtype}
         if differ:  # never a shard the collection's readers would read as another type

@@ -50,13 +50,9 @@ from .shardio import (
     Segment,
     bucket_id,
     bucket_segments,
-    bucket_totals,
-    iter_blocks,
-    load_bucket,
-    release_memory,
-    route_block,
+    route_rows,
+    write_shard_blocks,
 )
-from .shardstore import ShardStore
 
 __all__ = ["Pass1Task", "pass1_tasks", "run_passes", "open_scheduler", "SCHEDULERS"]
 
@@ -155,31 +151,22 @@ def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schem
                value_check: Any) -> dict[str, str]:
     """Pass 1 for one task: its rows into ``folder/t<task>`` (renamed into place when done).
     Returns the fields it found bad values in (``Schema.dropped``)."""
-    shard_obs, block_obs = layout
     schema = copy.copy(schema)  # drops are this task's, reported back
     schema.dropped, schema.unavailable = dict(schema.dropped), dict(schema.unavailable)
     src = _source(obj, task.source)
     final = Path(folder) / f"t{task.task:05d}"
     part = final.with_name(f"{final.name}.part-{secrets.token_hex(4)}")
     buckets = BucketWriter(part, segments_of(schema))
+    abandoned = Path(folder) / ABANDONED
     try:
-        readers = {f.key: src.matrix_reader(f.key, work // 4)
-                   for f in schema.fields if f.kind in ("csr", "dense")}
-        obs = {f.key: src.obs_reader(f.key[4:])
-               for f in schema.fields if f.key.startswith("obs/")}
-        for a, b, ips in iter_blocks(src, readers, work // 2, schema, task.start, task.stop):
-            if (Path(folder) / ABANDONED).exists():  # the write failed elsewhere: stop
-                return {}
-            d = (np.arange(task.offset + a, task.offset + b, dtype=np.int64) if dest is None
-                 else dest[a - task.start: b - task.start].astype(np.int64))
-            route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, block_obs,
-                        buckets, value_check)
-            del d, ips
-            release_memory()
+        done = route_rows(src, schema, (task.start, task.stop), dest, task.offset, layout,
+                          work, buckets, value_check, stop_if=abandoned.exists)
     finally:
         buckets.close()
         if src is not obj:
             src.close()
+    if not done:  # the write failed elsewhere
+        return {}
     try:
         os.rename(part, final)
     except OSError:  # an earlier run of this task finished it: the same rows
@@ -198,8 +185,6 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
     """Pass 2 for shard ``shard`` of ``n`` rows: its buckets from every pass-1 task into
     ``tmp/shard_<first_shard + shard>.zarr`` (a part folder renamed into place), recorded
     done, its buckets deleted. Returns its :class:`ShardInfo` and the stored dtypes."""
-    import zarr
-
     shard_obs, block_obs = layout
     name = f"shard_{first_shard + shard:05d}.zarr"
     done = Path(tmp) / ".buckets" / f"{name}.done.json"
@@ -207,30 +192,12 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
         return ShardInfo(name, 0), {}
     if done.exists():  # an earlier run finished it
         return ShardInfo(name, n), json.loads(done.read_text())["dtypes"]
-    segments = segments_of(schema)
     paths = [[Path(d) / f"bucket_{bucket_id(shard, j, shard_obs, block_obs):05d}.bin"
               for d in task_dirs] for j in range(-(-n // block_obs))]
-    totals = [bucket_totals(p, segments) for p in paths]
-    got = sum(t["pos"] for t in totals)
-    if got != n:
-        raise InputError(f"{tmp}: shard {shard} received {got} rows, expected {n}; an input "
-                         "changed while being read?")
-    nnz = {f.key: sum(t[f"{f.key}:idx"] for t in totals) for f in schema.kept
-           if f.kind == "csr"}
     final = Path(tmp) / name
     # under .buckets (removed with it): a part left by a killed run is never published
     part = Path(tmp) / ".buckets" / f"{name}.part-{secrets.token_hex(4)}"
-    with zarr.config.set({"array.write_empty_chunks": True}):
-        store = ShardStore(part, schema.kept, n, nnz, schema.var_names, opts, schema.var,
-                           schema.raw_var)
-        for j, p in enumerate(paths):
-            arrays = load_bucket(p, segments)
-            store.append(arrays, j * block_obs)
-            del arrays
-            release_memory()
-        dtypes = store.close()
-    del store
-    release_memory()
+    dtypes = write_shard_blocks(part, n, paths, schema, layout, opts, f"{tmp}: shard {shard}")
     if final.exists():  # a run that died between its rename and its record: the same shard
         shutil.rmtree(final)
     os.rename(part, final)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Segment", "bucket_segments", "BucketWriter", "load_bucket", "bucket_totals",
            "encode_names", "decode_names", "compressors_for", "iter_blocks", "route_block",
-           "bucket_id", "release_memory", "check_int64"]
+           "bucket_id", "release_memory", "check_int64", "route_rows", "write_shard_blocks"]
 
 _MAGIC = 0x4142544F52434831  # frame marker
 
@@ -439,3 +439,77 @@ def iter_blocks(src: InputSource, readers: dict[str, Any], budget: int, schema: 
         take = max(1, int(np.searchsorted(cost, budget, side="right")))
         yield a, a + take, {k: ip[: take + 1] for k, ip in ips.items()}
         a += take
+
+
+def route_rows(src: InputSource, schema: Schema, rows: tuple[int, int],
+               dest: np.ndarray | None, offset: int, layout: tuple[int, int], work: int,
+               buckets: BucketWriter, value_check: Callable[[str, str, Any], None] | None, *,
+               stop_if: Callable[[], bool] | None = None,
+               on_block: Callable[[int], Any] | None = None) -> bool:
+    """Pass 1 for rows ``[start, stop)`` of ``src``: read in blocks that fit ``work`` and
+    routed (:func:`route_block`) into ``buckets``.
+
+    ``dest[i]`` is the output position of row ``start + i`` (``None``: in order, row ``r`` at
+    ``offset + r``); ``layout`` is ``(shard_obs, block_obs)``. ``stop_if`` is asked before
+    each block (``False`` is returned when it says stop); ``on_block`` gets each block's
+    row count. Returns ``True`` when every row was routed.
+    """
+    start, stop = rows
+    shard_obs, block_obs = layout
+    # a CSC input converted to CSR holds it twice: a quarter of the working memory each
+    readers = {f.key: src.matrix_reader(f.key, work // 4)
+               for f in schema.fields if f.kind in ("csr", "dense")}
+    obs = {f.key: src.obs_reader(f.key[4:]) for f in schema.fields if f.key.startswith("obs/")}
+    for a, b, ips in iter_blocks(src, readers, work // 2, schema, start, stop):
+        if stop_if is not None and stop_if():
+            return False
+        d = (np.arange(offset + a, offset + b, dtype=np.int64) if dest is None
+             else dest[a - start: b - start].astype(np.int64))
+        route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, block_obs, buckets,
+                    value_check)
+        del d, ips
+        release_memory()
+        if on_block is not None:
+            on_block(b - a)
+    return True
+
+
+def write_shard_blocks(path: Path, n: int, bucket_paths: Sequence[Path | Sequence[Path]],
+                       schema: Schema, layout: tuple[int, int], opts: dict[str, Any],
+                       where: str, *, delete: bool = False,
+                       on_block: Callable[[int], Any] | None = None) -> dict[str, str]:
+    """Pass 2 for one shard of ``n`` rows: its blocks' buckets (``bucket_paths[j]``, one file
+    or several) put in position order and written to a new shard store at ``path``
+    (:class:`~.shardstore.ShardStore`); ``delete``: each block's bucket files once written.
+    Returns the stored dtypes. ``where`` names the shard in the error of a row count that
+    does not add up."""
+    import zarr
+
+    from .shardstore import ShardStore
+
+    block_obs = layout[1]
+    segments = bucket_segments(schema.fields)
+    totals = [bucket_totals(p, segments) for p in bucket_paths]
+    got = sum(t["pos"] for t in totals)
+    if got != n:
+        raise InputError(f"{where} received {got} rows, expected {n}; an input changed while "
+                         "being read?")
+    nnz = {f.key: sum(t[f"{f.key}:idx"] for t in totals) for f in schema.kept
+           if f.kind == "csr"}
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        store = ShardStore(path, schema.kept, n, nnz, schema.var_names, opts, schema.var,
+                           schema.raw_var)
+        for j, p in enumerate(bucket_paths):
+            arrays = load_bucket(p, segments)
+            store.append(arrays, j * block_obs)
+            del arrays
+            release_memory()
+            if delete:
+                for f in _bucket_paths(p):
+                    os.remove(f)
+            if on_block is not None:
+                on_block(min(n, (j + 1) * block_obs) - j * block_obs)
+        dtypes = store.close()
+    del store
+    release_memory()
+    return dtypes

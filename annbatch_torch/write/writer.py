@@ -89,14 +89,10 @@ from .shardio import (
     BucketWriter,
     bucket_id,
     bucket_segments,
-    bucket_totals,
     compressors_for,
-    iter_blocks,
-    load_bucket,
-    release_memory,
-    route_block,
+    route_rows,
+    write_shard_blocks,
 )
-from .shardstore import ShardStore
 
 __all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",
            "DEFAULT_CHUNK_ELEMS", "DEFAULT_SHARD_ELEMS", "VAR_JOINS"]
@@ -452,16 +448,9 @@ def create_anndata_collection(
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = _sibling(out, "tmp")
         tmp.mkdir()
-        if scheduler is None:
-            shards, dtypes = run_passes(sources, schema, tmp, n_total, (shard_obs, block_obs),
-                                        shuffle, seed, work, opts, progress, value_check)
-        else:
-            from .parallel import run_passes as run_parallel
-
-            shards, dtypes = run_parallel(
-                sources, schema, tmp, n_total, (shard_obs, block_obs),
-                permutation(n_total, shuffle, seed), work, opts, progress, value_check,
-                scheduler, n_workers)
+        shards, dtypes = write_shards(sources, schema, tmp, n_total, (shard_obs, block_obs),
+                                      shuffle, seed, work, opts, progress, value_check,
+                                      scheduler, n_workers)
         sync_tree(tmp)  # the shards reach the disk before a manifest can vouch for them
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor)
@@ -486,70 +475,53 @@ def permutation(n_total: int, shuffle: bool, seed: int) -> np.ndarray | None:
     return dest
 
 
+def write_shards(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
+                 layout: tuple[int, int], shuffle: bool, seed: int, work: int,
+                 opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
+                 n_workers: int | None, first_shard: int = 0
+                 ) -> tuple[list[ShardInfo], dict[str, str]]:
+    """Both passes, in this process (``scheduler=None``) or on Dask
+    (:mod:`.parallel`): the shards in ``tmp`` and the stored dtypes."""
+    if scheduler is None:
+        return run_passes(sources, schema, tmp, n_total, layout, shuffle, seed, work, opts,
+                          progress, value_check, first_shard)
+    from .parallel import run_passes as run_parallel
+
+    return run_parallel(sources, schema, tmp, n_total, layout,
+                        permutation(n_total, shuffle, seed), work, opts, progress,
+                        value_check, scheduler, n_workers, first_shard)
+
+
 def run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
                layout: tuple[int, int], shuffle: bool, seed: int, work: int,
                opts: dict[str, Any], progress: bool, value_check: Any,
                first_shard: int = 0) -> tuple[list[ShardInfo], dict[str, str]]:
     """Both passes in this process: the shards (named from ``shard_<first_shard>``) in
     ``tmp`` and the stored dtypes."""
-    import zarr
-
     shard_obs, block_obs = layout
     dest = permutation(n_total, shuffle, seed)
-    segments = bucket_segments(schema.fields)
-    buckets = BucketWriter(tmp / ".buckets", segments)
-    csc_limit = work // 4  # converting to CSR holds it twice; pass 1 then holds it once
+    buckets = BucketWriter(tmp / ".buckets", bucket_segments(schema.fields))
     offset = 0
     try:
         with _progress(n_total, "shuffle 1/2: bucket", progress) as bar:
             for src in sources:
-                if not src.n_obs:  # takes no part (it may lack the fields the others have)
-                    continue
-                readers = {f.key: src.matrix_reader(f.key, csc_limit)
-                           for f in schema.fields if f.kind in ("csr", "dense")}
-                obs = {f.key: src.obs_reader(f.key[4:])
-                       for f in schema.fields if f.key.startswith("obs/")}
-                for a, b, ips in iter_blocks(src, readers, work // 2, schema):
-                    d = (np.arange(offset + a, offset + b, dtype=np.int64) if dest is None
-                         else dest[offset + a: offset + b].astype(np.int64))
-                    route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, block_obs,
-                                buckets, value_check)
-                    del d, ips
-                    release_memory()
-                    bar.update(b - a)
+                if src.n_obs:  # one without takes no part (it may lack others' fields)
+                    route_rows(src, schema, (0, src.n_obs), None if dest is None
+                               else dest[offset: offset + src.n_obs], offset, layout, work,
+                               buckets, value_check, on_block=bar.update)
                 offset += src.n_obs
-                del readers, obs
     finally:
         buckets.close()
     del dest
     shards, dtypes = [], {}
-    with _progress(n_total, "shuffle 2/2: write", progress) as bar, \
-            zarr.config.set({"array.write_empty_chunks": True}):
+    with _progress(n_total, "shuffle 2/2: write", progress) as bar:
         for s in range(-(-n_total // shard_obs)):
             name = f"shard_{first_shard + s:05d}.zarr"
             n = min(n_total, (s + 1) * shard_obs) - s * shard_obs
             paths = [buckets.path(bucket_id(s, j, shard_obs, block_obs))
                      for j in range(-(-n // block_obs))]
-            totals = [bucket_totals(p, segments) for p in paths]
-            got = sum(t["pos"] for t in totals)
-            if got != n:
-                raise InputError(f"{tmp}: shard {s} received {got} rows, expected {n}; an "
-                                 "input changed while being read?")
-            nnz = {f.key: sum(t[f"{f.key}:idx"] for t in totals)
-                   for f in schema.kept if f.kind == "csr"}
-            store = ShardStore(tmp / name, schema.kept, n, nnz, schema.var_names, opts,
-                               schema.var, schema.raw_var)
-            for j, p in enumerate(paths):
-                arrays = load_bucket(p, segments)
-                store.append(arrays, j * block_obs)
-                del arrays
-                release_memory()
-                if p.exists():
-                    os.remove(p)
-                bar.update(min(n, (j + 1) * block_obs) - j * block_obs)
-            dtypes = store.close()
-            del store
-            release_memory()
+            dtypes = write_shard_blocks(tmp / name, n, paths, schema, layout, opts,
+                                        f"{tmp}: shard {s}", delete=True, on_block=bar.update)
             shards.append(ShardInfo(name, n))
     shutil.rmtree(tmp / ".buckets", ignore_errors=True)
     return shards, dtypes
