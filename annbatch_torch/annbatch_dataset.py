@@ -263,6 +263,9 @@ class AnnBatchDataset(IterableDataset):
         if clash:
             raise ValueError(f"selector keys {sorted(clash)} clash with reserved output keys.")
         self.chunk_ids = None if chunk_ids is None else _int_array("chunk_ids", chunk_ids)
+        # resume states record it (state_dict runs at every batch: computed once)
+        self._chunk_ids_crc = (None if self.chunk_ids is None
+                               else zlib.crc32(np.sort(self.chunk_ids).tobytes()))
         self.sampler = None if sampler is None else self._bind_sampler(sampler)
         self._explicit_dist = rank is not None or world_size is not None
         self._rank, self._world_size = 0, 1
@@ -411,13 +414,12 @@ class AnnBatchDataset(IterableDataset):
     def _plan_fingerprint(self) -> dict[str, Any]:
         """What the epoch's batches depend on besides seed, epoch and world size (JSON
         scalars): a state saved under other values would skip other batches."""
-        ids = self.chunk_ids
         return {
             "n_obs": int(self.source.n_obs), "batch_size": self.batch_size,
             "chunk_size": self.chunk_size, "preload_nchunks": self.preload_nchunks,
             "shuffle": self.shuffle, "drop_last": self.drop_last,
             "even_batches": self.even_batches,
-            "chunk_ids": None if ids is None else zlib.crc32(np.sort(ids).tobytes()),
+            "chunk_ids": self._chunk_ids_crc,
             "sampler": None if self.sampler is None else self.sampler.signature,
         }
 
