@@ -220,21 +220,21 @@ def test_disk_full_leaves_no_output(
     tmp_path: Path, h5ads: list[Path], monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     from annbatch_torch.write import shardio as _shardio
-    from annbatch_torch.write import writer
+    from annbatch_torch.write import shardstore, writer
 
     if where == "bucket":
         monkeypatch.setattr(_shardio.BucketWriter, "append", _enospc)
     elif where == "shard":
         calls = [0]
 
-        class FullDisk(writer.ShardStore):
+        class FullDisk(shardstore.ShardStore):
             def close(self) -> Any:
                 calls[0] += 1
                 if calls[0] == 3:  # the third shard
                     _enospc()
                 return super().close()
 
-        monkeypatch.setattr(writer, "ShardStore", FullDisk)
+        monkeypatch.setattr(shardstore, "ShardStore", FullDisk)  # pass 2 looks it up there
     else:
         monkeypatch.setattr(writer, "write_manifest", _enospc)
     out = tmp_path / "store"
