@@ -24,10 +24,13 @@ import pandas as pd
 from ..errors import CollectionError
 from ..store.manifest import RAW_X
 
-__all__ = ["Appender", "ShardStore", "array_kwargs", "carry_bytes"]
+__all__ = ["Appender", "ShardStore", "array_kwargs", "carry_bytes", "gather_rows"]
 
 _EMPTY_GROUPS = ("layers", "obsm", "obsp", "varm", "varp", "uns")
 _GATHER_ROWS = 4096  # rows of a CSR field put in order at a time
+#: non-zeros per row from which rows are gathered slice by slice (a Python step per row)
+#: rather than through an element index (crossover measured near 100)
+_SLICE_NNZ = 128
 
 
 def array_kwargs(opts: dict[str, Any], chunks: tuple[int, ...], shape: tuple[int, ...],
@@ -69,6 +72,26 @@ def carry_bytes(fields: list[Any], opts: dict[str, Any], nnz_per_row: dict[str, 
             kw = array_kwargs(opts, (max(1, chunk // width), width), (max(n_rows, 1), width))
             total += 2 * _unit(kw) * width * f.dtype.itemsize
     return total
+
+
+def gather_rows(lens: np.ndarray, starts: np.ndarray, idx: np.ndarray, data: np.ndarray,
+                rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``rows`` (in that order) of a CSR piece given as row lengths ``lens``, their
+    ``starts`` (``starts[r]``: offset of row ``r`` in ``idx`` / ``data``): ``(lens, idx,
+    data)`` of the gathered rows."""
+    n = lens[rows].astype(np.int64)
+    if len(rows) and int(n.sum()) >= _SLICE_NNZ * len(rows):
+        # long rows: copying each row's slice beats an element index (which costs 8 bytes
+        # per non-zero written and read, and their page faults)
+        first = starts[rows].tolist()
+        last = (starts[rows] + n).tolist()
+        return (n, np.concatenate([idx[s:e] for s, e in zip(first, last)]),
+                np.concatenate([data[s:e] for s, e in zip(first, last)]))
+    ends = np.cumsum(n)
+    # element j of the piece comes from starts[row] + (j - its row's first j)
+    take = np.repeat(starts[rows] - (ends - n), n) + np.arange(int(ends[-1]) if len(ends)
+                                                               else 0, dtype=np.int64)
+    return n, idx[take], data[take]
 
 
 class Appender:
@@ -158,13 +181,7 @@ class _CSRField:
         starts = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=starts[1:])
         for a in range(0, len(order), _GATHER_ROWS):
-            rows = order[a: a + _GATHER_ROWS]
-            n = lens[rows].astype(np.int64)
-            ends = np.cumsum(n)
-            # element j of the piece comes from starts[row] + (j - its row's first j)
-            take = np.repeat(starts[rows] - (ends - n), n) + np.arange(int(ends[-1]) if len(
-                ends) else 0, dtype=np.int64)
-            self._append(n, idx[take], data[take])
+            self._append(*gather_rows(lens, starts, idx, data, order[a: a + _GATHER_ROWS]))
 
     def _append(self, lens: np.ndarray, idx: np.ndarray, data: np.ndarray) -> None:
         ends = np.cumsum(lens, dtype=np.int64)
