@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .annbatch_dataset import AnnBatchDataset
-from .convert import batch_dict_converter, to_device
 from .errors import (
     AnnBatchError,
     BatchError,
@@ -27,13 +25,15 @@ from .errors import (
     SchemaError,
 )
 from .fields import A, Field
-from .loader import AnnBatchDataLoader
 from .sampling.samplers import ClassBalancedSampler, Sampler, SubsetSampler, WeightedSampler
 from .store.collection import Collection, Source, open_collection
 from .store.zarrs import set_codec_pipeline
 
 if TYPE_CHECKING:
+    from .annbatch_dataset import AnnBatchDataset
+    from .convert import batch_dict_converter, to_device
     from .lightning import AnnBatchDataModule
+    from .loader import AnnBatchDataLoader
     from .write.append import append_to_collection
     from .write.prepare import prepare_collection
     from .write.writer import create_anndata_collection
@@ -70,27 +70,33 @@ __all__ = [
 ]
 
 
+#: names imported on first use: the torch face (torch takes seconds to import, and the
+#: writer's worker processes never need it), the writer (anndata's writer stack) and the
+#: DataModule (``lightning``)
+_LAZY = {
+    "AnnBatchDataset": "annbatch_dataset",
+    "AnnBatchDataLoader": "loader",
+    "batch_dict_converter": "convert",
+    "to_device": "convert",
+    "create_anndata_collection": "write.writer",
+    "append_to_collection": "write.append",
+    "prepare_collection": "write.prepare",
+    "AnnBatchDataModule": "lightning",
+}
+
+
 def __getattr__(name: str) -> Any:
-    # lazy: the writer pulls in anndata's writer stack, the DataModule needs `lightning`
-    if name == "create_anndata_collection":
-        from .write.writer import create_anndata_collection
+    import importlib
 
-        return create_anndata_collection
-    if name == "append_to_collection":
-        from .write.append import append_to_collection
-
-        return append_to_collection
-    if name == "prepare_collection":
-        from .write.prepare import prepare_collection
-
-        return prepare_collection
-    if name == "AnnBatchDataModule":
-        from .lightning import AnnBatchDataModule
-
-        return AnnBatchDataModule
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
     if name == "datasets":
         # not `from . import datasets`: its hasattr() check re-enters this __getattr__
-        import importlib
-
         return importlib.import_module(f"{__name__}.datasets")
     raise AttributeError(f"module 'annbatch_torch' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
