@@ -417,7 +417,10 @@ def _first(names: Any, n: int = 5) -> str:
 
 def _info(args: argparse.Namespace, parser: CliParser) -> int:
     from .store.manifest import MANIFEST_NAME
+    from .store.remote import is_url
 
+    if is_url(args.store):  # credentials and endpoint from the environment
+        return _info_collection(args.store, args)
     path = Path(args.store).expanduser()
     if not (path.exists() or path.is_symlink()):
         raise CliError(f"{path}: no such file or folder.")
@@ -442,7 +445,7 @@ def _info(args: argparse.Namespace, parser: CliParser) -> int:
     return _info_anndata(path, args)
 
 
-def _info_collection(path: Path, args: argparse.Namespace) -> int:
+def _info_collection(path: Path | str, args: argparse.Namespace) -> int:
     from .store.collection import open_collection
     from .store.inputs import disk_usage
 
@@ -452,7 +455,7 @@ def _info_collection(path: Path, args: argparse.Namespace) -> int:
         print(json.dumps(m.to_json(), indent=1))
         return 0
     sizes = coll.shard_sizes
-    print(f"collection  {coll.path}")
+    print(f"collection  {coll.describe()}")
     print(f"format      {m.format_version} ({m.created_by or 'unknown writer'})")
     print(f"cells       {coll.n_obs:,}")
     print(f"genes       {coll.n_vars:,} (var_join={m.var_join}; first: "
@@ -467,7 +470,10 @@ def _info_collection(path: Path, args: argparse.Namespace) -> int:
                                 else "(no columns)"))
     print(f"shards      {len(sizes)} of {min(sizes):,}-{max(sizes):,} rows" if sizes else
           "shards      0")
-    print(f"on disk     {_human(disk_usage(coll.path)[0])}")
+    if coll.mirror is not None:
+        print(f"stored      {_human(sum(s for s, _ in coll.mirror.objects.values()))}")
+    else:
+        print(f"on disk     {_human(disk_usage(coll.path)[0])}")
     print(f"shuffle     {m.shuffle} (seed {m.seed})")
     print("fields")
     for name, f in coll.fields.items():

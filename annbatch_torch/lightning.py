@@ -82,7 +82,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         ``.h5ad`` / AnnData-zarr inputs of the collection. ``None`` (or empty): use an
         existing collection at ``store_path`` as it is and never write.
     store_path
-        Where the collection lives (written by :meth:`prepare_data` when missing or stale).
+        Where the collection lives (written by :meth:`prepare_data` when missing or stale),
+        or its URL on an object store (read only).
     selector, batch_size, chunk_size, preload_nchunks, densify
         Passed to every :class:`~annbatch_torch.AnnBatchDataset`.
     num_workers
@@ -112,6 +113,10 @@ class AnnBatchDataModule(pl.LightningDataModule):
         training split's rows only (with ``val_fraction``, the rows of the held-out chunks
         never come up); validation, test and predict stay unweighted, in order. Default
         ``None``: chunked mode.
+    storage_options, cache_dir, cache_size
+        For a ``store_path`` on an object store (``s3://bucket/prefix``): as
+        :func:`~annbatch_torch.open_collection` takes them. Such a collection is read,
+        never written (write it once with ``create_anndata_collection(inputs, url)``).
 
     Attributes
     ----------
@@ -151,6 +156,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
         dataloader_kwargs: Mapping[str, Any] | None = None,
         dataset_kwargs: Mapping[str, Any] | None = None,
         sampler: Sampler | TorchSampler | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_size: int | None = None,
     ) -> None:
         super().__init__()
         if sampler is not None and not isinstance(sampler, Sampler | TorchSampler):
@@ -180,7 +188,19 @@ class AnnBatchDataModule(pl.LightningDataModule):
                 "pass batch_size to AnnBatchDataModule."
             )
         self.adata_paths = [Path(p).expanduser() for p in (adata_paths or [])]
-        self.store_path = Path(store_path)
+        from .store.remote import is_url
+
+        #: a local folder, or the URL of a collection on an object store
+        self.store_path: Path | str = (str(store_path) if is_url(store_path)
+                                       else Path(store_path))
+        self.storage_options = storage_options
+        self.cache_dir = cache_dir
+        self.cache_size = cache_size
+        if isinstance(self.store_path, str) and self.adata_paths:
+            raise ValueError(
+                f"store_path={self.store_path!r} is on an object store: prepare_data does not "
+                "write there. Write the collection once with create_anndata_collection("
+                "inputs, url), then pass only store_path.")
         self.selector = selector
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -208,6 +228,12 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self._reload_setting: int | None = None
 
     # -- data preparation --------------------------------------------------------------
+    def _open(self) -> Collection:
+        if isinstance(self.store_path, str):
+            return open_collection(self.store_path, storage_options=self.storage_options,
+                                   cache_dir=self.cache_dir, cache_size=self.cache_size)
+        return open_collection(self.store_path)
+
     @property
     def lock_path(self) -> Path:
         """The lock file beside the store that serialises :meth:`prepare_data` calls."""
@@ -228,6 +254,10 @@ class AnnBatchDataModule(pl.LightningDataModule):
             Without ``adata_paths``, if ``store_path`` is not a finished collection; or if
             ``store_path`` exists but is not a collection (it is never overwritten).
         """
+        if isinstance(self.store_path, str):  # a URL: it must be a collection (never written)
+            self._open()
+            self.store_written = False
+            return
         if not self.adata_paths:
             read_manifest(self.store_path)  # raises with the fix if it is not a collection
             self.store_written = False
@@ -278,7 +308,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         ``"predict"`` the whole-collection one; ``None`` builds all.
         """
         self._epoch = self.epoch  # a rebuilt training dataset keeps the current epoch
-        self.collection = open_collection(self.store_path)
+        self.collection = self._open()
         self.train_chunks, self.val_chunks = sampling.split_chunks(
             self.collection.n_obs, self.chunk_size, self.val_fraction, self.seed
         )

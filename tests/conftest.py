@@ -150,3 +150,60 @@ def imbalanced_collection(imbalanced_h5ad: Path, tmp_path_factory: pytest.TempPa
     out = tmp_path_factory.mktemp("imbalanced_collection") / "store"
     return create_anndata_collection([imbalanced_h5ad], out, seed=0, n_obs_per_shard=2048,
                                      progress=False)
+
+
+class S3Server:
+    """A moto S3 server on loopback (a separate process) and the storage_options that
+    reach it; ``bucket(name)`` creates a bucket and returns ``s3://name``."""
+
+    def __init__(self) -> None:
+        import socket
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.proc.kill()
+                    raise RuntimeError("the moto S3 server did not start") from None
+                time.sleep(0.1)
+        self.options = {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing",
+                        "client_kwargs": {"region_name": "us-east-1"}}
+
+    def fs(self) -> Any:
+        """A fresh s3fs filesystem on the server (no listing cache)."""
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, **self.options)
+
+    def bucket(self, name: str) -> str:
+        import fsspec.asyn
+
+        fs = self.fs()
+        fsspec.asyn.sync(fs.loop, fs._call_s3, "create_bucket", Bucket=name)
+        return f"s3://{name}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3() -> Any:
+    """A real S3-compatible server (moto) on 127.0.0.1, for the whole session."""
+    server = S3Server()
+    yield server
+    server.stop()

@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -37,6 +37,9 @@ from .metadata import (
     shard_obs_names,
     split_by_shard,
 )
+
+if TYPE_CHECKING:
+    from .mirror import Mirror
 
 __all__ = [
     "Source", "Collection", "open_collection", "field_node", "MAX_LABEL_CATEGORIES",
@@ -305,18 +308,24 @@ class Collection(Source):
     Attributes
     ----------
     path
-        The collection folder.
+        The collection folder (for a collection on an object store: the local mirror of
+        its metadata; :attr:`url` names it).
+    url
+        The collection's URL when it is on an object store, else ``None``.
     manifest
         The parsed ``manifest.json``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None,
+                 mirror: Mirror | None = None) -> None:
         super().__init__()
         self.path = Path(path)
-        self._manifest_id = _manifest_identity(self.path)
+        self.mirror = mirror
+        self.url = None if mirror is None else mirror.location.url
+        self._manifest_id = self._identity()
         if manifest is None:
             manifest = read_manifest(self.path)
-            while (now := _manifest_identity(self.path)) != self._manifest_id:
+            while mirror is None and (now := self._identity()) != self._manifest_id:
                 self._manifest_id = now  # replaced while it was read: read it again
                 manifest = read_manifest(self.path)
         self.manifest = manifest
@@ -342,11 +351,13 @@ class Collection(Source):
         collection (``overwrite=True``) since it was opened: its rows cannot be mixed with
         the ones read before. Shards added since (the old ones kept as they were) pass. One
         ``stat`` of ``manifest.json`` while it is unchanged."""
-        now = _manifest_identity(self.path)
+        now = self._identity()
         if now == self._manifest_id:
             return
         try:
-            shards = read_manifest(self.path).shards if now is not None else None
+            # on a store a new manifest is not mirrored here: any change is a rewrite
+            shards = (read_manifest(self.path).shards if now is not None and self.mirror is None
+                      else None)
         except CollectionError:
             shards = None
         ours = self.manifest.shards
@@ -355,7 +366,7 @@ class Collection(Source):
             self._manifest_id = now  # only added to: every shard read here is as it was
             return
         raise CollectionError(
-            f"{self.path}: the collection was rewritten by another process (create_anndata_"
+            f"{self.describe()}: the collection was rewritten by another process (create_anndata_"
             "collection(..., overwrite=True)) since this process opened it; its rows cannot "
             "be mixed with those read before. Open it again (a new AnnBatchDataset or "
             "open_collection) to read the new collection.")
@@ -368,10 +379,16 @@ class Collection(Source):
     def shard_path(self, shard: int) -> Path:
         return self.path / self.manifest.shards[shard].path
 
+    def _identity(self) -> tuple[int, int, int] | None:
+        return (_manifest_identity(self.path) if self.mirror is None
+                else self.mirror.manifest_identity())
+
     def describe(self) -> str:
-        return str(self.path)
+        return str(self.path) if self.url is None else self.url
 
     def shard_name(self, shard: int) -> str:
+        if self.url is not None:
+            return f"{self.url}/{self.manifest.shards[shard].path}"
         return str(self.shard_path(shard))
 
     # -- cell and gene metadata (never X; see store/metadata.py) ---------------------
@@ -648,17 +665,18 @@ class Collection(Source):
         p = self.shard_path(shard)
         try:
             # raw chunks are read directly, others through zarr (zarrs' pipeline if installed)
-            return read_group(open_fast_group(p))
+            return read_group(open_fast_group(p, self.mirror))
         except Exception as e:
             raise CollectionError(
-                f"{p}: cannot open shard {shard} ({type(e).__name__}: {e}); the collection is "
-                "damaged, rewrite it with create_anndata_collection(..., overwrite=True)."
+                f"{self.shard_name(shard)}: cannot open shard {shard} ({type(e).__name__}: "
+                f"{e}); the collection is damaged, rewrite it with "
+                "create_anndata_collection(..., overwrite=True)."
             ) from e
 
     def __repr__(self) -> str:
         fields = ", ".join(self.fields)
         return (
-            f"Collection({str(self.path)!r}, n_obs={self.n_obs}, n_vars={self.n_vars}, "
+            f"Collection({self.describe()!r}, n_obs={self.n_obs}, n_vars={self.n_vars}, "
             f"shards={len(self.shard_sizes)}, fields=[{fields}])"
         )
 
@@ -672,13 +690,28 @@ def _manifest_identity(root: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def open_collection(path: str | os.PathLike[str]) -> Collection:
+def open_collection(path: str | os.PathLike[str], *,
+                    storage_options: dict[str, Any] | None = None,
+                    cache_dir: str | os.PathLike[str] | None = None,
+                    cache_size: int | None = None) -> Collection:
     """Open a finished collection written by :func:`create_anndata_collection`.
 
     Parameters
     ----------
     path
-        The collection folder (the one holding ``manifest.json``).
+        The collection folder (the one holding ``manifest.json``), or its URL on an
+        object store (``s3://bucket/prefix``, ``gs://``, ``az://``, ``https://``).
+    storage_options
+        For a URL: the fsspec filesystem's options (for S3, s3fs's: ``key``,
+        ``secret``, ``endpoint_url``, ``anon``, ``client_kwargs``...); unset ones come
+        from the environment.
+    cache_dir
+        For a URL: the folder of the local chunk cache and metadata mirror, shared by
+        every process and job naming it. ``None``: a temporary folder removed when this
+        process exits.
+    cache_size
+        For a URL: bytes the chunk cache may hold (least recently used chunks are
+        evicted beyond it). ``None``: a quarter of the cache folder's free disk space.
 
     Raises
     ------
@@ -686,7 +719,22 @@ def open_collection(path: str | os.PathLike[str]) -> Collection:
         If ``path`` is not a finished collection, its manifest is damaged or newer than
         this version, or a shard folder is missing.
     """
-    coll = Collection(path)
+    from .remote import is_url
+
+    if is_url(path):
+        from .mirror import Mirror
+        from .remote import RemoteLocation
+
+        mirror = Mirror(RemoteLocation(str(path), storage_options), cache_dir, cache_size)
+        coll = Collection(mirror.sync(), mirror=mirror)
+    else:
+        if storage_options is not None or cache_dir is not None or cache_size is not None:
+            from ..errors import InputError
+
+            raise InputError(f"{path}: storage_options, cache_dir and cache_size are for a "
+                             "collection on an object store (a URL such as s3://bucket/"
+                             "prefix); a local folder is read directly.")
+        coll = Collection(path)
     probe = "X" if "X" in coll.fields else next(iter(coll.fields), None)
     for i, s in enumerate(coll.manifest.shards):
         if not coll.shard_path(i).is_dir():

@@ -256,6 +256,10 @@ def as_source(obj: Any) -> Source:
     if isinstance(obj, Source):
         return obj
     if isinstance(obj, str | os.PathLike):
+        from .remote import is_url
+
+        if is_url(obj):  # a collection on an object store (credentials from the environment)
+            return open_collection(str(obj))
         p = Path(obj).expanduser()
         if p.is_dir() and (p / MANIFEST_NAME).exists():
             return open_collection(p)

@@ -151,6 +151,13 @@ def resolve_input(obj: Any, index: int) -> Path | Any:
     if isinstance(obj, ad.AnnData) or _looks_like_anndata(obj):
         return backed_file(obj, f"input #{index}") or obj
     if isinstance(obj, str | os.PathLike):
+        from .remote import is_url
+
+        if is_url(obj):
+            raise InputError(
+                f"input #{index} {obj!r}: inputs are read from local (or mounted) files; "
+                "download the .h5ad / .zarr first. Collections, not inputs, live on object "
+                "stores: create_anndata_collection(inputs, 's3://bucket/prefix').")
         return Path(obj).expanduser()
     raise InputError(f"input #{index}: got a {type(obj).__name__}; {_FIX_TYPES}.")
 

@@ -27,11 +27,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .checks import bad_column
+
+if TYPE_CHECKING:
+    from .mirror import Mirror, RemoteChunks
 
 __all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError", "io_gate",
            "CpuSlots"]
@@ -62,8 +65,12 @@ class RawZarrArray:
     #: of stores whose writer wrote every chunk
     require_chunks = False
 
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+    def __init__(self, path: Path, meta: dict[str, Any], remote: RemoteChunks | None = None
+                 ) -> None:
         self.path = path
+        #: where the chunk objects are when they are on an object store (``None``: files
+        #: under ``path``); chunks then arrive in the chunk cache, read from there
+        self.remote = remote
         self.shape = tuple(int(s) for s in meta["shape"])
         self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
         outer = tuple(int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"])
@@ -112,6 +119,8 @@ class RawZarrArray:
     @property
     def nchunks_initialized(self) -> int:
         """Number of chunk (or shard) files present (as ``zarr.Array.nchunks_initialized``)."""
+        if self.remote is not None:
+            return sum(self.remote.present(self._file_name(k)) for k in range(self.nchunks))
         return sum(Path(self._file_name(k)).is_file() for k in range(self.nchunks))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -142,19 +151,11 @@ class RawZarrArray:
         path = self._file_name(k)
         n_index = self.per_shard * 16
         size = n_index + (4 if self._index_crc else 0)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        got = self._read_index(path, size)
+        if got is None:
             index = None
         else:
-            try:
-                end = os.fstat(fd).st_size
-                if end < size:
-                    raise ChunkError(f"{path}: shard file has {end} bytes, less than its "
-                                     f"{size}-byte index")
-                raw = os.pread(fd, size, end - size if self._index_at_end else 0)
-            finally:
-                os.close(fd)
+            raw, end = got
             if len(raw) != size:
                 raise ChunkError(f"{path}: shard index is truncated")
             if self._index_crc:
@@ -172,8 +173,73 @@ class RawZarrArray:
             self._indexes[k] = index
         return index
 
+    def _read_index(self, path: str, size: int) -> tuple[bytes, int] | None:
+        """The ``size`` index bytes of shard file ``path`` and the file's size (``None``
+        when it is absent)."""
+        if self.remote is not None:
+            if (end := self.remote.size(path)) is None:
+                return None
+            if end < size:
+                raise ChunkError(f"{path}: shard object has {end} bytes, less than its "
+                                 f"{size}-byte index")
+            start = end - size if self._index_at_end else 0
+            local = self.remote.local(path, start, start + size)
+            if local is None:
+                return None
+            with open(local, "rb") as f:
+                return f.read(), end
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            end = os.fstat(fd).st_size
+            if end < size:
+                raise ChunkError(f"{path}: shard file has {end} bytes, less than its "
+                                 f"{size}-byte index")
+            return os.pread(fd, size, end - size if self._index_at_end else 0), end
+        finally:
+            os.close(fd)
+
     def _locate(self, c: int) -> tuple[str, int, int] | None:
-        """Chunk ``c``'s file, byte offset and stored size; ``None`` when it is absent."""
+        """Chunk ``c``'s file, byte offset and stored size; ``None`` when it is absent.
+        For an array on a store the file is the chunk's entry in the chunk cache."""
+        where = self._object_range(c)
+        if where is None or self.remote is None:
+            return where
+        path, off, want = where
+        # a whole chunk object: one byte more, so a longer object is noticed as locally
+        local = self.remote.local(path, off, off + want + (0 if self.per_shard else 1))
+        return None if local is None else (local, 0, want)
+
+    def prefetch(self, chunks: list[int]) -> None:
+        """Fetch the chunks ``chunks`` of an array on a store into the chunk cache, all at
+        once (their shard indexes first); nothing for local arrays."""
+        if self.remote is None or not chunks:
+            return
+        if self.per_shard:
+            n_index = self.per_shard * 16 + (4 if self._index_crc else 0)
+            need = []
+            for k in sorted({c // self.per_shard for c in chunks}):
+                with self._index_lock:
+                    if k in self._indexes:
+                        continue
+                path = self._file_name(k)
+                if (end := self.remote.size(path)) is not None and end >= n_index:
+                    start = end - n_index if self._index_at_end else 0
+                    need.append((path, start, start + n_index))
+            self.remote.fetch(need)
+        wanted = []
+        for c in chunks:
+            where = self._object_range(c)
+            if where is not None:
+                path, off, want = where
+                wanted.append((path, off, off + want + (0 if self.per_shard else 1)))
+        self.remote.fetch(wanted)
+
+    def _object_range(self, c: int) -> tuple[str, int, int] | None:
+        """Chunk ``c``'s chunk or shard file, byte offset and stored size; ``None`` when it
+        is absent."""
         want = self.chunk_nbytes + (4 if self.crc else 0)
         if not self.per_shard:
             return self._chunk_name(c), 0, want
@@ -207,6 +273,7 @@ class RawZarrArray:
             return
         flat = out.reshape(-1).view(np.uint8)
         row_bytes = self.row_items * self.dtype.itemsize
+        self.prefetch(list(range(lo // self.chunk_rows, (hi - 1) // self.chunk_rows + 1)))
         for c in range(lo // self.chunk_rows, (hi - 1) // self.chunk_rows + 1):
             c0 = c * self.chunk_rows
             a, b = max(lo, c0), min(hi, c0 + self.chunk_rows)
@@ -275,6 +342,8 @@ class RawZarrArray:
         seg_ends = np.append(seg_starts[1:], stop)
         chunk_of = seg_starts // size
         cuts = np.flatnonzero(np.diff(chunk_of)) + 1
+        if self.remote is not None:
+            self.prefetch(np.unique(chunk_of).tolist())
         item = self.dtype.itemsize
         flat = out.reshape(-1).view(np.uint8)
         lo_b = (seg_starts * item).tolist()
@@ -323,6 +392,8 @@ class RawZarrArray:
         lo_b = (seg_lo - chunk * size) * item  # bytes, from the chunk's start
         hi_b = (seg_hi - chunk * size) * item
         d_b = (dests[run] + (seg_lo - starts[run])) * item
+        if self.remote is not None:
+            self.prefetch(np.unique(chunk).tolist())
         idents = (self._identities(np.unique(chunk // self.per_shard).tolist())
                   if self.crc and self.per_shard else {})
         new_chunk = np.concatenate([[True], chunk[1:] != chunk[:-1]])
@@ -381,11 +452,16 @@ class RawZarrArray:
         """``{shard file: (inode, size, mtime)}`` of those that exist now."""
         out = {}
         for k in files:
-            try:
-                st = os.stat(self._file_name(k))
-            except FileNotFoundError:
-                continue  # the read reports it
-            out[k] = ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if self.remote is not None:
+                if (got := self.remote.identity(self._file_name(k))) is None:
+                    continue
+                out[k] = ident = got
+            else:
+                try:
+                    st = os.stat(self._file_name(k))
+                except FileNotFoundError:
+                    continue  # the read reports it
+                out[k] = ident = (st.st_ino, st.st_size, st.st_mtime_ns)
             if self._seen_ids.setdefault(k, ident) != ident:  # replaced or rewritten
                 self._seen_ids[k] = ident
                 with self._index_lock:  # its index is read again
@@ -711,10 +787,12 @@ def _raw_codecs(codecs: list[dict[str, Any]]) -> bool:
     return all(c.get("name") == "crc32c" for c in codecs[1:])
 
 
-def open_raw(path: str | os.PathLike[str]) -> RawZarrArray | None:
+def open_raw(path: str | os.PathLike[str], mirror: Mirror | None = None) -> RawZarrArray | None:
     """A :class:`RawZarrArray` for the zarr v3 array at ``path``, or ``None`` when the
     array is not raw (compressed, v2, big-endian, chunked along columns; sharded with
-    other inner codecs or inner chunks that do not divide the shard)."""
+    other inner codecs or inner chunks that do not divide the shard). ``mirror``: ``path``
+    is in the local mirror of a collection on an object store, whose chunk objects stay
+    there (see :mod:`.mirror`)."""
     p = Path(path)
     try:
         with open(p / "zarr.json") as f:
@@ -748,7 +826,7 @@ def open_raw(path: str | os.PathLike[str]) -> RawZarrArray | None:
         if (len(inner) != len(shape) or list(inner[1:]) != list(shape[1:])
                 or int(inner[0]) < 1 or int(chunks[0]) % int(inner[0])):
             return None
-    return RawZarrArray(p, meta)
+    return RawZarrArray(p, meta, None if mirror is None else mirror.chunks_for(p))
 
 
 class FastGroup:
@@ -759,8 +837,9 @@ class FastGroup:
     ``keys()``, ``attrs``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], mirror: Mirror | None = None) -> None:
         self.path = Path(path)
+        self.mirror = mirror
         try:
             with open(self.path / "zarr.json") as f:
                 meta = json.load(f)
@@ -795,8 +874,8 @@ class FastGroup:
         except (FileNotFoundError, NotADirectoryError):
             raise KeyError(key) from None
         if meta.get("node_type") == "group":
-            return FastGroup(child)
-        raw = open_raw(child)
+            return FastGroup(child, self.mirror)
+        raw = open_raw(child, self.mirror)
         if raw is not None:
             raw.attrs = meta.get("attributes", {})
             return raw
@@ -805,11 +884,12 @@ class FastGroup:
         return zarr.open_array(str(child), mode="r")
 
 
-def open_fast_group(path: str | os.PathLike[str]) -> Any:
-    """A :class:`FastGroup` for a zarr v3 group, else ``zarr.open_group`` (v2 stores)."""
+def open_fast_group(path: str | os.PathLike[str], mirror: Mirror | None = None) -> Any:
+    """A :class:`FastGroup` for a zarr v3 group, else ``zarr.open_group`` (v2 stores);
+    ``mirror``: ``path`` is in the local mirror of a collection on an object store."""
     p = Path(path)
     if (p / "zarr.json").is_file():
-        return FastGroup(p)
+        return FastGroup(p, mirror)
     import zarr
 
     return zarr.open_group(str(p), mode="r")

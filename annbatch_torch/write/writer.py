@@ -63,6 +63,7 @@ import re
 import secrets
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ from ..store.manifest import (
     looks_like_collection,
     write_manifest,
 )
+from ..store.remote import RemoteLocation, is_url
 from . import budget as _budget
 from .budget import parse_memory
 from .schema import Schema, check_reference, resolve_schema
@@ -275,6 +277,7 @@ def create_anndata_collection(
     value_check: Callable[[str, str, Any], None] | None = None,
     scheduler: Any = None,
     n_workers: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Collection:
     """Shuffle AnnData inputs into a collection of zarr shards, out of core.
 
@@ -286,7 +289,10 @@ def create_anndata_collection(
         X may be CSR, CSC, dense or absent (X is None in every input: a collection
         without X).
     output_path
-        The collection folder to create.
+        The collection folder to create, or a URL on an object store
+        (``s3://bucket/prefix``...): the collection is then written to a local staging
+        folder (``TMPDIR``) and uploaded, its manifest last (see
+        :mod:`annbatch_torch.write.upload`).
     shuffle
         Spread rows of all inputs uniformly over all shards (exact global shuffle). With
         False, rows keep input order.
@@ -360,6 +366,9 @@ def create_anndata_collection(
         positions); ``max_memory`` bounds each worker. Needs the ``dask`` extra.
     n_workers
         Workers of a local ``scheduler`` (default: the usable CPUs).
+    storage_options
+        For a URL ``output_path``: the fsspec filesystem's options (for S3: key,
+        secret, endpoint_url...; see :func:`~annbatch_torch.open_collection`).
 
     Returns
     -------
@@ -424,6 +433,41 @@ def create_anndata_collection(
         adata_paths = [adata_paths]
     if not adata_paths:
         raise InputError("adata_paths is empty; pass at least one .h5ad / zarr / AnnData.")
+    remote, staging = None, None
+    if is_url(output_path):
+        from .upload import check_remote_output
+
+        remote = RemoteLocation(str(output_path), storage_options)
+        check_remote_output(remote, overwrite)  # refused before the work, not after
+        staging = Path(tempfile.mkdtemp(prefix="annbatch-upload-"))
+        output_path = staging / "collection"
+    elif storage_options is not None:
+        raise InputError(f"{output_path}: storage_options are for an output on an object "
+                         "store (a URL such as s3://bucket/prefix).")
+    try:
+        out = _write_local(adata_paths, Path(output_path), overwrite, seed, var_join,
+                           reference, obs_columns, layers, obsm, raw, n_obs_per_shard, budget,
+                           shuffle, opts, progress, value_check, scheduler, n_workers,
+                           compressor)
+        if remote is None:
+            return open_collection(out)
+        from .upload import upload_collection
+
+        upload_collection(out, remote, overwrite, progress)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return open_collection(remote.url, storage_options=storage_options)
+
+
+def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
+                 seed: int | None, var_join: str, reference: Any, obs_columns: Any,
+                 layers: Any, obsm: Any, raw: bool | None, n_obs_per_shard: int | None,
+                 budget: int | None, shuffle: bool, opts: dict[str, Any], progress: bool,
+                 value_check: Callable[[str, str, Any], None] | None, scheduler: Any,
+                 n_workers: int | None, compressor: Any) -> Path:
+    """The write of :func:`create_anndata_collection` into a local folder (its arguments
+    checked); returns the folder."""
     out = Path(output_path).expanduser().absolute()
     disk = [Path(p).expanduser().resolve() for p in adata_paths if isinstance(p, str | os.PathLike)]
     _check_output(out, overwrite, disk)
@@ -463,7 +507,7 @@ def create_anndata_collection(
             s.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return open_collection(out)
+    return out
 
 
 def permutation(n_total: int, shuffle: bool, seed: int) -> np.ndarray | None:

@@ -1,0 +1,331 @@
+"""A remote collection read through a local mirror of its metadata and a chunk cache.
+
+Opening ``s3://bucket/atlas`` (:meth:`Mirror.sync`) lists the prefix once and copies
+every object except the chunk objects of raw arrays into a local folder with the same
+layout: the manifest, ``var_names.json``, the ``zarr.json`` of every node and the chunks
+of arrays that are not raw (compressed arrays, strings) - kilobytes to megabytes. The
+local code then opens the collection as it opens a local one, and the raw arrays (X,
+layers, codes: nearly all the bytes) get a :class:`RemoteChunks` that fetches the chunks a
+read needs as byte ranges of their objects, all of one read concurrently
+(:meth:`RemoteChunks.prefetch`), into the :class:`~.chunkcache.ChunkCache`, from whose
+files the reader's ``preadv`` path reads and checks them (CRC-32C) as it does local chunk
+files.
+
+The mirror folder is named by the URL and the manifest's ETag: a collection rewritten on
+the store gets a new folder (readers of the old one keep theirs), and a process that
+opens a collection whose mirror is complete (``.mirror.json`` written last) lists
+nothing. DataLoader workers receive the folder's name, never a client or credentials in
+a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..errors import CollectionError, InputError
+from .chunkcache import ChunkCache, cache_token
+from .manifest import MANIFEST_NAME
+from .remote import ObjectInfo, RemoteLocation
+
+__all__ = ["Mirror", "RemoteChunks", "default_cache_size", "FETCH_THREADS"]
+
+logger = logging.getLogger(__name__)
+
+#: objects fetched at once (the byte ranges of each concurrently too)
+FETCH_THREADS = 16
+_STATE = ".mirror.json"
+
+
+def default_cache_size(root: Path) -> int:
+    """A quarter of the free space of ``root``'s file system."""
+    root.mkdir(parents=True, exist_ok=True)
+    return max(shutil.disk_usage(root).free // 4, 64 << 20)
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class Mirror:
+    """The local side of one remote collection: metadata folder, object table, cache.
+
+    Parameters
+    ----------
+    location
+        The collection's URL and options.
+    cache_dir
+        The folder for the mirror and the chunk cache (shared by processes and jobs);
+        ``None``: a temporary folder of this process and its DataLoader workers, removed
+        at exit.
+    cache_size
+        Bytes the chunk cache may hold (``None``: a quarter of the free disk space).
+    """
+
+    def __init__(self, location: RemoteLocation, cache_dir: str | os.PathLike[str] | None,
+                 cache_size: int | None) -> None:
+        self.location = location
+        if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(
+                cache_size, int) or cache_size < 1):
+            raise InputError(f"{location.url}: cache_size={cache_size!r} must be a positive "
+                             "number of bytes.")
+        if cache_dir is None:
+            base = Path(tempfile.mkdtemp(prefix="annbatch-remote-"))
+            import atexit
+
+            owner = os.getpid()
+            atexit.register(lambda: os.getpid() == owner and shutil.rmtree(base, True))
+        else:
+            base = Path(cache_dir).expanduser()
+        self.base = base
+        self.cache_size = cache_size if cache_size is not None else default_cache_size(base)
+        self.cache = ChunkCache(base / "chunks", self.cache_size)
+        self.root: Path = base  # set by sync
+        self.manifest_etag = ""
+        self._objects: dict[str, ObjectInfo] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_objects"] = None  # read again from the mirror's .mirror.json
+        return state
+
+    @property
+    def objects(self) -> dict[str, ObjectInfo]:
+        """``{key: (size, etag)}`` of the collection's objects when it was opened."""
+        if self._objects is None:
+            state = json.loads((self.root / _STATE).read_text())
+            self._objects = {k: (int(v[0]), str(v[1])) for k, v in state["objects"].items()}
+        return self._objects
+
+    def manifest_identity(self) -> tuple[int, int, int] | None:
+        """A stand-in for the local manifest's ``(inode, size, mtime)``: ``(0, size,
+        hash(etag))`` of ``manifest.json`` on the store now, ``None`` when absent."""
+        info = self.location.head(MANIFEST_NAME)
+        return None if info is None else (0, info[0], int(_digest(info[1]), 16))
+
+    def sync(self) -> Path:
+        """Mirror the collection's metadata (once per manifest ETag) and return the folder."""
+        loc = self.location
+        info = loc.head(MANIFEST_NAME)
+        if info is None:
+            try:
+                some = loc.list()
+            except FileNotFoundError:
+                some = {}
+            what = (f"holds {len(some)} objects but no {MANIFEST_NAME}: not a finished "
+                    "collection (an interrupted write, or not a collection at all)"
+                    if some else "holds no objects")
+            raise CollectionError(
+                f"{loc.where()}: {what}. Write one with create_anndata_collection(inputs, "
+                f"{loc.url!r}), or check the URL.")
+        self.manifest_etag = info[1]
+        self.root = self.base / "meta" / _digest(loc.url) / _digest(info[1])
+        if (self.root / _STATE).is_file():
+            return self.root
+        from filelock import FileLock
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.root.parent / f"{self.root.name}.lock")):
+            if not (self.root / _STATE).is_file():
+                self._copy_metadata()
+        self._objects = None
+        return self.root
+
+    def _copy_metadata(self) -> None:
+        from .rawzarr import open_raw
+
+        loc = self.location
+        objects = loc.list()
+        if MANIFEST_NAME not in objects:
+            raise CollectionError(f"{loc.where(MANIFEST_NAME)} vanished while the collection "
+                                  "was opened (rewritten?); open it again.")
+        nodes = [k for k in objects if k == "zarr.json" or k.endswith("/zarr.json")
+                 or k.endswith((".zarray", ".zgroup", ".zattrs", ".zmetadata"))]
+        self._fetch_whole(nodes)
+        raw_dirs = set()
+        for k in nodes:
+            if k.endswith("/zarr.json"):
+                folder = k[: -len("/zarr.json")]
+                if open_raw(self.root / folder) is not None:
+                    raw_dirs.add(folder)
+
+        def ranged(key: str) -> bool:  # a chunk object of a raw array: fetched as ranges
+            folder, _, rest = key.partition("/c/")
+            return bool(rest) and folder in raw_dirs
+
+        rest = [k for k in objects if k not in nodes and not ranged(k)]
+        self._fetch_whole(rest)
+        # the manifest again: it must be the one this mirror is named by
+        if loc.head(MANIFEST_NAME) != (objects[MANIFEST_NAME][0], self.manifest_etag):
+            raise CollectionError(f"{loc.where()}: the collection was rewritten while it was "
+                                  "opened; open it again.")
+        state = {"url": loc.url, "manifest_etag": self.manifest_etag,
+                 "objects": {k: list(v) for k, v in objects.items()}}
+        _write_atomic(self.root / _STATE, json.dumps(state).encode())
+        logger.info("%s: mirrored %d metadata objects into %s (%d chunk objects read by "
+                    "range)", loc.url, len(nodes) + len(rest), self.root,
+                    len(objects) - len(nodes) - len(rest))
+
+    def _fetch_whole(self, keys: list[str]) -> None:
+        def one(key: str) -> None:
+            _write_atomic(self.root / key, self.location.get(key))
+
+        if not keys:
+            return
+        try:
+            with ThreadPoolExecutor(FETCH_THREADS) as ex:
+                list(ex.map(one, keys))
+        except FileNotFoundError as e:
+            raise CollectionError(f"{e}: deleted while the collection was opened (rewritten?); "
+                                  "open it again.") from None
+
+    def chunks_for(self, array_dir: Path) -> RemoteChunks:
+        """The chunk source of the raw array mirrored at ``array_dir``."""
+        return RemoteChunks(self, array_dir)
+
+    def key_of(self, path: str | os.PathLike[str]) -> str:
+        """The object key of a file of the mirror."""
+        rel = os.path.relpath(path, self.root)
+        if rel.startswith(".."):
+            raise ValueError(f"{path} is not inside the mirror {self.root}")
+        return rel.replace(os.sep, "/")
+
+
+class RemoteChunks:
+    """Where a raw array's chunks come from when its objects are on a store: byte ranges
+    fetched (concurrently, for all chunks of one read) into the chunk cache."""
+
+    def __init__(self, mirror: Mirror, array_dir: Path) -> None:
+        self.mirror = mirror
+        self.array_dir = array_dir
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = -1
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"mirror": self.mirror, "array_dir": self.array_dir}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["mirror"], state["array_dir"])  # type: ignore[misc]
+
+    def _info(self, path: str) -> tuple[str, ObjectInfo | None]:
+        key = self.mirror.key_of(path)
+        return key, self.mirror.objects.get(key)
+
+    def present(self, path: str) -> bool:
+        return self._info(path)[1] is not None
+
+    def identity(self, path: str) -> tuple[int, int, int] | None:
+        """``(0, size, hash of the ETag)`` of the object, ``None`` when absent."""
+        info = self._info(path)[1]
+        return None if info is None else (0, info[0], int(_digest(info[1]), 16))
+
+    def size(self, path: str) -> int | None:
+        info = self._info(path)[1]
+        return None if info is None else info[0]
+
+    def _token(self, key: str, info: ObjectInfo, start: int, stop: int) -> str:
+        return cache_token(self.mirror.location.where(key), info[1], start, stop)
+
+    def local(self, path: str, start: int, stop: int) -> str | None:
+        """The cache file holding bytes ``[start, stop)`` of the object (fetched now if not
+        cached); ``None`` when the object does not exist."""
+        key, info = self._info(path)
+        if info is None:
+            return None
+        stop = min(stop, info[0])
+        token = self._token(key, info, start, stop)
+        hit = self.mirror.cache.get(token)
+        if hit is not None:
+            return str(hit)
+        self.fetch([(path, start, stop)])
+        hit = self.mirror.cache.get(token)
+        if hit is None:  # evicted at once: the cache is far too small for one read
+            raise CollectionError(
+                f"{self.mirror.cache.root}: cache_size={self.mirror.cache_size} is too small to "
+                "hold the chunks of one read; raise it.")
+        return str(hit)
+
+    def fetch(self, wanted: list[tuple[str, int, int]]) -> None:
+        """Fetch the byte ranges ``(path, start, stop)`` not cached yet: one request batch
+        per object (touching ranges coalesced, requests concurrent), :data:`FETCH_THREADS` objects
+        at once."""
+        by_key: dict[str, list[tuple[int, int, str]]] = {}
+        for path, start, stop in wanted:
+            key, info = self._info(path)
+            if info is None:
+                continue
+            stop = min(stop, info[0])
+            token = self._token(key, info, start, stop)
+            if self.mirror.cache.get(token) is None:
+                by_key.setdefault(key, []).append((start, stop, token))
+        if not by_key:
+            return
+        loc = self.mirror.location
+
+        def one(item: tuple[str, list[tuple[int, int, str]]]) -> None:
+            key, ranges = item
+            ranges = sorted(set(ranges))
+            try:
+                bufs = loc.get_ranges(key, [r[0] for r in ranges], [r[1] for r in ranges])
+            except FileNotFoundError:
+                raise CollectionError(
+                    f"{loc.where(key)}: the object was deleted since the collection was "
+                    "opened (rewritten on the store?); open it again.") from None
+            for (start, stop, token), buf in zip(ranges, bufs):
+                view = memoryview(buf)
+                if len(view) != stop - start:
+                    from .rawzarr import ChunkError
+
+                    raise ChunkError(f"{loc.where(key)}: bytes [{start}, {stop}) arrived "
+                                     f"as {len(view)} bytes (the object is truncated)")
+                self.mirror.cache.put(token, view)
+
+        items = list(by_key.items())
+        if len(items) == 1:
+            one(items[0])
+            return
+        with self._lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = ThreadPoolExecutor(FETCH_THREADS)
+                self._pool_pid = os.getpid()
+            pool = self._pool
+        list(pool.map(one, items))
+
+    def suffix(self, path: str, n: int) -> tuple[bytes, int] | None:
+        """The last ``n`` bytes of the object and its size (cached like chunks)."""
+        size = self.size(path)
+        if size is None:
+            return None
+        start = max(0, size - n)
+        local = self.local(path, start, size)
+        assert local is not None
+        with open(local, "rb") as f:
+            return f.read(), size
+
+    def prefix(self, path: str, n: int) -> tuple[bytes, int] | None:
+        """The first ``n`` bytes of the object and its size."""
+        size = self.size(path)
+        if size is None:
+            return None
+        local = self.local(path, 0, min(n, size))
+        assert local is not None
+        with open(local, "rb") as f:
+            return f.read(), size

@@ -1,0 +1,275 @@
+"""Object-store locations (S3, GCS, Azure, HTTP): URLs and one client per process.
+
+A collection on an object store is named by a URL (``s3://bucket/prefix``,
+``gs://...``, ``az://...``, ``https://...``); :func:`is_url` tells such a name from a local
+path (a URL is never taken for a folder), and :class:`RemoteLocation` reads and writes the
+objects under it through `fsspec <https://filesystem-spec.readthedocs.io/>`_ (``s3fs``,
+``gcsfs``, ``adlfs``, its own HTTP client): the byte ranges of one read are coalesced where
+they touch and fetched concurrently on fsspec's event loop.
+
+Why fsspec and not obstore: obstore's Rust runtime does not survive ``fork`` (measured
+here: the first request of a forked DataLoader worker hangs forever, and its maintainers
+document it as not fork safe), and ``fork`` is the default start method of DataLoader
+workers on Linux. fsspec resets its event loop in a forked child and keys its clients by
+process.
+
+``storage_options`` are the fsspec filesystem's (for S3, s3fs's: ``key``, ``secret``,
+``endpoint_url``, ``anon``, ``client_kwargs``, ``config_kwargs``...; anything left out
+is read from the environment, as botocore does). Timeouts and retries are bounded by
+default (:data:`S3_DEFAULTS`), so a server that went away fails a read with an error
+naming the URL instead of hanging.
+
+The client is created lazily in the process that uses it and never pickled: a
+:class:`RemoteLocation` pickles as its URL and options, so DataLoader workers (fork or
+spawn) open their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import CollectionError, InputError, ReadError
+
+__all__ = ["RemoteLocation", "SCHEMES", "is_url", "check_url", "ObjectInfo"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: URL schemes of the object stores read through fsspec (s3fs, gcsfs, adlfs, HTTP)
+SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: bounded timeouts and retries of S3 requests unless ``storage_options`` say otherwise
+S3_DEFAULTS: dict[str, Any] = {
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                      "retries": {"max_attempts": 3, "mode": "standard"}},
+}
+#: ranges of one object closer than this are fetched in one request
+COALESCE_GAP = 0
+#: ... up to this many bytes per request (larger reads stay concurrent)
+COALESCE_MAX = 16 << 20
+
+#: ``(size, etag)`` of one object as listed
+ObjectInfo = tuple[int, str]
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``) rather than a local path."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
+def check_url(url: str, what: str = "path") -> str:
+    """``url`` without trailing slashes if it names an object-store prefix; else
+    :class:`~annbatch_torch.InputError` naming the scheme and the ones supported."""
+    scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    if scheme == "file":
+        raise InputError(f"{what} {url!r}: pass a local path as a path, without file://.")
+    if scheme not in SCHEMES:
+        raise InputError(
+            f"{what} {url!r}: the scheme {scheme}:// is not an object store annbatch_torch "
+            f"reads; use one of {', '.join(s + '://' for s in SCHEMES)} or a local path.")
+    rest = url.split("://", 1)[1].strip("/")
+    if not rest:
+        raise InputError(f"{what} {url!r} names no bucket; use {scheme}://bucket/prefix.")
+    return f"{scheme}://{rest}"
+
+
+def _fsspec_filesystem(scheme: str, options: dict[str, Any]) -> Any:
+    try:
+        import fsspec
+    except ImportError as e:  # pragma: no cover - fsspec comes with the remote extra
+        raise InputError("reading or writing an object store needs fsspec: pip install "
+                         "'annbatch-torch[remote]'.") from e
+    if scheme in ("s3", "s3a"):
+        opts = dict(options)
+        conf = {**S3_DEFAULTS["config_kwargs"], **(opts.pop("config_kwargs", None) or {})}
+        opts.setdefault("use_listings_cache", False)  # a manifest replaced is seen at once
+        options = {**opts, "config_kwargs": conf}
+    try:
+        return fsspec.filesystem(scheme, **options)
+    except ImportError as e:
+        pkg = {"gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
+               "adl": "adlfs", "http": "aiohttp", "https": "aiohttp"}.get(scheme, "s3fs")
+        raise InputError(f"{scheme}:// needs {pkg}: pip install {pkg} (s3fs comes with "
+                         "'annbatch-torch[remote]').") from e
+
+
+def coalesce(starts: Sequence[int], ends: Sequence[int], gap: int = COALESCE_GAP,
+             most: int = COALESCE_MAX) -> list[tuple[int, int, list[int]]]:
+    """Requests for byte ranges: ``(start, stop, [range ids])``, ranges sorted and merged
+    where they lie within ``gap`` bytes of each other, each request at most ``most``
+    bytes unless one range alone is larger."""
+    order = sorted(range(len(starts)), key=lambda i: (starts[i], ends[i]))
+    out: list[tuple[int, int, list[int]]] = []
+    for i in order:
+        a, b = int(starts[i]), int(ends[i])
+        if out and a <= out[-1][1] + gap and max(b, out[-1][1]) - out[-1][0] <= most:
+            s0, e0, ids = out[-1]
+            out[-1] = (s0, max(e0, b), [*ids, i])
+        else:
+            out.append((a, b, [i]))
+    return out
+
+
+class RemoteLocation:
+    """The objects under one URL prefix, with one lazily created client per process.
+
+    Parameters
+    ----------
+    url
+        ``scheme://bucket/prefix`` (see :data:`SCHEMES`).
+    storage_options
+        The fsspec filesystem's options (see the module docstring).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = check_url(url)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise InputError(f"{self.url}: storage_options must be a dict, got "
+                             f"{type(storage_options).__name__}.")
+        self.options: dict[str, Any] = dict(storage_options or {})
+        self._store: Any = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "options": self.options}  # never the client
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.url, self.options = state["url"], state["options"]
+        self._store, self._pid = None, -1
+
+    def __repr__(self) -> str:
+        return f"RemoteLocation({self.url!r})"
+
+    def where(self, key: str = "") -> str:
+        """The URL of object ``key`` (relative to the prefix)."""
+        return f"{self.url}/{key}" if key else self.url
+
+    def child(self, key: str) -> RemoteLocation:
+        """The location of the sub-prefix ``key``, same options."""
+        return RemoteLocation(self.where(key.strip("/")), self.options)
+
+    @property
+    def fs(self) -> Any:
+        """This process's fsspec filesystem (created on first use, again after a fork)."""
+        if self._store is None or self._pid != os.getpid():
+            try:
+                self._store = _fsspec_filesystem(self.url.split("://", 1)[0], self.options)
+            except (TypeError, ValueError) as e:
+                raise InputError(
+                    f"{self.url}: the storage_options {sorted(self.options)} are not valid for "
+                    f"this store ({type(e).__name__}: {e}); see the fsspec filesystem's "
+                    "options (for S3, s3fs: key, secret, endpoint_url, anon...).") from None
+            self._pid = os.getpid()
+        return self._store
+
+    def _path(self, key: str) -> str:
+        scheme, rest = self.url.split("://", 1)
+        base = self.url if scheme in ("http", "https") else rest
+        return f"{base}/{key}" if key else base
+
+    # -- requests, each error named by its URL -------------------------------------------
+    def _call(self, key: str, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower() and "not exist" in str(e).lower():
+                raise CollectionError(
+                    f"{self.where(key)}: the bucket does not exist (or the endpoint is not the "
+                    "one holding it); check the URL and storage_options.") from None
+            raise FileNotFoundError(self.where(key)) from None
+        except PermissionError as e:
+            raise CollectionError(
+                f"{self.where(key)}: access denied while {what} ({e}); give credentials with "
+                "storage_options (for S3: key/secret) or the environment "
+                "(AWS_ACCESS_KEY_ID...), or anon=True for a public bucket.") from None
+        except InputError:
+            raise
+        except TypeError as e:  # the client refused an option (its session is lazy)
+            if "unexpected keyword" not in str(e):
+                raise
+            raise InputError(
+                f"{self.url}: the storage_options {sorted(self.options)} are not valid for this "
+                f"store ({e}); see the fsspec filesystem's options (for S3, s3fs: key, secret, "
+                "endpoint_url, anon...).") from None
+        except Exception as e:
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            raise ReadError(
+                f"{self.where(key)}: {what} failed after retries ({type(e).__name__}: "
+                f"{first}); check that the server is reachable, or raise the retries / "
+                "timeouts in storage_options.") from None
+
+    def get(self, key: str) -> bytes:
+        """The whole object ``key`` (``FileNotFoundError`` when absent)."""
+        return self._call(key, "reading", lambda: bytes(self.fs.cat_file(self._path(key))))
+
+    def get_ranges(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> list[Any]:
+        """Byte ranges ``[starts[i], ends[i])`` of ``key``: touching ranges coalesced
+        (:func:`coalesce`), the requests issued concurrently."""
+        reqs = coalesce(starts, ends)
+        path = self._path(key)
+        got = self._call(key, "reading byte ranges", lambda: self.fs.cat_ranges(
+            [path] * len(reqs), [r[0] for r in reqs], [r[1] for r in reqs], on_error="raise"))
+        out: list[Any] = [b""] * len(starts)
+        for (a, _, ids), data in zip(reqs, got):
+            view = memoryview(data)
+            for i in ids:
+                out[i] = view[int(starts[i]) - a: int(ends[i]) - a]
+        return out
+
+    def get_suffix(self, key: str, n: int) -> bytes:
+        """The last ``n`` bytes of ``key``."""
+        size = self.head(key)
+        if size is None:
+            raise FileNotFoundError(self.where(key))
+        return bytes(self.get_ranges(key, [max(0, size[0] - n)], [size[0]])[0])
+
+    def head(self, key: str) -> ObjectInfo | None:
+        """``(size, etag)`` of ``key``; ``None`` when it does not exist."""
+        try:
+            info = self._call(key, "reading metadata", lambda: self.fs.info(self._path(key)))
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return None
+        return int(info["size"]), _etag(info)
+
+    def list(self, prefix: str = "") -> dict[str, ObjectInfo]:
+        """``{key: (size, etag)}`` of every object under ``prefix`` (relative keys)."""
+        base = self._path("").rstrip("/") + "/"
+
+        def run() -> dict[str, ObjectInfo]:
+            self.fs.invalidate_cache()
+            found = self.fs.find(self._path(prefix), detail=True)
+            return {str(p)[len(base):]: (int(i["size"]), _etag(i)) for p, i in found.items()
+                    if i.get("type") != "directory" and str(p).startswith(base)}
+
+        return self._call(prefix, "listing", run)
+
+    def put(self, key: str, data: bytes | Path) -> None:
+        """Write object ``key`` from bytes or a local file (large files in multipart
+        uploads)."""
+        path = self._path(key)
+        if isinstance(data, Path):
+            self._call(key, "writing", lambda: self.fs.put_file(str(data), path))
+        else:
+            self._call(key, "writing", lambda: self.fs.pipe_file(path, data))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete objects (absent ones are ignored)."""
+        keys = list(keys)
+        for a in range(0, len(keys), 1000):
+            part = [self._path(k) for k in keys[a: a + 1000]]
+            self._call(keys[a], "deleting", lambda part=part: self.fs.rm(part))
+
+
+def _etag(info: dict[str, Any]) -> str:
+    """An object's version tag: its ETag, else its modification time and size."""
+    for k in ("ETag", "etag", "e_tag", "md5Hash", "generation"):
+        if info.get(k):
+            return str(info[k])
+    return f"{info.get('LastModified') or info.get('mtime') or info.get('last_modified')}"

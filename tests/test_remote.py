@@ -1,0 +1,323 @@
+"""Collections on an object store: a real S3-compatible server (moto) on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_SHARD_OBS, S3Server
+
+import annbatch_torch as abt
+from annbatch_torch import A
+from annbatch_torch.errors import CollectionError, InputError, ReadError
+from annbatch_torch.store import remote as remote_mod
+from annbatch_torch.store.collection import open_collection
+from annbatch_torch.write.writer import create_anndata_collection
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+LAYOUT = {"n_obs_per_shard": SMALL_SHARD_OBS, "zarr_chunk_elems": 4096,
+          "zarr_shard_elems": 65536}
+
+
+def _write(inputs: list[Path], url: str, s3: Any, **kw: Any) -> abt.Collection:
+    return create_anndata_collection(inputs, url, seed=0, progress=False,
+                                     storage_options=s3.options, **{**LAYOUT, **kw})
+
+
+@pytest.fixture(scope="module")
+def remote_pair(synthetic_h5ads: list[Path], s3: Any, tmp_path_factory: pytest.TempPathFactory
+                ) -> tuple[str, abt.Collection]:
+    """The small inputs written to the server and, with the same seed, locally."""
+    url = s3.bucket("pair") + "/atlas"
+    _write(synthetic_h5ads, url, s3)
+    local = create_anndata_collection(synthetic_h5ads, tmp_path_factory.mktemp("l") / "c",
+                                      seed=0, progress=False, **LAYOUT)
+    return url, local
+
+
+def _epoch(source: Any, **kw: Any) -> list[dict[str, np.ndarray]]:
+    ds = abt.AnnBatchDataset(source, selector={"x": A.X, "y": A.obs["cell_type"]},
+                             batch_size=128, chunk_size=64, preload_nchunks=4, seed=3,
+                             return_index=True, **kw)
+    out = []
+    for b in ds:
+        out.append({k: (v.to_dense() if v.layout == torch.sparse_csr else v).numpy()
+                    for k, v in b.items()})
+    return out
+
+
+def _loader_rows(source: Any, workers: int, context: str | None) -> dict[int, np.ndarray]:
+    ds = abt.AnnBatchDataset(source, selector={"x": A.X}, batch_size=128, chunk_size=64,
+                             preload_nchunks=4, seed=3, return_index=True, densify=True)
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+                                     multiprocessing_context=context)
+    rows: dict[int, np.ndarray] = {}
+    for b in dl:
+        for i, r in zip(b["index"].tolist(), b["x"].numpy()):
+            assert i not in rows, f"row {i} delivered twice"
+            rows[i] = r
+    return rows
+
+
+def test_same_batches_as_the_local_collection(remote_pair: tuple[str, abt.Collection],
+                                              s3: Any, tmp_path: Path) -> None:
+    url, local = remote_pair
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "cache")
+    assert coll.url == url
+    assert coll.n_obs == local.n_obs
+    assert list(coll.var_names) == list(local.var_names)
+    got, want = _epoch(coll), _epoch(local)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in g:
+            np.testing.assert_array_equal(g[k], w[k])
+    # the metadata answers come from the store too
+    assert list(coll.obs_names_at(np.arange(50))) == list(local.obs_names_at(np.arange(50)))
+
+
+@pytest.mark.parametrize(("workers", "context"), [(2, "fork"), (2, "spawn")])
+def test_workers_read_every_row_once_with_the_source_values(
+        remote_pair: tuple[str, abt.Collection], s3: Any, tmp_path: Path, workers: int,
+        context: str) -> None:
+    url, local = remote_pair
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "cache")
+    rows = _loader_rows(coll, workers, context)
+    assert sorted(rows) == list(range(local.n_obs))
+    want = _loader_rows(local, 0, None)
+    for i in (0, 1, 777, local.n_obs - 1):
+        np.testing.assert_array_equal(rows[i], want[i])
+
+
+def test_the_second_epoch_reads_the_cache_only(remote_pair: tuple[str, abt.Collection],
+                                               s3: Any, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _local = remote_pair
+    calls: list[str] = []
+    real = remote_mod.RemoteLocation.get_ranges
+
+    def counted(self: Any, key: str, starts: Any, ends: Any) -> Any:
+        calls.append(key)
+        return real(self, key, starts, ends)
+
+    monkeypatch.setattr(remote_mod.RemoteLocation, "get_ranges", counted)
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "cache")
+    first = _epoch(coll)
+    assert calls, "the first epoch fetched nothing"
+    calls.clear()
+    second = _epoch(coll)
+    assert calls == []
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a["x"], b["x"])
+    # another process (a new open of the same cache folder) finds the chunks there too
+    again = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "cache")
+    _epoch(again)
+    assert calls == []
+
+
+def test_eviction_keeps_the_cache_under_its_size(remote_pair: tuple[str, abt.Collection],
+                                                 s3: Any, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from annbatch_torch.store import chunkcache
+
+    monkeypatch.setattr(chunkcache, "KEEP_RECENT_S", 0.0)
+    url, local = remote_pair
+    bound = 150_000  # a third of the collection's chunks
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "cache",
+                           cache_size=bound)
+    got = _epoch(coll)
+    want = _epoch(local)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g["x"], w["x"])
+    size = coll.mirror.cache.size()
+    # at most the bound, one eviction step's growth (a tenth) and one 16 KB chunk
+    assert size <= bound + bound // 10 + 20_000, size
+    assert size > 0
+
+
+def test_two_processes_fill_one_cache(remote_pair: tuple[str, abt.Collection], s3: Any,
+                                      tmp_path: Path) -> None:
+    url, local = remote_pair
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, annbatch_torch as abt
+        from annbatch_torch import A
+        coll = abt.open_collection({url!r}, storage_options={s3.options!r},
+                                   cache_dir={str(tmp_path / 'cache')!r}, cache_size=300_000)
+        ds = abt.AnnBatchDataset(coll, selector={{"x": A.X}}, batch_size=128, chunk_size=64,
+                                 preload_nchunks=4, seed=int(sys.argv[1]), return_index=True,
+                                 densify=True)
+        total = np.zeros(coll.n_vars)
+        n = 0
+        for b in ds:
+            total += b["x"].numpy().astype(np.float64).sum(0)
+            n += len(b["index"])
+        np.save(sys.argv[2], total)
+        print(n)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(seed), str(tmp_path / f"{seed}")],
+                              stdout=subprocess.PIPE, text=True) for seed in (1, 2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [int(o.strip().splitlines()[-1]) for o in outs] == [local.n_obs] * 2
+    want = np.zeros(local.n_vars)
+    for b in _loader_rows(local, 0, None).values():
+        want += b.astype(np.float64)
+    for seed in (1, 2):
+        np.testing.assert_allclose(np.load(tmp_path / f"{seed}.npy"), want, rtol=1e-6)
+
+
+def test_a_url_is_never_a_local_folder(synthetic_h5ads: list[Path], s3: Any, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = s3.bucket("direct") + "/atlas"
+    _write(synthetic_h5ads[:1], url, s3)
+    assert not (tmp_path / "s3:").exists()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InputError, match="scheme ftp://"):
+        open_collection("ftp://host/atlas")
+    with pytest.raises(InputError, match="scheme ftp://"):
+        create_anndata_collection(synthetic_h5ads[:1], "ftp://host/atlas", progress=False)
+    with pytest.raises(InputError, match=r"download the \.h5ad"):
+        create_anndata_collection(["s3://direct/in.h5ad"], tmp_path / "o", progress=False)
+    with pytest.raises(InputError, match="storage_options"):
+        open_collection(tmp_path, storage_options={"region": "x"})
+
+
+def test_missing_bucket_empty_prefix_and_foreign_objects(synthetic_h5ads: list[Path],
+                                                         s3: Any, tmp_path: Path) -> None:
+    with pytest.raises(CollectionError, match=r"s3://no-such-bucket/atlas.*bucket does not"):
+        open_collection("s3://no-such-bucket/atlas", storage_options=s3.options,
+                        cache_dir=tmp_path)
+    url = s3.bucket("foreign")
+    with pytest.raises(CollectionError, match=r"s3://foreign/empty: holds no objects"):
+        open_collection(url + "/empty", storage_options=s3.options, cache_dir=tmp_path)
+    s3.fs().pipe_file("foreign/mine/notes.txt", b"hello")
+    with pytest.raises(CollectionError, match=r"holds 1 objects but no manifest.json"):
+        open_collection(url + "/mine", storage_options=s3.options, cache_dir=tmp_path)
+    with pytest.raises(InputError, match=r"s3://foreign/mine holds 1 objects but no manifest"):
+        _write(synthetic_h5ads[:1], url + "/mine", s3)
+    # nothing was written over it
+    assert s3.fs().find("foreign") == ["foreign/mine/notes.txt"]
+
+
+def test_overwrite_replaces_the_manifest_last_and_the_old_objects_after(
+        synthetic_h5ads: list[Path], s3: Any, tmp_path: Path) -> None:
+    url = s3.bucket("over") + "/atlas"
+    _write(synthetic_h5ads[:2], url, s3)
+    with pytest.raises(InputError, match="already holds a collection; pass overwrite=True"):
+        _write(synthetic_h5ads[:2], url, s3)
+    old = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "a")
+    old_keys = set(s3.fs().find("over"))
+    new = _write(synthetic_h5ads, url, s3, overwrite=True)
+    assert new.n_obs == sum(1 for _ in range(new.n_obs))
+    assert new.n_obs > old.n_obs
+    keys = set(s3.fs().find("over"))
+    assert keys & old_keys == {"over/atlas/manifest.json"}  # the old generation is gone
+    reopened = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "a")
+    assert reopened.n_obs == new.n_obs
+    assert reopened.path != old.path
+    # a reader of the old collection is told, not fed rows of the new one
+    with pytest.raises(CollectionError, match="rewritten"):
+        _epoch(old)
+
+
+def test_a_corrupted_chunk_object_is_an_error_not_values(synthetic_h5ads: list[Path],
+                                                         s3: Any, tmp_path: Path) -> None:
+    url = s3.bucket("corrupt") + "/atlas"
+    coll = _write(synthetic_h5ads[:1], url, s3)
+    fs = s3.fs()
+    key = next(k for k in fs.find("corrupt") if "/X/data/c/" in k)
+    body = bytearray(fs.cat_file(key))
+    body[100] ^= 0xFF
+    fs.pipe_file(key, bytes(body))
+    # the manifest is unchanged, the object is not: opened afresh, its chunk fails its CRC
+    fresh = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "c")
+    assert fresh.n_obs == coll.n_obs
+    with pytest.raises(ReadError, match=r"checksum mismatch") as err:
+        _epoch(fresh)
+    assert "s3://corrupt/atlas/" in str(err.value)  # the shard by its URL
+
+
+def test_a_server_gone_mid_epoch_fails_in_bounded_time(synthetic_h5ads: list[Path],
+                                                       tmp_path: Path) -> None:
+    server = S3Server()
+    try:
+        url = server.bucket("gone") + "/atlas"
+        create_anndata_collection(synthetic_h5ads, url, seed=0, progress=False,
+                                  storage_options=server.options, **LAYOUT)
+        coll = open_collection(url, storage_options=server.options, cache_dir=tmp_path)
+        ds = abt.AnnBatchDataset(coll, selector={"x": A.X}, batch_size=128, chunk_size=64,
+                                 preload_nchunks=2, seed=0, prefetch=False)
+        it = iter(ds)
+        next(it)
+    finally:
+        server.stop()
+    t0 = time.monotonic()
+    with pytest.raises((ReadError, CollectionError), match=r"s3://gone/atlas"):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 120
+
+
+def test_storage_options_that_the_store_refuses(s3: Any, tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"s3://x/y: the storage_options \['no_such_key'\]"):
+        open_collection("s3://x/y", storage_options={"no_such_key": 1}, cache_dir=tmp_path)
+
+
+def test_remote_location_pickles_without_its_client(s3: Any) -> None:
+    import pickle
+
+    loc = remote_mod.RemoteLocation("s3://pair/atlas", s3.options)
+    assert loc.head("manifest.json") is not None
+    back = pickle.loads(pickle.dumps(loc))
+    assert back._store is None
+    assert back.url == loc.url
+    assert os.getpid() == loc._pid
+
+
+def test_two_gloo_ranks_share_the_rows_of_a_remote_collection(
+        remote_pair: tuple[str, abt.Collection], s3: Any, tmp_path: Path) -> None:
+    import remote_ddp
+    import torch.multiprocessing as tmp_mp
+
+    url, local = remote_pair
+    tmp_mp.start_processes(remote_ddp.entry, nprocs=2, start_method="spawn", args=(
+        2, f"file://{tmp_path / 'rdv'}", url, s3.options, str(tmp_path / "cache"),
+        str(tmp_path)))
+    ranks = [np.load(tmp_path / f"rank{r}.npy") for r in (0, 1)]
+    assert np.load(tmp_path / "batches0.npy")[0] == np.load(tmp_path / "batches1.npy")[0]
+    assert not set(ranks[0].tolist()) & set(ranks[1].tolist())
+    assert sorted(np.concatenate(ranks).tolist()) == list(range(local.n_obs))
+
+
+def test_the_datamodule_and_the_cli_read_a_url(remote_pair: tuple[str, abt.Collection],
+                                               s3: Any, tmp_path: Path) -> None:
+    url, local = remote_pair
+    dm = abt.AnnBatchDataModule(None, store_path=url, storage_options=s3.options,
+                                cache_dir=tmp_path / "cache", selector={"x": A.X},
+                                batch_size=128, chunk_size=64, preload_nchunks=4,
+                                num_workers=0, dataset_kwargs={"return_index": True})
+    dm.prepare_data()
+    assert dm.store_written is False
+    dm.setup("fit")
+    seen = [i for b in dm.train_dataloader() for i in b["index"].tolist()]
+    assert len(seen) == len(set(seen)) > 0
+    with pytest.raises(ValueError, match="prepare_data does not write there"):
+        abt.AnnBatchDataModule(store_path=url, adata_paths=["a.h5ad"], selector={"x": A.X})
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_ENDPOINT_URL": s3.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+    r = subprocess.run([sys.executable, "-m", "annbatch_torch.cli", "info", url],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"collection  {url}" in r.stdout
+    assert f"cells       {local.n_obs:,}" in r.stdout
