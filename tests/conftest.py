@@ -154,9 +154,11 @@ def imbalanced_collection(imbalanced_h5ad: Path, tmp_path_factory: pytest.TempPa
 
 class S3Server:
     """A moto S3 server on loopback (a separate process) and the storage_options that
-    reach it; ``bucket(name)`` creates a bucket and returns ``s3://name``."""
+    reach it; ``bucket(name)`` creates a bucket and returns ``s3://name``. ``env``: extra
+    environment of the server (``INITIAL_NO_AUTH_ACTION_COUNT=0`` enforces credentials)."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        import os
         import socket
         import subprocess
         import sys
@@ -169,7 +171,7 @@ class S3Server:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -321,3 +322,151 @@ def test_the_datamodule_and_the_cli_read_a_url(remote_pair: tuple[str, abt.Colle
     assert r.returncode == 0, r.stderr
     assert f"collection  {url}" in r.stdout
     assert f"cells       {local.n_obs:,}" in r.stdout
+
+
+class _SlowProxy:
+    """A TCP proxy on loopback that holds every reply of the server ``delay`` seconds."""
+
+    def __init__(self, port: int, delay: float) -> None:
+        import socket
+        import threading
+
+        self.delay, self.target = delay, port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._stop:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pipe, args=(client, upstream, 0.0),
+                             daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.delay),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any, delay: float) -> None:
+        try:
+            while data := src.recv(65536):
+                if delay:
+                    time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
+def test_a_slow_server_is_waited_for_within_the_timeouts_and_refused_beyond(
+        remote_pair: tuple[str, abt.Collection], s3: Any, tmp_path: Path) -> None:
+    url, local = remote_pair
+    slow = _SlowProxy(s3.port, 0.02)
+    try:
+        opts = {**s3.options, "endpoint_url": f"http://127.0.0.1:{slow.port}"}
+        coll = open_collection(url, storage_options=opts, cache_dir=tmp_path / "a")
+        for g, w in zip(_epoch(coll), _epoch(local)):
+            np.testing.assert_array_equal(g["x"], w["x"])
+    finally:
+        slow.close()
+    stuck = _SlowProxy(s3.port, 30.0)
+    try:
+        opts = {**s3.options, "endpoint_url": f"http://127.0.0.1:{stuck.port}",
+                "config_kwargs": {"read_timeout": 1, "connect_timeout": 1,
+                                  "retries": {"max_attempts": 2}}}
+        t0 = time.monotonic()
+        with pytest.raises(ReadError, match=r"s3://pair/atlas/manifest\.json: .*failed after "
+                           r"retries"):
+            open_collection(url, storage_options=opts, cache_dir=tmp_path / "b")
+        assert time.monotonic() - t0 < 30
+    finally:
+        stuck.close()
+
+
+def test_an_object_deleted_after_the_open_is_named(synthetic_h5ads: list[Path], s3: Any,
+                                                   tmp_path: Path) -> None:
+    url = s3.bucket("deleted") + "/atlas"
+    _write(synthetic_h5ads[:1], url, s3)
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path)
+    fs = s3.fs()
+    for key in fs.find("deleted"):
+        if "/X/" in key and "/c/" in key:
+            fs.rm(key)
+    with pytest.raises(ReadError, match=r"s3://deleted/atlas/g-.*deleted since the collection "
+                       "was opened"):
+        _epoch(coll)
+
+
+def test_a_full_cache_disk_reads_on_uncached_with_a_warning(
+        remote_pair: tuple[str, abt.Collection], s3: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import errno
+
+    from annbatch_torch.store import chunkcache
+
+    url, local = remote_pair
+    cache = tmp_path / "cache"
+    real_open = builtins.open
+
+    def full(path: Any, *a: Any, **k: Any) -> Any:
+        if str(path).startswith(str(cache / "chunks")):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(chunkcache, "open", full, raising=False)
+    coll = open_collection(url, storage_options=s3.options, cache_dir=cache)
+    with pytest.warns(RuntimeWarning, match="ran out of disk space"):
+        got = _epoch(coll)
+    for g, w in zip(got, _epoch(local)):
+        np.testing.assert_array_equal(g["x"], w["x"])
+    assert coll.mirror.cache.size() == 0
+
+
+def test_append_to_a_remote_collection_adds_objects_only(synthetic_h5ads: list[Path],
+                                                         s3: Any, tmp_path: Path) -> None:
+    url = s3.bucket("grow") + "/atlas"
+    first = _write(synthetic_h5ads[:2], url, s3)
+    fs = s3.fs()
+    before = {k: fs.info(k)["ETag"] for k in fs.find("grow") if not k.endswith("manifest.json")}
+    reader = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "r")
+    grown = abt.append_to_collection(url, synthetic_h5ads[2:], storage_options=s3.options,
+                                     progress=False)
+    assert grown.n_obs == 1200 + 900 + 600
+    after = {k: fs.info(k)["ETag"] for k in fs.find("grow")}
+    assert all(after.get(k) == v for k, v in before.items())  # no old object touched
+    # every cell once, the new ones among them; the old reader reads on (shards only added)
+    names = grown.obs_names_at(np.arange(grown.n_obs))
+    assert len(set(names)) == grown.n_obs
+    assert any(n.startswith("part2_") for n in names)
+    rows = _loader_rows(reader, 0, None)
+    assert sorted(rows) == list(range(first.n_obs))
+    with pytest.raises(InputError, match="already"):
+        abt.append_to_collection(url, synthetic_h5ads[2:], storage_options=s3.options,
+                                 progress=False)
+
+
+def test_denied_access_names_the_url_and_the_fix(tmp_path: Path) -> None:
+    server = S3Server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # credentials enforced
+    try:
+        with pytest.raises(CollectionError, match=r"s3://locked/atlas.*access denied.*"
+                           r"credentials"):
+            open_collection("s3://locked/atlas", storage_options=server.options,
+                            cache_dir=tmp_path)
+    finally:
+        server.stop()

@@ -355,10 +355,13 @@ class Collection(Source):
         if now == self._manifest_id:
             return
         try:
-            # on a store a new manifest is not mirrored here: any change is a rewrite
-            shards = (read_manifest(self.path).shards if now is not None and self.mirror is None
-                      else None)
-        except CollectionError:
+            if now is None:
+                shards = None
+            elif self.mirror is not None:  # the new manifest's shard list, from the store
+                shards = self.mirror.current_shards()
+            else:
+                shards = read_manifest(self.path).shards
+        except (CollectionError, FileNotFoundError):
             shards = None
         ours = self.manifest.shards
         if shards is not None and len(shards) >= len(ours) and all(

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import CollectionError, InputError
 from .chunkcache import ChunkCache, cache_token
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, ShardInfo
 from .remote import ObjectInfo, RemoteLocation
 
 __all__ = ["Mirror", "RemoteChunks", "default_cache_size", "FETCH_THREADS"]
@@ -119,6 +119,15 @@ class Mirror:
         hash(etag))`` of ``manifest.json`` on the store now, ``None`` when absent."""
         info = self.location.head(MANIFEST_NAME)
         return None if info is None else (0, info[0], int(_digest(info[1]), 16))
+
+    def current_shards(self) -> list[ShardInfo] | None:
+        """The shard list of the manifest on the store now (``None`` if unreadable)."""
+        try:
+            obj = json.loads(self.location.get(MANIFEST_NAME))
+            return [ShardInfo(str(s["path"]), int(s["n_obs"]), s.get("generation"))
+                    for s in obj["shards"]]
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def sync(self) -> Path:
         """Mirror the collection's metadata (once per manifest ETag) and return the folder."""

@@ -196,7 +196,13 @@ class RemoteLocation:
                 f"{self.url}: the storage_options {sorted(self.options)} are not valid for this "
                 f"store ({e}); see the fsspec filesystem's options (for S3, s3fs: key, secret, "
                 "endpoint_url, anon...).") from None
-        except Exception as e:
+        except Exception as e:  # every client error is named by its URL
+            if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+                raise CollectionError(
+                    f"{self.where(key)}: no credentials for this store ({e}); give them with "
+                    "storage_options (for S3: key/secret) or the environment "
+                    "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE), or anon=True "
+                    "for a public bucket.") from None
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             raise ReadError(
                 f"{self.where(key)}: {what} failed after retries ({type(e).__name__}: "

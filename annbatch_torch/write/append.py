@@ -138,7 +138,7 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
 
 
 def _append_schema(sources: list[InputSource], coll: Collection) -> Schema:
-    manifest, where = coll.manifest, str(coll.path)
+    manifest, where = coll.manifest, coll.describe()
     if RAW_X in manifest.fields:
         raise InputError(f"{where} carries raw/X: appending to it is not supported yet "
                          "(raw's own genes would have to be aligned too). Fix: rewrite it from "
@@ -173,13 +173,17 @@ def append_to_collection(
     scheduler: Any = None,
     n_workers: int | None = None,
     value_check: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Collection:
     """Add the cells of ``adata_paths`` to a collection in new shards, rewriting nothing.
 
     Parameters
     ----------
     collection
-        A collection (folder or :class:`~annbatch_torch.Collection`).
+        A collection (folder, URL on an object store, or :class:`~annbatch_torch.Collection`).
+        On a store the new shards are written to a local staging folder (``TMPDIR``) and
+        uploaded under a new generation prefix, the manifest last; the append is refused
+        if the collection's manifest changed since it was opened.
     adata_paths
         The inputs to add (``.h5ad`` / AnnData-zarr paths or AnnData objects), none of them
         already in the collection.
@@ -187,6 +191,9 @@ def append_to_collection(
         Seed of the shuffle of the new rows among themselves.
     max_memory, progress, scheduler, n_workers, value_check
         As in :func:`~annbatch_torch.create_anndata_collection`.
+    storage_options
+        For a collection on an object store: as :func:`~annbatch_torch.open_collection`
+        takes them.
 
     Returns
     -------
@@ -205,8 +212,12 @@ def append_to_collection(
     """
     from filelock import FileLock
 
-    root = Path(collection.path if isinstance(collection, Collection) else collection)
-    root = root.expanduser().absolute()
+    from ..store.remote import is_url
+
+    if isinstance(collection, Collection) and collection.url is not None:
+        storage_options = (collection.mirror.location.options if storage_options is None
+                           else storage_options)
+        collection = collection.url
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise InputError(f"seed={seed!r} must be an integer >= 0.")
     if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
@@ -217,6 +228,12 @@ def append_to_collection(
     if n_workers is not None and scheduler is None:
         raise InputError(f"n_workers={n_workers!r} needs a scheduler (scheduler='processes' or "
                          "'threads'); without one the append runs in this process.")
+    if is_url(collection):
+        return _append_remote(str(collection), storage_options, adata_paths, seed=seed,
+                              budget=budget, progress=progress, scheduler=scheduler,
+                              n_workers=n_workers, value_check=value_check)
+    root = Path(collection.path if isinstance(collection, Collection) else collection)
+    root = root.expanduser().absolute()
     read_manifest(root)  # not a collection: refused before the lock file is made beside it
     with FileLock(str(lock_path(root))):  # one writer at a time (prepare_collection's lock)
         append_locked(root, adata_paths, seed=seed, budget=budget, progress=progress,
@@ -224,11 +241,35 @@ def append_to_collection(
     return open_collection(root)
 
 
+def _append_remote(url: str, storage_options: dict[str, Any] | None,
+                   adata_paths: Sequence[Any], **kw: Any) -> Collection:
+    """:func:`append_to_collection` of a collection on an object store: the new shards and
+    manifest staged locally (beside no old shard), then uploaded (see
+    :mod:`.upload`)."""
+    import tempfile
+
+    from .upload import upload_collection
+
+    coll = open_collection(url, storage_options=storage_options)
+    assert coll.mirror is not None
+    staging = Path(tempfile.mkdtemp(prefix="annbatch-append-"))
+    try:
+        append_locked(staging, adata_paths, coll=coll, **kw)
+        upload_collection(staging, coll.mirror.location, overwrite=False,
+                          progress=kw["progress"], append_to=coll.mirror.manifest_etag)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return open_collection(url, storage_options=storage_options)
+
+
 def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: int | None,
                   progress: bool, scheduler: Any, n_workers: int | None,
-                  value_check: Any) -> None:
-    """:func:`append_to_collection` for a caller that holds the collection's lock."""
-    coll = open_collection(root)  # the current manifest, under the lock
+                  value_check: Any, coll: Collection | None = None) -> None:
+    """:func:`append_to_collection` for a caller that holds the collection's lock.
+    ``coll``: the collection appended to, when it is not the one at ``root`` (a remote
+    one: the new shards and manifest are then written to the staging folder ``root``)."""
+    if coll is None:
+        coll = open_collection(root)  # the current manifest, under the lock
     manifest = coll.manifest
     sources = open_inputs(adata_paths)
     tmp: Path | None = None
@@ -236,8 +277,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         known = {str(r.get("path")) for r in manifest.inputs}
         again = [s.label for s in sources if s.path is not None and str(s.path) in known]
         if again:
-            raise InputError(f"{again} are in {root} already: their cells would be there "
-                             "twice. Fix: pass only new inputs.")
+            raise InputError(f"{again} are in {coll.describe()} already: their cells would be "
+                             "there twice. Fix: pass only new inputs.")
         n_new = sum(s.n_obs for s in sources)
         if n_new == 0:  # nothing to write: the inputs are recorded, as the writer skips them
             logger.warning("%s: no cells to append; only recorded as inputs.",
@@ -250,14 +291,15 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
                             if f.kind in ("csr", "dense")}, value_check)
         shuffle = bool(manifest.shuffle)
         writer = dict(manifest.extra.get("writer") or {})
-        opts = _stored_options(writer, str(root))
+        opts = _stored_options(writer, coll.describe())
         shard_obs = int(writer.get("n_obs_per_shard") or max(coll.shard_sizes or [1]))
         work = _budget.working_memory(budget, n_new)
         shard_obs = min(shard_obs, max(n_new, 1))
         block_obs = _budget.block_size(sources, schema, work, shuffle, shard_obs, opts)
         first = _next_shard(manifest)
         logger.info("Appending %d cells from %d input(s) to %s (%d cells) as new shards "
-                    "from shard_%05d.", n_new, len(sources), root, manifest.n_obs, first)
+                    "from shard_%05d.", n_new, len(sources), coll.describe(), manifest.n_obs,
+                    first)
         _remove_stale_temporaries(root)
         tmp = _sibling(root, "tmp")
         tmp.mkdir()
@@ -268,7 +310,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
                   if k in manifest.fields and v != manifest.fields[k].dtype}
         if differ:  # never a shard the collection's readers would read as another type
             raise InputError(f"the new shards would store {differ} (new, stored); nothing "
-                             f"was added to {root}. Fix: convert those fields in the inputs.")
+                             f"was added to {coll.describe()}. Fix: convert those fields in the "
+                             "inputs.")
         sync_tree(tmp)
         _publish(root, tmp, manifest, shards, schema, sources, seed)
     finally:
@@ -320,8 +363,8 @@ def _stored_options(writer: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _next_shard(manifest: Manifest) -> int:
     """The first free shard number after the collection's shards."""
-    nums = [int(s.path[6:11]) for s in manifest.shards
-            if s.path.startswith("shard_") and s.path[6:11].isdigit()]
+    names = [s.path.rsplit("/", 1)[-1] for s in manifest.shards]  # g-<gen>/ on a store
+    nums = [int(n[6:11]) for n in names if n.startswith("shard_") and n[6:11].isdigit()]
     return max(nums, default=-1) + 1
 
 

@@ -24,7 +24,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import CollectionError, InputError
 from ..store.manifest import MANIFEST_NAME
 from ..store.remote import RemoteLocation
 
@@ -54,13 +54,26 @@ def check_remote_output(loc: RemoteLocation, overwrite: bool) -> dict[str, tuple
 
 
 def upload_collection(local: Path, loc: RemoteLocation, overwrite: bool,
-                      progress: bool = True) -> None:
-    """Upload the finished local collection ``local`` to ``loc`` (see the module)."""
-    old = check_remote_output(loc, overwrite)  # again: the write took a while
+                      progress: bool = True, *, append_to: str | None = None) -> None:
+    """Upload the finished local collection ``local`` to ``loc`` (see the module).
+
+    ``append_to``: ``local`` holds only the new shards of an append to the collection at
+    ``loc``, whose manifest had this ETag; its other shards are on the store already (kept
+    as listed, nothing deleted), and the upload is refused if that manifest changed."""
+    if append_to is None:
+        old = check_remote_output(loc, overwrite)  # again: the write took a while
+    else:
+        old = {}
+        now = loc.head(MANIFEST_NAME)
+        if now is None or now[1] != append_to:
+            raise CollectionError(
+                f"{loc.url}: the collection changed on the store since it was opened for "
+                "this append (another writer?); nothing was added. Append again.")
     gen = f"g-{secrets.token_hex(6)}"
     manifest = json.loads((local / MANIFEST_NAME).read_text())
     for s in manifest["shards"]:
-        s["path"] = f"{gen}/{s['path']}"
+        if (local / s["path"]).is_dir():  # uploaded now; others are on the store already
+            s["path"] = f"{gen}/{s['path']}"
     for key in ("var_names_file", "raw_var_names_file"):
         if manifest.get(key):
             manifest[key] = f"{gen}/{manifest[key]}"
