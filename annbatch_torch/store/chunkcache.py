@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 #: entries used this recently (seconds) are kept even beyond the size bound
 KEEP_RECENT_S = 30.0
+#: a process records its use of an entry (its mtime) at most this often: an entry it used
+#: more recently is known to be there still (it is within KEEP_RECENT_S of its mtime)
+TOUCH_EVERY_S = 5.0
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -62,6 +65,7 @@ class ChunkCache:
         self._added = 0
         self._full = False  # the directory ran out of space: memory-backed files instead
         self._spill: Path | None = None
+        self._touched: dict[str, tuple[float, Path]] = {}  # token: (when, file), this process
 
     def __getstate__(self) -> dict[str, object]:
         return {"root": self.root, "max_bytes": self.max_bytes}
@@ -74,13 +78,24 @@ class ChunkCache:
 
     def get(self, token: str) -> Path | None:
         """The entry's file if cached (its use recorded), else ``None``."""
+        now = time.monotonic()
+        seen = self._touched.get(token)
+        if seen is not None and now - seen[0] < min(TOUCH_EVERY_S, KEEP_RECENT_S / 2):
+            return seen[1]
         for p in (self.path(token), *([self._spill / token] if self._spill else [])):
             try:
                 os.utime(p)
             except FileNotFoundError:
                 continue
+            self._remember(token, p, now)
             return p
+        self._touched.pop(token, None)
         return None
+
+    def _remember(self, token: str, path: Path, now: float) -> None:
+        if len(self._touched) > 1 << 20:  # bounded: forget all, re-touch as used
+            self._touched.clear()
+        self._touched[token] = (now, path)
 
     def put(self, token: str, data: memoryview | bytes) -> Path:
         """Store an entry (atomically) and return its file."""
@@ -92,6 +107,7 @@ class ChunkCache:
                 with open(tmp, "wb") as f:
                     f.write(data)
                 os.replace(tmp, p)
+                self._remember(token, p, time.monotonic())
             except OSError as e:
                 _remove(tmp)
                 if e.errno not in _FULL:

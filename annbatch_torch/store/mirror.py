@@ -227,6 +227,8 @@ class RemoteChunks:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._lock = threading.Lock()
+        self._keys: dict[str, str] = {}  # file of the mirror: object key (hot path: memo)
+        self._tokens: dict[tuple[str, int, int], str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"mirror": self.mirror, "array_dir": self.array_dir}
@@ -235,7 +237,9 @@ class RemoteChunks:
         self.__init__(state["mirror"], state["array_dir"])  # type: ignore[misc]
 
     def _info(self, path: str) -> tuple[str, ObjectInfo | None]:
-        key = self.mirror.key_of(path)
+        key = self._keys.get(path)
+        if key is None:
+            key = self._keys[path] = self.mirror.key_of(path)
         return key, self.mirror.objects.get(key)
 
     def present(self, path: str) -> bool:
@@ -251,7 +255,13 @@ class RemoteChunks:
         return None if info is None else info[0]
 
     def _token(self, key: str, info: ObjectInfo, start: int, stop: int) -> str:
-        return cache_token(self.mirror.location.where(key), info[1], start, stop)
+        token = self._tokens.get((key, start, stop))
+        if token is None:
+            if len(self._tokens) > 1 << 20:
+                self._tokens.clear()
+            token = cache_token(self.mirror.location.where(key), info[1], start, stop)
+            self._tokens[(key, start, stop)] = token
+        return token
 
     def local(self, path: str, start: int, stop: int) -> str | None:
         """The cache file holding bytes ``[start, stop)`` of the object (fetched now if not
