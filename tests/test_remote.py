@@ -470,3 +470,43 @@ def test_denied_access_names_the_url_and_the_fix(tmp_path: Path) -> None:
                             cache_dir=tmp_path)
     finally:
         server.stop()
+
+
+def test_a_damaged_cache_entry_is_fetched_again(remote_pair: tuple[str, abt.Collection],
+                                                s3: Any, tmp_path: Path) -> None:
+    url, local = remote_pair
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "cache")
+    want = _epoch(local)
+    _epoch(coll)
+    damaged = 0
+    for f in sorted((tmp_path / "cache" / "chunks").rglob("*")):
+        if f.is_file() and f.stat().st_size > 1000:
+            b = bytearray(f.read_bytes())
+            b[len(b) // 2] ^= 0xFF
+            f.write_bytes(bytes(b))
+            damaged += 1
+    assert damaged > 10
+    again = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "cache")
+    for g, w in zip(_epoch(again), want):
+        np.testing.assert_array_equal(g["x"], w["x"])
+
+
+def test_object_keys_that_leave_the_mirror_are_refused(synthetic_h5ads: list[Path], s3: Any,
+                                                       tmp_path: Path) -> None:
+    url = s3.bucket("hostile") + "/atlas"
+    _write(synthetic_h5ads[:1], url, s3)
+    target = tmp_path / "pwned"
+    s3.fs().pipe_file(f"hostile/atlas/zz/../../../../../../../../..{target}", b"x")
+    with pytest.raises(CollectionError, match=r"s3://hostile/atlas/.*refuses"):
+        open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "c")
+    assert not target.exists()
+
+
+def test_prepare_collection_refuses_a_url(synthetic_h5ads: list[Path], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"s3://prep/atlas: prepare_collection keeps"):
+        abt.prepare_collection(synthetic_h5ads[:1], "s3://prep/atlas")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InputError, match="plain HTTP server"):
+        open_collection("https://example.org/atlas")

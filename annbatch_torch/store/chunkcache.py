@@ -34,10 +34,10 @@ __all__ = ["ChunkCache", "KEEP_RECENT_S", "cache_token"]
 logger = logging.getLogger(__name__)
 
 #: entries used this recently (seconds) are kept even beyond the size bound
-KEEP_RECENT_S = 30.0
+KEEP_RECENT_S = 10.0
 #: a process records its use of an entry (its mtime) at most this often: an entry it used
 #: more recently is known to be there still (it is within KEEP_RECENT_S of its mtime)
-TOUCH_EVERY_S = 5.0
+TOUCH_EVERY_S = 2.0
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -124,12 +124,21 @@ class ChunkCache:
                 return p
         return self._spill_put(token, data)
 
+    def drop(self, path: Path) -> None:
+        """Delete an entry (by its file) and forget this process's record of it."""
+        self._touched.pop(path.name, None)
+        _remove(path)
+
     def _spill_put(self, token: str, data: memoryview | bytes) -> Path:
         """An entry in this process's memory-backed folder (``/dev/shm``), kept only for a
         short while: the reads of the chunks just fetched."""
         if self._spill is None:
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._spill = Path(tempfile.mkdtemp(prefix="annbatch-chunks-", dir=base))
+            import atexit
+
+            spill, owner = self._spill, os.getpid()
+            atexit.register(lambda: os.getpid() == owner and shutil.rmtree(spill, True))
         now = time.time()
         for old in self._spill.iterdir():  # what was read a while ago is gone
             with contextlib.suppress(FileNotFoundError):

@@ -322,7 +322,8 @@ class Collection(Source):
         self.path = Path(path)
         self.mirror = mirror
         self.url = None if mirror is None else mirror.location.url
-        self._manifest_id = self._identity()
+        # on a store: the manifest the mirror holds (a second HEAD could see a newer one)
+        self._manifest_id = self._identity() if mirror is None else mirror.synced_identity
         if manifest is None:
             manifest = read_manifest(self.path)
             while mirror is None and (now := self._identity()) != self._manifest_id:
@@ -742,14 +743,14 @@ def open_collection(path: str | os.PathLike[str], *,
     for i, s in enumerate(coll.manifest.shards):
         if not coll.shard_path(i).is_dir():
             raise CollectionError(
-                f"{coll.path}: shard {s.path!r} listed in the manifest is missing; the "
+                f"{coll.describe()}: shard {s.path!r} listed in the manifest is missing; the "
                 "collection is incomplete, rewrite it with create_anndata_collection(..., "
                 "overwrite=True)."
             )
         rows = _stored_rows(coll.shard_path(i), probe) if probe is not None else None
         if rows is not None and rows != s.n_obs:
             raise CollectionError(
-                f"{coll.shard_path(i)}: field {probe!r} has {rows} rows but the manifest says "
+                f"{coll.shard_name(i)}: field {probe!r} has {rows} rows but the manifest says "
                 f"{s.n_obs}; the collection is damaged, rewrite it with "
                 "create_anndata_collection(..., overwrite=True)."
             )

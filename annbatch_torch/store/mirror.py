@@ -56,6 +56,22 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
+def _safe_key(root: Path, key: str, where: str) -> Path:
+    """The mirror file of object ``key``; a key that would leave ``root`` (``..``, empty
+    segments, absolute) is refused: a listing is input from the store, not trusted."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") or "\\" in p
+                                              for p in parts):
+        raise CollectionError(f"{where}/{key}: an object key the mirror refuses (empty, "
+                              "'.' or '..' segments); the prefix holds objects that are not "
+                              "a collection's. Remove them or read another prefix.")
+    path = root.joinpath(*parts)
+    if root.resolve() not in path.resolve().parents:
+        raise CollectionError(f"{where}/{key}: the object key leads outside the mirror; "
+                              "refusing it.")
+    return path
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
@@ -99,6 +115,7 @@ class Mirror:
         self.cache = ChunkCache(base / "chunks", self.cache_size)
         self.root: Path = base  # set by sync
         self.manifest_etag = ""
+        self.synced_identity: tuple[int, int, int] | None = None
         self._objects: dict[str, ObjectInfo] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -145,7 +162,13 @@ class Mirror:
                 f"{loc.where()}: {what}. Write one with create_anndata_collection(inputs, "
                 f"{loc.url!r}), or check the URL.")
         self.manifest_etag = info[1]
-        self.root = self.base / "meta" / _digest(loc.url) / _digest(info[1])
+        #: ``manifest_identity()`` of the manifest this mirror holds
+        self.synced_identity = (0, info[0], int(_digest(info[1]), 16))
+        # listed at every open: an object replaced under an unchanged manifest gets a new
+        # mirror (and new cache entries: their names carry the ETags listed here)
+        objects = loc.list()
+        listing = _digest(*(f"{k}\0{v[0]}\0{v[1]}" for k, v in sorted(objects.items())))
+        self.root = self.base / "meta" / _digest(loc.url) / _digest(info[1], listing)
         if (self.root / _STATE).is_file():
             return self.root
         from filelock import FileLock
@@ -153,15 +176,14 @@ class Mirror:
         self.root.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.root.parent / f"{self.root.name}.lock")):
             if not (self.root / _STATE).is_file():
-                self._copy_metadata()
+                self._copy_metadata(objects)
         self._objects = None
         return self.root
 
-    def _copy_metadata(self) -> None:
+    def _copy_metadata(self, objects: dict[str, ObjectInfo]) -> None:
         from .rawzarr import open_raw
 
         loc = self.location
-        objects = loc.list()
         if MANIFEST_NAME not in objects:
             raise CollectionError(f"{loc.where(MANIFEST_NAME)} vanished while the collection "
                                   "was opened (rewritten?); open it again.")
@@ -194,7 +216,7 @@ class Mirror:
 
     def _fetch_whole(self, keys: list[str]) -> None:
         def one(key: str) -> None:
-            _write_atomic(self.root / key, self.location.get(key))
+            _write_atomic(_safe_key(self.root, key, self.location.url), self.location.get(key))
 
         if not keys:
             return
@@ -217,6 +239,19 @@ class Mirror:
         return rel.replace(os.sep, "/")
 
 
+_POOL: list[Any] = [None, -1]  # this process's fetch threads and its pid
+_POOL_LOCK = threading.Lock()
+
+
+def _fetch_pool() -> ThreadPoolExecutor:
+    """The fetch threads of this process (one pool for every array; new after a fork)."""
+    with _POOL_LOCK:
+        if _POOL[0] is None or _POOL[1] != os.getpid():
+            _POOL[0] = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="abt-fetch")
+            _POOL[1] = os.getpid()
+        return _POOL[0]
+
+
 class RemoteChunks:
     """Where a raw array's chunks come from when its objects are on a store: byte ranges
     fetched (concurrently, for all chunks of one read) into the chunk cache."""
@@ -224,9 +259,6 @@ class RemoteChunks:
     def __init__(self, mirror: Mirror, array_dir: Path) -> None:
         self.mirror = mirror
         self.array_dir = array_dir
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = -1
-        self._lock = threading.Lock()
         self._keys: dict[str, str] = {}  # file of the mirror: object key (hot path: memo)
         self._tokens: dict[tuple[str, int, int], str] = {}
 
@@ -241,6 +273,14 @@ class RemoteChunks:
         if key is None:
             key = self._keys[path] = self.mirror.key_of(path)
         return key, self.mirror.objects.get(key)
+
+    def url_of(self, path: str) -> str:
+        """The URL of the object a file of the mirror stands for."""
+        return self.mirror.location.where(self._info(path)[0])
+
+    def drop(self, local: str) -> None:
+        """Forget a cache entry (a damaged copy): the next read fetches it again."""
+        self.mirror.cache.drop(Path(local))
 
     def present(self, path: str) -> bool:
         return self._info(path)[1] is not None
@@ -321,12 +361,7 @@ class RemoteChunks:
         if len(items) == 1:
             one(items[0])
             return
-        with self._lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = ThreadPoolExecutor(FETCH_THREADS)
-                self._pool_pid = os.getpid()
-            pool = self._pool
-        list(pool.map(one, items))
+        list(_fetch_pool().map(one, items))
 
     def suffix(self, path: str, n: int) -> tuple[bytes, int] | None:
         """The last ``n`` bytes of the object and its size (cached like chunks)."""

@@ -498,12 +498,39 @@ class RawZarrArray:
     def _read_chunk_segments(self, c: int, first: int, last: int, segs: list[np.ndarray],
                              below: int | None = None) -> int | None:
         """Read bytes ``[first, last)`` of chunk ``c`` into ``segs`` (consecutive pieces);
-        returns the chunk's CRC-32C (``None`` without the codec or for an absent chunk)."""
+        returns the chunk's CRC-32C (``None`` without the codec or for an absent chunk).
+
+        On a store, a cached copy that fails its checks (or vanished) is dropped and the
+        chunk fetched once more: only a second failure blames the object on the store."""
+        if self.remote is None:
+            return self._read_chunk_file(c, first, last, segs, below)
+        try:
+            return self._read_chunk_file(c, first, last, segs, below, vanished_ok=False)
+        except (ChunkError, FileNotFoundError):
+            where = self._locate(c)
+            if where is not None:
+                self.remote.drop(where[0])
+        try:
+            return self._read_chunk_file(c, first, last, segs, below, vanished_ok=False)
+        except (ChunkError, FileNotFoundError) as e:
+            obj = self._object_range(c)
+            what = (f"{self.remote.url_of(obj[0])} bytes [{obj[1]}, {obj[1] + obj[2]})"
+                    if obj is not None else self._chunk_name(c))
+            raise ChunkError(f"{what}: {e} (fetched twice: the object on the store is "
+                             "damaged)") from None
+
+    def _read_chunk_file(self, c: int, first: int, last: int, segs: list[np.ndarray],
+                         below: int | None = None, vanished_ok: bool = True) -> int | None:
+        """:meth:`_read_chunk_segments` from the chunk's file (a cache entry on a store;
+        ``vanished_ok=False``: a file that went away is an error, not an absent chunk)."""
         where = self._locate(c)
         fd = -1
         if where is not None:
             path, base, want = where
-            with contextlib.suppress(FileNotFoundError):
+            if vanished_ok:
+                with contextlib.suppress(FileNotFoundError):
+                    fd = os.open(path, os.O_RDONLY)
+            else:
                 fd = os.open(path, os.O_RDONLY)
         if fd < 0:
             if self.require_chunks:

@@ -40,14 +40,18 @@ __all__ = ["RemoteLocation", "SCHEMES", "is_url", "check_url", "ObjectInfo"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: URL schemes of the object stores read through fsspec (s3fs, gcsfs, adlfs, HTTP)
-SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https")
+#: URL schemes of the object stores read through fsspec (s3fs, gcsfs, adlfs); plain HTTP
+#: servers are not among them: they cannot list a prefix or tag an object's version
+SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: bounded timeouts and retries of S3 requests unless ``storage_options`` say otherwise
 S3_DEFAULTS: dict[str, Any] = {
     "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
                       "retries": {"max_attempts": 3, "mode": "standard"}},
 }
+#: s3fs's own retries of a failed request, on top of botocore's (``storage_options
+#: ["retries"]`` overrides)
+S3_RETRIES = 1
 #: ranges of one object closer than this are fetched in one request
 COALESCE_GAP = 0
 #: ... up to this many bytes per request (larger reads stay concurrent)
@@ -68,6 +72,12 @@ def check_url(url: str, what: str = "path") -> str:
     scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
     if scheme == "file":
         raise InputError(f"{what} {url!r}: pass a local path as a path, without file://.")
+    if scheme in ("http", "https"):
+        raise InputError(
+            f"{what} {url!r}: a plain HTTP server cannot list a collection's objects or tag "
+            "their versions, so it cannot be read safely; put the collection on an object "
+            "store (s3://, gs://, az://; an S3-compatible server by storage_options="
+            "{'endpoint_url': ...}) or copy it to a local folder.")
     if scheme not in SCHEMES:
         raise InputError(
             f"{what} {url!r}: the scheme {scheme}:// is not an object store annbatch_torch "
@@ -84,13 +94,19 @@ def _fsspec_filesystem(scheme: str, options: dict[str, Any]) -> Any:
     except ImportError as e:  # pragma: no cover - fsspec comes with the remote extra
         raise InputError("reading or writing an object store needs fsspec: pip install "
                          "'annbatch-torch[remote]'.") from e
+    retries = None
     if scheme in ("s3", "s3a"):
         opts = dict(options)
         conf = {**S3_DEFAULTS["config_kwargs"], **(opts.pop("config_kwargs", None) or {})}
         opts.setdefault("use_listings_cache", False)  # a manifest replaced is seen at once
+        # s3fs retries on top of botocore's (5 times, in two layers): one is enough
+        retries = int(opts.pop("retries", S3_RETRIES))
         options = {**opts, "config_kwargs": conf}
     try:
-        return fsspec.filesystem(scheme, **options)
+        fs = fsspec.filesystem(scheme, **options)
+        if retries is not None:
+            fs.retries = retries
+        return fs
     except ImportError as e:
         pkg = {"gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
                "adl": "adlfs", "http": "aiohttp", "https": "aiohttp"}.get(scheme, "s3fs")

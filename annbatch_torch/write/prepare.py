@@ -27,8 +27,22 @@ __all__ = ["prepare_collection", "lock_path", "explicit_settings"]
 logger = logging.getLogger(__name__)
 
 
+def refuse_url(store_path: Any) -> None:
+    """An :class:`~annbatch_torch.InputError` for a URL: preparing (write-unless-current,
+    serialised by a lock file beside the store) needs a local folder."""
+    from ..store.remote import is_url
+
+    if is_url(store_path):
+        raise InputError(
+            f"{store_path}: prepare_collection keeps a collection current in a local (or "
+            "shared) folder, not on an object store. Write it there once with "
+            f"create_anndata_collection(inputs, {str(store_path)!r}) (or append_to_collection"
+            "), then read it by its URL.")
+
+
 def lock_path(store_path: str | os.PathLike[str]) -> Path:
     """The lock file beside ``store_path`` that serialises writers (``<store>.lock``)."""
+    refuse_url(store_path)
     p = Path(store_path)
     return p.with_name(p.name + ".lock")
 
@@ -61,6 +75,7 @@ def write_if_stale(
 ) -> bool:
     """Write ``store_path`` with ``writer_kwargs`` unless it is current for ``adata_paths``
     and ``settings``; returns whether it wrote. See :func:`prepare_collection`."""
+    refuse_url(store_path)
     store = Path(store_path)
     store.parent.mkdir(parents=True, exist_ok=True)
     if store_staleness(store, adata_paths, settings) is None:  # no lock to read a manifest

@@ -64,6 +64,9 @@ def store_staleness(
         unchanged since (same resolved paths and sizes, and the same modification times or,
         where those differ, the same content fingerprint).
     """
+    from .prepare import refuse_url
+
+    refuse_url(store_path)
     try:
         manifest = read_manifest(store_path)
     except CollectionError as e:

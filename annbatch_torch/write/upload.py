@@ -97,6 +97,13 @@ def upload_collection(local: Path, loc: RemoteLocation, overwrite: bool,
         _delete_quietly(loc, [f"{gen}/{p.relative_to(local).as_posix()}" for p in files])
         raise
     bar.close()
+    if append_to is not None:  # again, just before the manifest replaces it
+        now = loc.head(MANIFEST_NAME)
+        if now is None or now[1] != append_to:
+            _delete_quietly(loc, [f"{gen}/{p.relative_to(local).as_posix()}" for p in files])
+            raise CollectionError(
+                f"{loc.url}: the collection changed on the store during this append (another "
+                "writer?); nothing was added. Append again.")
     loc.put(MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
     stale = [k for k in old if k != MANIFEST_NAME]
     if stale:
