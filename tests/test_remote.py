@@ -510,3 +510,18 @@ def test_prepare_collection_refuses_a_url(synthetic_h5ads: list[Path], tmp_path:
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(InputError, match="plain HTTP server"):
         open_collection("https://example.org/atlas")
+
+
+def test_an_object_replaced_in_place_after_the_open_is_refused(synthetic_h5ads: list[Path],
+                                                                s3: Any, tmp_path: Path) -> None:
+    url = s3.bucket("inplace") + "/atlas"
+    _write(synthetic_h5ads[:1], url, s3)
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path)
+    fs = s3.fs()
+    for key in fs.find("inplace"):
+        if "/X/data/c/" in key:  # another version of the object, as a rewrite in place would
+            body = bytearray(fs.cat_file(key))
+            body[0] ^= 0x01
+            fs.pipe_file(key, bytes(body))
+    with pytest.raises(ReadError, match=r"s3://inplace/atlas/g-.*changed on the store since"):
+        _epoch(coll)

@@ -343,7 +343,8 @@ class RemoteChunks:
             key, ranges = item
             ranges = sorted(set(ranges))
             try:
-                bufs = loc.get_ranges(key, [r[0] for r in ranges], [r[1] for r in ranges])
+                bufs = loc.get_ranges(key, [r[0] for r in ranges], [r[1] for r in ranges],
+                                      etag=self.mirror.objects[key][1])
             except FileNotFoundError:
                 raise CollectionError(
                     f"{loc.where(key)}: the object was deleted since the collection was "

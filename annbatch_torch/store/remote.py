@@ -203,7 +203,7 @@ class RemoteLocation:
                 f"{self.where(key)}: access denied while {what} ({e}); give credentials with "
                 "storage_options (for S3: key/secret) or the environment "
                 "(AWS_ACCESS_KEY_ID...), or anon=True for a public bucket.") from None
-        except InputError:
+        except (InputError, CollectionError):
             raise
         except TypeError as e:  # the client refused an option (its session is lazy)
             if "unexpected keyword" not in str(e):
@@ -229,19 +229,57 @@ class RemoteLocation:
         """The whole object ``key`` (``FileNotFoundError`` when absent)."""
         return self._call(key, "reading", lambda: bytes(self.fs.cat_file(self._path(key))))
 
-    def get_ranges(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> list[Any]:
+    def get_ranges(self, key: str, starts: Sequence[int], ends: Sequence[int],
+                   etag: str | None = None) -> list[Any]:
         """Byte ranges ``[starts[i], ends[i])`` of ``key``: touching ranges coalesced
-        (:func:`coalesce`), the requests issued concurrently."""
+        (:func:`coalesce`), the requests issued concurrently. ``etag``: on S3 every request
+        carries ``If-Match`` (the object must be the version listed when the collection
+        was opened; else :class:`~annbatch_torch.CollectionError`)."""
         reqs = coalesce(starts, ends)
         path = self._path(key)
-        got = self._call(key, "reading byte ranges", lambda: self.fs.cat_ranges(
-            [path] * len(reqs), [r[0] for r in reqs], [r[1] for r in reqs], on_error="raise"))
+        if etag is not None and self.url.startswith(("s3://", "s3a://")):
+            got = self._call(key, "reading byte ranges",
+                             lambda: self._s3_ranges_if_match(key, reqs, etag))
+        else:
+            got = self._call(key, "reading byte ranges", lambda: self.fs.cat_ranges(
+                [path] * len(reqs), [r[0] for r in reqs], [r[1] for r in reqs],
+                on_error="raise"))
         out: list[Any] = [b""] * len(starts)
         for (a, _, ids), data in zip(reqs, got):
             view = memoryview(data)
             for i in ids:
                 out[i] = view[int(starts[i]) - a: int(ends[i]) - a]
         return out
+
+    def _s3_ranges_if_match(self, rel: str, reqs: list[tuple[int, int, list[int]]],
+                            etag: str) -> list[bytes]:
+        import asyncio
+
+        import fsspec.asyn
+
+        fs = self.fs
+        bucket, key, _ = fs.split_path(self._path(rel))
+
+        async def one(a: int, b: int) -> bytes:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                     Range=f"bytes={a}-{b - 1}", IfMatch=etag)
+            try:
+                return await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        async def run() -> list[bytes]:
+            return list(await asyncio.gather(*(one(a, b) for a, b, _ in reqs)))
+
+        try:
+            return fsspec.asyn.sync(fs.loop, run)
+        except Exception as e:
+            if any(t in str(e) for t in ("PreconditionFailed", "412", "pre-conditions")):
+                raise CollectionError(
+                    f"{self.where(rel)}: the object changed on the store since the collection "
+                    "was opened (rewritten in place?); its bytes cannot be mixed with those "
+                    "read before. Open the collection again.") from None
+            raise
 
     def get_suffix(self, key: str, n: int) -> bytes:
         """The last ``n`` bytes of ``key``."""
