@@ -20,6 +20,7 @@ a file.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -32,12 +33,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import default_buffer_prototype
+from zarr.storage import LocalStore
+
 from ..errors import CollectionError, InputError
 from .chunkcache import ChunkCache, cache_token
 from .manifest import MANIFEST_NAME, ShardInfo
 from .remote import ObjectInfo, RemoteLocation
 
-__all__ = ["Mirror", "RemoteChunks", "default_cache_size", "FETCH_THREADS"]
+__all__ = ["Mirror", "MirrorStore", "RemoteChunks", "default_cache_size", "FETCH_THREADS",
+           "mirror_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,11 +203,19 @@ class Mirror:
                 if open_raw(self.root / folder) is not None:
                     raw_dirs.add(folder)
 
-        def ranged(key: str) -> bool:  # a chunk object of a raw array: fetched as ranges
-            folder, _, rest = key.partition("/c/")
-            return bool(rest) and folder in raw_dirs
+        def ranged(key: str) -> bool:  # a chunk object of a raw array (fetched as ranges)
+            folder, _, rest = key.partition("/c/")  # or of a compressed matrix (whole, lazily)
+            return bool(rest) and (folder in raw_dirs or _lazy_array(folder))
 
         rest = [k for k in objects if k not in nodes and not ranged(k)]
+        whole = sum(objects[k][0] for k in rest)
+        if whole > self.cache_size:  # compressed matrices: copied whole, not by range
+            raise CollectionError(
+                f"{loc.url}: {whole:,} bytes of this collection are not raw chunks (a "
+                "compressed layout?) and would be copied whole into the mirror at open, more "
+                f"than cache_size={self.cache_size:,}. On object stores only raw chunks are "
+                "read by range: rewrite it with create_anndata_collection(..., "
+                "compressor='raw') (the default), or raise cache_size.")
         self._fetch_whole(rest)
         # the manifest again: it must be the one this mirror is named by
         if loc.head(MANIFEST_NAME) != (objects[MANIFEST_NAME][0], self.manifest_etag):
@@ -384,3 +398,93 @@ class RemoteChunks:
         assert local is not None
         with open(local, "rb") as f:
             return f.read(), size
+
+
+def _lazy_array(folder: str) -> bool:
+    """Whether a (not raw) array of the mirror is a matrix field's (X, layers, obsm, raw's
+    X: nearly all the bytes), whose chunk objects are fetched when read rather than at
+    open. Other arrays (obs, var, names) are copied at open: anndata's own readers open
+    them as local files."""
+    parts = folder.split("/")
+    for i, p in enumerate(parts):
+        if p.endswith(".zarr"):  # the shard folder; the field follows
+            rest = parts[i + 1:]
+            return bool(rest) and (rest[0] in ("X", "layers", "obsm")
+                                   or rest[:2] == ["raw", "X"])
+    return False
+
+
+class MirrorStore(LocalStore):
+    """The mirror folder as a read-only zarr store whose chunk objects left on the object
+    store (compressed matrix arrays) are fetched whole into the chunk cache on first read,
+    then read from there (zarr decodes them as it decodes local chunks)."""
+
+    def __init__(self, mirror: Mirror) -> None:
+        super().__init__(mirror.root, read_only=True)
+        self.mirror = mirror
+        self.chunks = mirror.chunks_for(mirror.root)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"mirror": self.mirror}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["mirror"])  # type: ignore[misc]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MirrorStore) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(("MirrorStore", str(self.root)))
+
+    def _remote(self, key: str) -> bool:
+        return key in self.mirror.objects and not (self.root / key).exists()
+
+    async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+        if not self._remote(key):
+            return await super().get(key, prototype, byte_range)
+        size = self.mirror.objects[key][0]
+        local = await asyncio.to_thread(self.chunks.local, str(self.root / key), 0, size)
+        if local is None:
+            return None
+        with open(local, "rb") as f:
+            data = f.read()
+        if isinstance(byte_range, RangeByteRequest):
+            data = data[byte_range.start: byte_range.end]
+        elif isinstance(byte_range, OffsetByteRequest):
+            data = data[byte_range.offset:]
+        elif isinstance(byte_range, SuffixByteRequest):
+            data = data[-byte_range.suffix:]
+        return (prototype or default_buffer_prototype()).buffer.from_bytes(data)
+
+    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> list[Any]:
+        return [await self.get(k, prototype, r) for k, r in key_ranges]
+
+    async def exists(self, key: str) -> bool:
+        return key in self.mirror.objects or await super().exists(key)
+
+    async def list_prefix(self, prefix: str) -> Any:
+        seen = set()
+        async for k in super().list_prefix(prefix):
+            seen.add(k)
+            yield k
+        for k in self.mirror.objects:
+            if k.startswith(prefix) and k not in seen:
+                yield k
+
+    async def list_dir(self, prefix: str) -> Any:
+        base = prefix.rstrip("/") + "/" if prefix else ""
+        seen = set()
+        async for k in super().list_dir(prefix):
+            seen.add(k)
+            yield k
+        for k in self.mirror.objects:
+            if k.startswith(base):
+                child = k[len(base):].split("/", 1)[0]
+                if child not in seen:
+                    seen.add(child)
+                    yield child
+
+
+def mirror_store(mirror: Mirror) -> MirrorStore:
+    """The zarr store of a mirror (see :class:`MirrorStore`)."""
+    return MirrorStore(mirror)

@@ -908,6 +908,14 @@ class FastGroup:
             return raw
         import zarr
 
+        if self.mirror is not None:  # on a store: its chunk objects come through the cache
+            from .mirror import mirror_store
+
+            # zarr-python's pipeline: zarrs would read the mirror's files behind the store
+            with zarr.config.set({"codec_pipeline.path":
+                                  "zarr.core.codec_pipeline.BatchedCodecPipeline"}):
+                return zarr.open_array(store=mirror_store(self.mirror),
+                                       path=self.mirror.key_of(child), mode="r")
         return zarr.open_array(str(child), mode="r")
 
 
