@@ -543,3 +543,34 @@ def test_a_compressed_collection_is_fetched_lazily_through_the_cache(
     with pytest.raises(CollectionError, match=r"s3://zstd/atlas: .* not raw chunks"):
         open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "b",
                         cache_size=100)
+
+
+def test_an_upload_stopped_before_its_manifest_is_overwritable(synthetic_h5ads: list[Path],
+                                                                s3: Any) -> None:
+    url = s3.bucket("halfway") + "/atlas"
+    s3.fs().pipe_file("halfway/atlas/g-0123456789ab/shard_00000.zarr/zarr.json", b"{}")
+    with pytest.raises(InputError, match="holds 1 objects but no manifest"):
+        _write(synthetic_h5ads[:1], url, s3)
+    coll = _write(synthetic_h5ads[:1], url, s3, overwrite=True)
+    assert coll.n_obs == 1200
+    assert not [k for k in s3.fs().find("halfway") if "g-0123456789ab" in k]
+
+
+def test_folder_markers_and_look_alike_array_names(synthetic_h5ads: list[Path], s3: Any,
+                                                   tmp_path: Path) -> None:
+    """A zero-byte 'folder' key (what consoles make) is not an object; a compressed obsm
+    'X_pca' beside 'X_pca2' reads its own chunks only."""
+    import anndata as ad
+
+    a = ad.read_h5ad(synthetic_h5ads[2])
+    a.obsm["X_pca2"] = a.obsm["X_pca"][:, :3] * 2
+    url = s3.bucket("lookalike") + "/atlas"
+    _write([a], url, s3, compressor="zstd")
+    s3.fs().pipe_file("lookalike/atlas/notes/", b"")
+    coll = open_collection(url, storage_options=s3.options, cache_dir=tmp_path)
+    ds = abt.AnnBatchDataset(coll, selector={"p": A.obsm["X_pca"], "q": A.obsm["X_pca2"]},
+                             batch_size=128, shuffle=False, return_index=True)
+    names = coll.obs_names_at(np.arange(coll.n_obs))
+    want = a.obsm["X_pca"][a.obs_names.get_indexer(names)]
+    got = np.concatenate([b["p"].numpy() for b in ds])
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -93,7 +93,7 @@ class ChunkCache:
         return None
 
     def _remember(self, token: str, path: Path, now: float) -> None:
-        if len(self._touched) > 1 << 20:  # bounded: forget all, re-touch as used
+        if len(self._touched) > 1 << 16:  # bounded: forget all, re-touch as used
             self._touched.clear()
         self._touched[token] = (now, path)
 
@@ -136,9 +136,12 @@ class ChunkCache:
             base = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._spill = Path(tempfile.mkdtemp(prefix="annbatch-chunks-", dir=base))
             import atexit
+            import multiprocessing.util
 
             spill, owner = self._spill, os.getpid()
             atexit.register(lambda: os.getpid() == owner and shutil.rmtree(spill, True))
+            # DataLoader workers exit without atexit handlers; multiprocessing's run these
+            multiprocessing.util.Finalize(None, shutil.rmtree, (spill, True), exitpriority=10)
         now = time.time()
         for old in self._spill.iterdir():  # what was read a while ago is gone
             with contextlib.suppress(FileNotFoundError):

@@ -144,7 +144,25 @@ class RawZarrArray:
 
     def _index(self, k: int) -> np.ndarray | None:
         """Shard file ``k``'s index: ``(per_shard, 2)`` uint64 (offset, nbytes), all ones for
-        an absent chunk; ``None`` when the shard file is absent. Read once, CRC checked."""
+        an absent chunk; ``None`` when the shard file is absent. Read once, CRC checked (on
+        a store, a cached copy that fails is dropped and fetched once more)."""
+        if self.remote is None:
+            return self._index_once(k)
+        try:
+            return self._index_once(k)
+        except (ChunkError, FileNotFoundError):
+            path = self._file_name(k)
+            end = self.remote.size(path)
+            if end is None:
+                raise
+            n = self.per_shard * 16 + (4 if self._index_crc else 0)
+            start = end - n if self._index_at_end else 0
+            local = self.remote.local(path, start, start + n)
+            if local is not None:
+                self.remote.drop(local)
+            return self._index_once(k)
+
+    def _index_once(self, k: int) -> np.ndarray | None:
         with self._index_lock:
             if k in self._indexes:
                 return self._indexes[k]

@@ -99,6 +99,7 @@ def _fsspec_filesystem(scheme: str, options: dict[str, Any]) -> Any:
         opts = dict(options)
         conf = {**S3_DEFAULTS["config_kwargs"], **(opts.pop("config_kwargs", None) or {})}
         opts.setdefault("use_listings_cache", False)  # a manifest replaced is seen at once
+        opts.setdefault("skip_instance_cache", True)  # our retries: not on a shared instance
         # s3fs retries on top of botocore's (5 times, in two layers): one is enough
         retries = int(opts.pop("retries", S3_RETRIES))
         options = {**opts, "config_kwargs": conf}
@@ -274,7 +275,9 @@ class RemoteLocation:
         try:
             return fsspec.asyn.sync(fs.loop, run)
         except Exception as e:
-            if any(t in str(e) for t in ("PreconditionFailed", "412", "pre-conditions")):
+            text = str(e)
+            if "PreconditionFailed" in text or (isinstance(e, OSError)
+                                                 and "pre-condition" in text.lower()):
                 raise CollectionError(
                     f"{self.where(rel)}: the object changed on the store since the collection "
                     "was opened (rewritten in place?); its bytes cannot be mixed with those "
@@ -306,7 +309,8 @@ class RemoteLocation:
             self.fs.invalidate_cache()
             found = self.fs.find(self._path(prefix), detail=True)
             return {str(p)[len(base):]: (int(i["size"]), _etag(i)) for p, i in found.items()
-                    if i.get("type") != "directory" and str(p).startswith(base)}
+                    if i.get("type") != "directory" and str(p).startswith(base)
+                    and not (str(p).endswith("/") and not i.get("size"))}  # folder markers
 
         return self._call(prefix, "listing", run)
 

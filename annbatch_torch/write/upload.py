@@ -13,7 +13,9 @@ room for one collection), then :func:`upload_collection` puts it on the store:
 3. with ``overwrite``, the objects of the previous generation are deleted after that.
 
 A prefix that holds objects but no manifest is refused (it is not a collection this
-writer made), as is an existing collection without ``overwrite``.
+writer made), as is an existing collection without ``overwrite``; with ``overwrite``, a
+prefix holding only generation folders (an upload that stopped before its manifest) is
+written over, those objects deleted after.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def check_remote_output(loc: RemoteLocation, overwrite: bool) -> dict[str, tuple
         raise InputError(f"{loc.url} already holds a collection; pass overwrite=True to "
                          "replace it, or choose another prefix.")
     if objects and MANIFEST_NAME not in objects:
+        if overwrite and all(k.startswith("g-") for k in objects):
+            return objects  # an upload of ours that stopped before its manifest: replaced
         raise InputError(
             f"{loc.url} holds {len(objects)} objects but no {MANIFEST_NAME}: not a collection "
             "(or an interrupted upload); refusing to write over it. Choose an empty prefix, "
