@@ -220,7 +220,6 @@ def test_overwrite_replaces_the_manifest_last_and_the_old_objects_after(
     old = open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "a")
     old_keys = set(s3.fs().find("over"))
     new = _write(synthetic_h5ads, url, s3, overwrite=True)
-    assert new.n_obs == sum(1 for _ in range(new.n_obs))
     assert new.n_obs > old.n_obs
     keys = set(s3.fs().find("over"))
     assert keys & old_keys == {"over/atlas/manifest.json"}  # the old generation is gone

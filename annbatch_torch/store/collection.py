@@ -704,7 +704,7 @@ def open_collection(path: str | os.PathLike[str], *,
     ----------
     path
         The collection folder (the one holding ``manifest.json``), or its URL on an
-        object store (``s3://bucket/prefix``, ``gs://``, ``az://``, ``https://``).
+        object store (``s3://bucket/prefix``, ``gs://``, ``az://``).
     storage_options
         For a URL: the fsspec filesystem's options (for S3, s3fs's: ``key``,
         ``secret``, ``endpoint_url``, ``anon``, ``client_kwargs``...); unset ones come

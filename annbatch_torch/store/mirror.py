@@ -29,6 +29,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,12 @@ def _safe_key(root: Path, key: str, where: str) -> Path:
         raise CollectionError(f"{where}/{key}: the object key leads outside the mirror; "
                               "refusing it.")
     return path
+
+
+def _identity(info: ObjectInfo) -> tuple[int, int, int]:
+    """A stand-in for a local file's ``(inode, size, mtime)``: ``(0, size, hash of the
+    ETag)``."""
+    return 0, info[0], int(_digest(info[1]), 16)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -141,7 +148,7 @@ class Mirror:
         """A stand-in for the local manifest's ``(inode, size, mtime)``: ``(0, size,
         hash(etag))`` of ``manifest.json`` on the store now, ``None`` when absent."""
         info = self.location.head(MANIFEST_NAME)
-        return None if info is None else (0, info[0], int(_digest(info[1]), 16))
+        return None if info is None else _identity(info)
 
     def current_shards(self) -> list[ShardInfo] | None:
         """The shard list of the manifest on the store now (``None`` if unreadable)."""
@@ -153,7 +160,8 @@ class Mirror:
             return None
 
     def sync(self) -> Path:
-        """Mirror the collection's metadata (once per manifest ETag) and return the folder."""
+        """List the collection, mirror its metadata (once per manifest ETag and listing)
+        and return the folder."""
         loc = self.location
         info = loc.head(MANIFEST_NAME)
         if info is None:
@@ -169,7 +177,7 @@ class Mirror:
                 f"{loc.url!r}), or check the URL.")
         self.manifest_etag = info[1]
         #: ``manifest_identity()`` of the manifest this mirror holds
-        self.synced_identity = (0, info[0], int(_digest(info[1]), 16))
+        self.synced_identity = _identity(info)
         # listed at every open: an object replaced under an unchanged manifest gets a new
         # mirror (and new cache entries: their names carry the ETags listed here)
         objects = loc.list()
@@ -241,9 +249,9 @@ class Mirror:
             raise CollectionError(f"{e}: deleted while the collection was opened (rewritten?); "
                                   "open it again.") from None
 
-    def chunks_for(self, array_dir: Path) -> RemoteChunks:
-        """The chunk source of the raw array mirrored at ``array_dir``."""
-        return RemoteChunks(self, array_dir)
+    def chunks(self) -> RemoteChunks:
+        """A chunk source for an array of this mirror (one per array: its memos)."""
+        return RemoteChunks(self)
 
     def key_of(self, path: str | os.PathLike[str]) -> str:
         """The object key of a file of the mirror."""
@@ -270,17 +278,16 @@ class RemoteChunks:
     """Where a raw array's chunks come from when its objects are on a store: byte ranges
     fetched (concurrently, for all chunks of one read) into the chunk cache."""
 
-    def __init__(self, mirror: Mirror, array_dir: Path) -> None:
+    def __init__(self, mirror: Mirror) -> None:
         self.mirror = mirror
-        self.array_dir = array_dir
         self._keys: dict[str, str] = {}  # file of the mirror: object key (hot path: memo)
         self._tokens: dict[tuple[str, int, int], str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"mirror": self.mirror, "array_dir": self.array_dir}
+        return {"mirror": self.mirror}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["mirror"], state["array_dir"])  # type: ignore[misc]
+        self.__init__(state["mirror"])  # type: ignore[misc]
 
     def _info(self, path: str) -> tuple[str, ObjectInfo | None]:
         key = self._keys.get(path)
@@ -302,7 +309,7 @@ class RemoteChunks:
     def identity(self, path: str) -> tuple[int, int, int] | None:
         """``(0, size, hash of the ETag)`` of the object, ``None`` when absent."""
         info = self._info(path)[1]
-        return None if info is None else (0, info[0], int(_digest(info[1]), 16))
+        return None if info is None else _identity(info)
 
     def size(self, path: str) -> int | None:
         info = self._info(path)[1]
@@ -338,8 +345,8 @@ class RemoteChunks:
 
     def fetch(self, wanted: list[tuple[str, int, int]]) -> None:
         """Fetch the byte ranges ``(path, start, stop)`` not cached yet: one request batch
-        per object (touching ranges coalesced, requests concurrent), :data:`FETCH_THREADS` objects
-        at once."""
+        per object (touching ranges coalesced, requests concurrent), :data:`FETCH_THREADS`
+        objects at once."""
         by_key: dict[str, list[tuple[int, int, str]]] = {}
         for path, start, stop in wanted:
             key, info = self._info(path)
@@ -378,27 +385,6 @@ class RemoteChunks:
             return
         list(_fetch_pool().map(one, items))
 
-    def suffix(self, path: str, n: int) -> tuple[bytes, int] | None:
-        """The last ``n`` bytes of the object and its size (cached like chunks)."""
-        size = self.size(path)
-        if size is None:
-            return None
-        start = max(0, size - n)
-        local = self.local(path, start, size)
-        assert local is not None
-        with open(local, "rb") as f:
-            return f.read(), size
-
-    def prefix(self, path: str, n: int) -> tuple[bytes, int] | None:
-        """The first ``n`` bytes of the object and its size."""
-        size = self.size(path)
-        if size is None:
-            return None
-        local = self.local(path, 0, min(n, size))
-        assert local is not None
-        with open(local, "rb") as f:
-            return f.read(), size
-
 
 def _lazy_array(folder: str) -> bool:
     """Whether a (not raw) array of the mirror is a matrix field's (X, layers, obsm, raw's
@@ -422,7 +408,7 @@ class MirrorStore(LocalStore):
     def __init__(self, mirror: Mirror) -> None:
         super().__init__(mirror.root, read_only=True)
         self.mirror = mirror
-        self.chunks = mirror.chunks_for(mirror.root)
+        self.chunks = mirror.chunks()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"mirror": self.mirror}
@@ -484,29 +470,33 @@ class MirrorStore(LocalStore):
     async def exists(self, key: str) -> bool:
         return key in self.mirror.objects or await super().exists(key)
 
-    async def list_prefix(self, prefix: str) -> Any:
-        # as LocalStore: the keys under the folder ``prefix`` (not ``emb2`` for ``emb``)
+    def _under(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """``(key, rest)`` of the objects under the folder ``prefix`` (as LocalStore reads
+        a prefix: not ``emb2``'s keys for ``emb``)."""
         base = prefix.rstrip("/") + "/" if prefix else ""
+        for k in self.mirror.objects:
+            if k.startswith(base):
+                yield k, k[len(base):]
+
+    async def list_prefix(self, prefix: str) -> Any:
         seen = set()
         async for k in super().list_prefix(prefix):
             seen.add(k)
             yield k
-        for k in self.mirror.objects:
-            if k.startswith(base) and k not in seen:
+        for k, _ in self._under(prefix):
+            if k not in seen:
                 yield k
 
     async def list_dir(self, prefix: str) -> Any:
-        base = prefix.rstrip("/") + "/" if prefix else ""
         seen = set()
         async for k in super().list_dir(prefix):
             seen.add(k)
             yield k
-        for k in self.mirror.objects:
-            if k.startswith(base):
-                child = k[len(base):].split("/", 1)[0]
-                if child not in seen:
-                    seen.add(child)
-                    yield child
+        for _, rest in self._under(prefix):
+            child = rest.split("/", 1)[0]
+            if child not in seen:
+                seen.add(child)
+                yield child
 
 
 def mirror_store(mirror: Mirror) -> MirrorStore:

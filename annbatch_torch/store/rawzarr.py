@@ -152,12 +152,10 @@ class RawZarrArray:
             return self._index_once(k)
         except (ChunkError, FileNotFoundError):
             path = self._file_name(k)
-            end = self.remote.size(path)
-            if end is None:
+            where = self._index_range(path)
+            if where is None:
                 raise
-            n = self.per_shard * 16 + (4 if self._index_crc else 0)
-            start = end - n if self._index_at_end else 0
-            local = self.remote.local(path, start, start + n)
+            local = self.remote.local(path, *where)
             if local is not None:
                 self.remote.drop(local)
             return self._index_once(k)
@@ -168,7 +166,7 @@ class RawZarrArray:
                 return self._indexes[k]
         path = self._file_name(k)
         n_index = self.per_shard * 16
-        size = n_index + (4 if self._index_crc else 0)
+        size = self._index_nbytes
         got = self._read_index(path, size)
         if got is None:
             index = None
@@ -200,8 +198,7 @@ class RawZarrArray:
             if end < size:
                 raise ChunkError(f"{path}: shard object has {end} bytes, less than its "
                                  f"{size}-byte index")
-            start = end - size if self._index_at_end else 0
-            local = self.remote.local(path, start, start + size)
+            local = self.remote.local(path, *self._index_range(path))  # type: ignore[misc]
             if local is None:
                 return None
             with open(local, "rb") as f:
@@ -219,16 +216,36 @@ class RawZarrArray:
         finally:
             os.close(fd)
 
+    @property
+    def _index_nbytes(self) -> int:
+        """Bytes of a shard file's index (with its CRC-32C)."""
+        return self.per_shard * 16 + (4 if self._index_crc else 0)
+
+    def _index_range(self, path: str) -> tuple[int, int] | None:
+        """Where the index lies in the shard object ``path`` on a store (``None``: the
+        object is absent or smaller than an index)."""
+        assert self.remote is not None
+        end, n = self.remote.size(path), self._index_nbytes
+        if end is None or end < n:
+            return None
+        start = end - n if self._index_at_end else 0
+        return start, start + n
+
+    def _fetch_range(self, where: tuple[str, int, int]) -> tuple[str, int, int]:
+        """The object and byte range to fetch on a store for a chunk at ``where`` (an
+        :meth:`_object_range`): a whole chunk object with one byte more, so a longer
+        object is noticed as it is locally."""
+        path, off, want = where
+        return path, off, off + want + (0 if self.per_shard else 1)
+
     def _locate(self, c: int) -> tuple[str, int, int] | None:
         """Chunk ``c``'s file, byte offset and stored size; ``None`` when it is absent.
         For an array on a store the file is the chunk's entry in the chunk cache."""
         where = self._object_range(c)
         if where is None or self.remote is None:
             return where
-        path, off, want = where
-        # a whole chunk object: one byte more, so a longer object is noticed as locally
-        local = self.remote.local(path, off, off + want + (0 if self.per_shard else 1))
-        return None if local is None else (local, 0, want)
+        local = self.remote.local(*self._fetch_range(where))
+        return None if local is None else (local, 0, where[2])
 
     def prefetch(self, chunks: list[int]) -> None:
         """Fetch the chunks ``chunks`` of an array on a store into the chunk cache, all at
@@ -236,24 +253,17 @@ class RawZarrArray:
         if self.remote is None or not chunks:
             return
         if self.per_shard:
-            n_index = self.per_shard * 16 + (4 if self._index_crc else 0)
             need = []
             for k in sorted({c // self.per_shard for c in chunks}):
                 with self._index_lock:
                     if k in self._indexes:
                         continue
                 path = self._file_name(k)
-                if (end := self.remote.size(path)) is not None and end >= n_index:
-                    start = end - n_index if self._index_at_end else 0
-                    need.append((path, start, start + n_index))
+                if (where := self._index_range(path)) is not None:
+                    need.append((path, *where))
             self.remote.fetch(need)
-        wanted = []
-        for c in chunks:
-            where = self._object_range(c)
-            if where is not None:
-                path, off, want = where
-                wanted.append((path, off, off + want + (0 if self.per_shard else 1)))
-        self.remote.fetch(wanted)
+        self.remote.fetch([self._fetch_range(w) for c in chunks
+                           if (w := self._object_range(c)) is not None])
 
     def _object_range(self, c: int) -> tuple[str, int, int] | None:
         """Chunk ``c``'s chunk or shard file, byte offset and stored size; ``None`` when it
@@ -291,7 +301,8 @@ class RawZarrArray:
             return
         flat = out.reshape(-1).view(np.uint8)
         row_bytes = self.row_items * self.dtype.itemsize
-        self.prefetch(list(range(lo // self.chunk_rows, (hi - 1) // self.chunk_rows + 1)))
+        if self.remote is not None:
+            self.prefetch(list(range(lo // self.chunk_rows, (hi - 1) // self.chunk_rows + 1)))
         for c in range(lo // self.chunk_rows, (hi - 1) // self.chunk_rows + 1):
             c0 = c * self.chunk_rows
             a, b = max(lo, c0), min(hi, c0 + self.chunk_rows)
@@ -871,7 +882,7 @@ def open_raw(path: str | os.PathLike[str], mirror: Mirror | None = None) -> RawZ
         if (len(inner) != len(shape) or list(inner[1:]) != list(shape[1:])
                 or int(inner[0]) < 1 or int(chunks[0]) % int(inner[0])):
             return None
-    return RawZarrArray(p, meta, None if mirror is None else mirror.chunks_for(p))
+    return RawZarrArray(p, meta, None if mirror is None else mirror.chunks())
 
 
 class FastGroup:

@@ -284,13 +284,6 @@ class RemoteLocation:
                     "read before. Open the collection again.") from None
             raise
 
-    def get_suffix(self, key: str, n: int) -> bytes:
-        """The last ``n`` bytes of ``key``."""
-        size = self.head(key)
-        if size is None:
-            raise FileNotFoundError(self.where(key))
-        return bytes(self.get_ranges(key, [max(0, size[0] - n)], [size[0]])[0])
-
     def head(self, key: str) -> ObjectInfo | None:
         """``(size, etag)`` of ``key``; ``None`` when it does not exist."""
         try:

@@ -68,11 +68,7 @@ def upload_collection(local: Path, loc: RemoteLocation, overwrite: bool,
         old = check_remote_output(loc, overwrite)  # again: the write took a while
     else:
         old = {}
-        now = loc.head(MANIFEST_NAME)
-        if now is None or now[1] != append_to:
-            raise CollectionError(
-                f"{loc.url}: the collection changed on the store since it was opened for "
-                "this append (another writer?); nothing was added. Append again.")
+        _check_unchanged(loc, append_to, "since it was opened for this append")
     gen = f"g-{secrets.token_hex(6)}"
     manifest = json.loads((local / MANIFEST_NAME).read_text())
     for s in manifest["shards"]:
@@ -81,7 +77,8 @@ def upload_collection(local: Path, loc: RemoteLocation, overwrite: bool,
     for key in ("var_names_file", "raw_var_names_file"):
         if manifest.get(key):
             manifest[key] = f"{gen}/{manifest[key]}"
-    files = [p for p in sorted(local.rglob("*")) if p.is_file() and p != local / MANIFEST_NAME]
+    files = {p: f"{gen}/{p.relative_to(local).as_posix()}" for p in sorted(local.rglob("*"))
+             if p.is_file() and p != local / MANIFEST_NAME}  # local file: its key
     total = sum(p.stat().st_size for p in files)
     from tqdm.auto import tqdm
 
@@ -89,8 +86,7 @@ def upload_collection(local: Path, loc: RemoteLocation, overwrite: bool,
                disable=not progress)
 
     def one(p: Path) -> None:
-        key = f"{gen}/{p.relative_to(local).as_posix()}"
-        loc.put(key, p)
+        loc.put(files[p], p)
         bar.update(p.stat().st_size)
 
     try:
@@ -98,22 +94,29 @@ def upload_collection(local: Path, loc: RemoteLocation, overwrite: bool,
             list(ex.map(one, files))
     except BaseException:
         bar.close()
-        _delete_quietly(loc, [f"{gen}/{p.relative_to(local).as_posix()}" for p in files])
+        _delete_quietly(loc, list(files.values()))
         raise
     bar.close()
     if append_to is not None:  # again, just before the manifest replaces it
-        now = loc.head(MANIFEST_NAME)
-        if now is None or now[1] != append_to:
-            _delete_quietly(loc, [f"{gen}/{p.relative_to(local).as_posix()}" for p in files])
-            raise CollectionError(
-                f"{loc.url}: the collection changed on the store during this append (another "
-                "writer?); nothing was added. Append again.")
+        try:
+            _check_unchanged(loc, append_to, "during this append")
+        except CollectionError:
+            _delete_quietly(loc, list(files.values()))
+            raise
     loc.put(MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
     stale = [k for k in old if k != MANIFEST_NAME]
     if stale:
         loc.delete(stale)
     logger.info("%s: uploaded %d files (%d bytes) as generation %s%s", loc.url, len(files),
                 total, gen, f"; deleted {len(stale)} objects of the old one" if stale else "")
+
+
+def _check_unchanged(loc: RemoteLocation, etag: str, when: str) -> None:
+    """Refuse an append whose collection's manifest is no longer the one it extends."""
+    now = loc.head(MANIFEST_NAME)
+    if now is None or now[1] != etag:
+        raise CollectionError(f"{loc.url}: the collection changed on the store {when} "
+                              "(another writer?); nothing was added. Append again.")
 
 
 def _delete_quietly(loc: RemoteLocation, keys: list[str]) -> None:
