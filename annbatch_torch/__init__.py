@@ -27,6 +27,7 @@ from .errors import (
 from .fields import A, Field
 from .sampling.samplers import ClassBalancedSampler, Sampler, SubsetSampler, WeightedSampler
 from .store.collection import Collection, Source, open_collection
+from .store.inplace import open_source
 from .store.zarrs import set_codec_pipeline
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ __all__ = [
     "create_anndata_collection",
     "datasets",
     "open_collection",
+    "open_source",
     "prepare_collection",
     "set_codec_pipeline",
     "to_device",

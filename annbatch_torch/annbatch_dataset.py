@@ -41,7 +41,7 @@ from .read.reader import PoolReader, default_read_threads, describe_ranges
 from .resume import Resumer
 from .sampling import ObsColumn, Sampler
 from .store.collection import Source
-from .store.inplace import as_source
+from .store.inplace import open_source
 from .store.manifest import RAW_X
 from .torch_sampler import TorchIndexSampler
 from .world import SharedEpoch, World, distributed_rank_world
@@ -238,7 +238,7 @@ class AnnBatchDataset(IterableDataset):
         self.prefetch = None if prefetch is None else bool(prefetch)
         self.batch_converter = batch_converter
         self.device = None if device is None else check_device(device)
-        self.source: Source = as_source(source)
+        self.source: Source = open_source(source)
         self.selector = normalize_selector(selector)
         self._validate_selector()
         paths = {f.path for f in self.selector.values()}

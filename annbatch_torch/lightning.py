@@ -16,9 +16,10 @@
   would get no batch (fewer training batches than ranks) and warns above a 10% drop.
   Validation, test and predict read in order with ``even_batches="pad"``: every row once,
   padding rows flagged ``False`` in the boolean ``"mask"`` key.
-* The validation split holds out whole chunks (``val_fraction``), chosen by
-  :func:`~annbatch_torch.sampling.split_chunks` from ``seed``; test and predict read the
-  whole collection.
+* The validation split holds out whole chunks (``val_fraction``), and so does an optional
+  test split (``test_fraction``), chosen by :func:`~annbatch_torch.sampling.split_chunks3`
+  from ``seed``; test reads the test split (the whole collection without one), predict
+  the whole collection.
 * Loaders are :class:`~annbatch_torch.loader.AnnBatchDataLoader`: Lightning calls
   ``dataloader.sampler.set_epoch(epoch)`` before every epoch but the first of a run (it
   never calls ``set_epoch`` on an ``IterableDataset``); that sampler forwards it to the
@@ -58,7 +59,7 @@ from .fields import Field
 from .loader import AnnBatchDataLoader
 from .resume import is_mid_epoch, state_ints
 from .sampling import Sampler
-from .store.collection import Collection, open_collection
+from .store.collection import Source, open_collection
 from .store.manifest import read_manifest
 from .write.prepare import explicit_settings, lock_path, write_if_stale
 from .write.staleness import store_is_current, store_staleness
@@ -83,7 +84,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
         existing collection at ``store_path`` as it is and never write.
     store_path
         Where the collection lives (written by :meth:`prepare_data` when missing or stale),
-        or its URL on an object store (read only).
+        or its URL on an object store (read only). With ``adata_paths=None`` it may also be
+        an opened :class:`~annbatch_torch.Source` (a :class:`~annbatch_torch.Collection`,
+        or inputs read in place: :func:`~annbatch_torch.open_source`), read as it is.
     selector, batch_size, chunk_size, preload_nchunks, densify
         Passed to every :class:`~annbatch_torch.AnnBatchDataset`.
     num_workers
@@ -96,6 +99,15 @@ class AnnBatchDataModule(pl.LightningDataModule):
     val_fraction
         Fraction of whole chunks held out for validation, in ``[0, 1)``; 0 disables
         validation.
+    test_fraction
+        Fraction of whole chunks held out for :meth:`test_dataloader`, in ``[0, 1)``
+        (``val_fraction + test_fraction < 1``). Default 0: no test split, and testing
+        reads the whole collection.
+    eval_even_batches
+        How validation and test give every rank the same number of batches: ``"pad"``
+        (default: every row once, padding rows flagged ``False`` under ``"mask"``) or
+        ``"drop"`` (fewer than ``world_size`` batches left out, no padding rows; for models
+        that cannot skip masked rows).
     collection_kwargs
         Extra arguments of :func:`~annbatch_torch.create_anndata_collection`
         (``var_join``, ``layers``, ``obsm``, ``obs_columns``, ``n_obs_per_shard``...).
@@ -121,12 +133,14 @@ class AnnBatchDataModule(pl.LightningDataModule):
     Attributes
     ----------
     collection
-        The opened :class:`~annbatch_torch.Collection` (after :meth:`setup`).
-    train_dataset, val_dataset, test_dataset
+        The opened :class:`~annbatch_torch.Collection` (after :meth:`setup`), or the
+        :class:`~annbatch_torch.Source` given as ``store_path``.
+    train_dataset, val_dataset, test_dataset, predict_dataset
         This rank's datasets (after :meth:`setup`); ``val_dataset`` is ``None`` without a
-        validation split. ``test_dataset`` also serves predict.
-    train_chunks, val_chunks
-        Chunk ids of the split (after :meth:`setup`).
+        validation split. Without a test split ``test_dataset`` is ``predict_dataset``.
+    train_chunks, val_chunks, test_chunks
+        Chunk ids of the split (after :meth:`setup`; ``test_chunks`` is empty without a
+        test split).
     store_written
         After :meth:`prepare_data`: ``True`` if it wrote the store, ``False`` if the store
         was current (``None`` before).
@@ -142,13 +156,15 @@ class AnnBatchDataModule(pl.LightningDataModule):
     def __init__(
         self,
         adata_paths: Sequence[str | os.PathLike[str]] | None,
-        store_path: str | os.PathLike[str],
+        store_path: str | os.PathLike[str] | Source,
         *,
         selector: Mapping[str, Field | str] | None = None,
         batch_size: int = 4096,
         num_workers: int = 0,
         seed: int = 0,
         val_fraction: float = 0.0,
+        test_fraction: float = 0.0,
+        eval_even_batches: str = "pad",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         preload_nchunks: int = DEFAULT_PRELOAD_NCHUNKS,
         densify: bool = False,
@@ -166,10 +182,17 @@ class AnnBatchDataModule(pl.LightningDataModule):
                             "ClassBalancedSampler, SubsetSampler or a subclass of Sampler) or "
                             "a torch.utils.data.Sampler of row indices, got "
                             f"{type(sampler).__name__}.")
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, int | float) or not (
-            0.0 <= float(val_fraction) < 1.0
-        ):
-            raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}.")
+        for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+            if isinstance(frac, bool) or not isinstance(frac, int | float) or not (
+                0.0 <= float(frac) < 1.0
+            ):
+                raise ValueError(f"{name} must be a number in [0, 1), got {frac!r}.")
+        if float(val_fraction) + float(test_fraction) >= 1.0:
+            raise ValueError(f"val_fraction + test_fraction must be < 1 (training keeps the "
+                             f"rest), got {val_fraction!r} + {test_fraction!r}.")
+        if eval_even_batches not in ("pad", "drop"):
+            raise ValueError("eval_even_batches must be 'pad' or 'drop', got "
+                             f"{eval_even_batches!r}.")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -190,9 +213,13 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.adata_paths = [Path(p).expanduser() for p in (adata_paths or [])]
         from .store.remote import is_url
 
-        #: a local folder, or the URL of a collection on an object store
-        self.store_path: Path | str = (str(store_path) if is_url(store_path)
-                                       else Path(store_path))
+        if isinstance(store_path, Source) and self.adata_paths:
+            raise ValueError(f"store_path is an opened source ({store_path.describe()}): "
+                             "nothing is written to it; pass adata_paths=None.")
+        #: a local folder, the URL of a collection on an object store, or an opened Source
+        self.store_path: Path | str | Source = (
+            store_path if isinstance(store_path, Source)
+            else str(store_path) if is_url(store_path) else Path(store_path))
         self.storage_options = storage_options
         self.cache_dir = cache_dir
         self.cache_size = cache_size
@@ -206,6 +233,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.val_fraction = float(val_fraction)
+        self.test_fraction = float(test_fraction)
+        self.eval_even_batches = eval_even_batches
         self.chunk_size = chunk_size
         self.preload_nchunks = preload_nchunks
         self.densify = densify
@@ -213,12 +242,14 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.dataloader_kwargs = dict(dataloader_kwargs or {})
         self.dataset_kwargs = dict(dataset_kwargs or {})
         self.sampler = sampler
-        self.collection: Collection | None = None
+        self.collection: Source | None = None
         self.train_dataset: AnnBatchDataset | None = None
         self.val_dataset: AnnBatchDataset | None = None
         self.test_dataset: AnnBatchDataset | None = None
+        self.predict_dataset: AnnBatchDataset | None = None
         self.train_chunks: np.ndarray | None = None
         self.val_chunks: np.ndarray | None = None
+        self.test_chunks: np.ndarray | None = None
         self.store_written: bool | None = None
         self._epoch = 0
         self._restored_epoch: int | None = None
@@ -228,7 +259,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self._reload_setting: int | None = None
 
     # -- data preparation --------------------------------------------------------------
-    def _open(self) -> Collection:
+    def _open(self) -> Source:
+        if isinstance(self.store_path, Source):
+            return self.store_path
         if isinstance(self.store_path, str):
             return open_collection(self.store_path, storage_options=self.storage_options,
                                    cache_dir=self.cache_dir, cache_size=self.cache_size)
@@ -237,6 +270,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
     @property
     def lock_path(self) -> Path:
         """The lock file beside the store that serialises :meth:`prepare_data` calls."""
+        if isinstance(self.store_path, Source):
+            raise ValueError(f"{self.store_path.describe()} is read as it is: nothing is "
+                             "written, so there is no lock.")
         return lock_path(self.store_path)
 
     def prepare_data(self) -> None:
@@ -254,6 +290,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
             Without ``adata_paths``, if ``store_path`` is not a finished collection; or if
             ``store_path`` exists but is not a collection (it is never overwritten).
         """
+        if isinstance(self.store_path, Source):  # opened already: read as it is
+            self.store_written = False
+            return
         if isinstance(self.store_path, str):  # a URL: it must be a collection (never written)
             self._open()
             self.store_written = False
@@ -284,7 +323,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         kwargs: dict[str, Any] = {"shuffle": True, "even_batches": "drop", "drop_last": False}
         kwargs.update(self.dataset_kwargs)
         if not train:
-            kwargs.update(shuffle=False, even_batches="pad", drop_last=False)
+            kwargs.update(shuffle=False, even_batches=self.eval_even_batches, drop_last=False)
         sampler = None
         if train and self.sampler is not None:  # draws from the training split's rows only
             rows = None
@@ -304,13 +343,15 @@ class AnnBatchDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Open the collection and build this rank's datasets for ``stage``.
 
-        ``"fit"`` / ``"validate"`` build the train and validation datasets, ``"test"`` /
-        ``"predict"`` the whole-collection one; ``None`` builds all.
+        ``"fit"`` / ``"validate"`` build the train and validation datasets, ``"test"`` the
+        test split's (the whole collection without one), ``"predict"`` the whole
+        collection's; ``None`` builds all.
         """
         self._epoch = self.epoch  # a rebuilt training dataset keeps the current epoch
         self.collection = self._open()
-        self.train_chunks, self.val_chunks = sampling.split_chunks(
-            self.collection.n_obs, self.chunk_size, self.val_fraction, self.seed
+        self.train_chunks, self.val_chunks, self.test_chunks = sampling.split_chunks3(
+            self.collection.n_obs, self.chunk_size, self.val_fraction, self.test_fraction,
+            self.seed,
         )
         rank, world = self._rank_world()
         if stage in (None, "fit", "validate"):
@@ -320,10 +361,13 @@ class AnnBatchDataModule(pl.LightningDataModule):
             has_val = len(self.val_chunks) > 0
             self.val_dataset = self._dataset(self.val_chunks, train=False) if has_val else None
         if stage in (None, "test", "predict"):
-            self.test_dataset = self._dataset(None, train=False)
+            self.predict_dataset = self._dataset(None, train=False)
+            self.test_dataset = (self._dataset(self.test_chunks, train=False)
+                                 if len(self.test_chunks) else self.predict_dataset)
         logger.info(
-            "setup(%s) on rank %d/%d: %d train chunks, %d validation chunks of %d rows.",
-            stage, rank, world, len(self.train_chunks), len(self.val_chunks), self.chunk_size,
+            "setup(%s) on rank %d/%d: %d train, %d validation, %d test chunks of %d rows.",
+            stage, rank, world, len(self.train_chunks), len(self.val_chunks),
+            len(self.test_chunks), self.chunk_size,
         )
 
     def _check_train_drop(self, ds: AnnBatchDataset, world: int) -> None:
@@ -345,7 +389,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         pool = sampling.pool_rows(ds.batch_size, cs, self.preload_nchunks)
         hint = max(1, rows // (cs * world * 4))
         msg = (
-            f"{self.store_path}: the training split has {rows:,} rows ({rows / pool:.1f} pools "
+            f"{self._where()}: the training split has {rows:,} rows ({rows / pool:.1f} pools "
             f"of {pool:,} rows) for {world} rank(s) at batch_size={ds.batch_size}; with "
             f"even_batches='drop' an epoch uses only {kept:,} rows ({len(ds)} batches per "
             f"rank). Lower batch_size or preload_nchunks (e.g. preload_nchunks={hint}), or "
@@ -441,19 +485,28 @@ class AnnBatchDataModule(pl.LightningDataModule):
                         "processed", None)
         return epoch if isinstance(epoch, int) else None
 
+    def _where(self) -> str:
+        """The store or source, as messages name it."""
+        if isinstance(self.store_path, Source):
+            return self.store_path.describe()
+        return str(self.store_path)
+
     def val_dataloader(self) -> AnnBatchDataLoader | list[Any]:
-        """Validation batches in order with a ``"mask"`` key (``[]`` without a split)."""
+        """Validation batches in order (``[]`` without a split); with
+        ``eval_even_batches="pad"`` they carry a ``"mask"`` key."""
         if self.val_dataset is None:
             return []
         return self._loader(self.val_dataset, "val_dataloader")
 
     def test_dataloader(self) -> AnnBatchDataLoader:
-        """Every row of the collection once, in order, with a ``"mask"`` key."""
+        """The test split's rows (every row of the collection without one), in order; with
+        ``eval_even_batches="pad"`` each once, with a ``"mask"`` key."""
         return self._loader(self.test_dataset, "test_dataloader")
 
     def predict_dataloader(self) -> AnnBatchDataLoader:
-        """Every row of the collection once, in order, with a ``"mask"`` key."""
-        return self._loader(self.test_dataset, "predict_dataloader")
+        """Every row of the collection, in order; with ``eval_even_batches="pad"`` each
+        once, with a ``"mask"`` key."""
+        return self._loader(self.predict_dataset, "predict_dataloader")
 
     # -- checkpointing -----------------------------------------------------------------
     @property
@@ -516,7 +569,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
                 stages = []
                 if self.train_dataset is not None:
                     stages.append("fit")
-                if self.test_dataset is not None:
+                if self.predict_dataset is not None:
                     stages.append("test")
                 for stage in stages:
                     self.setup(stage)

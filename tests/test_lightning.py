@@ -230,6 +230,57 @@ def test_eval_loaders_pad_ranks_with_a_mask(h5ads: list[Path], store: Path) -> N
         assert np.array_equal(np.sort(real), np.sort(expect))
 
 
+
+def test_a_test_split_and_dropped_eval_remainders(h5ads: list[Path], store: Path) -> None:
+    """``test_fraction`` holds out chunks for test (disjoint from train and validation);
+    predict still reads everything; ``eval_even_batches="drop"`` gives 3 ranks equal batch
+    counts without padding rows, leaving out fewer than 3 batches."""
+    per_rank: dict[str, list[list[dict[str, Any]]]] = {"val": [], "test": [], "predict": []}
+    for rank in range(3):
+        dm = _dm(h5ads, store, val_fraction=0.2, test_fraction=0.25, eval_even_batches="drop")
+        dm.trainer = SimpleNamespace(global_rank=rank, world_size=3,
+                                     strategy=SimpleNamespace(root_device=None))
+        dm.setup(None)
+        assert dm.train_chunks is not None and dm.val_chunks is not None
+        assert dm.test_chunks is not None
+        parts = [dm.train_chunks, dm.val_chunks, dm.test_chunks]
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(-(-N_OBS // 32)))
+        assert len(dm.test_chunks) == round(0.25 * len(np.concatenate(parts)))
+        per_rank["val"].append(list(dm.val_dataloader()))
+        per_rank["test"].append(list(dm.test_dataloader()))
+        per_rank["predict"].append(list(dm.predict_dataloader()))
+    for name, chunks in (("val", dm.val_chunks), ("test", dm.test_chunks),
+                         ("predict", np.arange(-(-N_OBS // 32)))):
+        batches = per_rank[name]
+        assert len({len(b) for b in batches}) == 1, name  # equal counts
+        assert all("mask" not in b for r in batches for b in r), name  # no padding rows
+        seen = np.concatenate([b["index"].numpy() for r in batches for b in r])
+        want = _chunk_rows(np.asarray(chunks))
+        assert len(np.unique(seen)) == len(seen), name
+        assert set(seen.tolist()) <= set(want.tolist()), name
+        assert len(want) - len(seen) < 3 * PLAN["batch_size"], name
+    with pytest.raises(ValueError, match=r"val_fraction \+ test_fraction must be < 1"):
+        _dm(h5ads, store, val_fraction=0.5, test_fraction=0.5)
+    with pytest.raises(ValueError, match="eval_even_batches must be 'pad' or 'drop'"):
+        _dm(h5ads, store, eval_even_batches="equal")
+
+
+def test_an_opened_source_is_read_as_it_is(h5ads: list[Path], store: Path) -> None:
+    """A Collection or inputs read in place as ``store_path``: nothing written, no lock."""
+    for src in (abt.open_collection(store), abt.open_source(list(h5ads))):
+        dm = AnnBatchDataModule(None, src, **PLAN, dataset_kwargs={"return_index": True})
+        dm.prepare_data()
+        assert dm.store_written is False
+        dm.setup("fit")
+        assert dm.collection is src
+        rows = np.concatenate([b["index"].numpy() for b in dm.train_dataloader()])
+        assert np.array_equal(np.sort(rows), np.arange(N_OBS))
+        with pytest.raises(ValueError, match="nothing is written, so there is no lock"):
+            _ = dm.lock_path
+    with pytest.raises(ValueError, match="pass adata_paths=None"):
+        AnnBatchDataModule(h5ads, abt.open_collection(store))
+
+
 def test_setup_feeds_every_rank_and_refuses_fewer_batches_than_ranks(
     h5ads: list[Path], store: Path
 ) -> None:

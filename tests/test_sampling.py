@@ -319,6 +319,25 @@ def test_split_chunks(n_obs: int, chunk_size: int, frac: float, seed: int) -> No
     assert np.array_equal(again[1], val)
 
 
+
+@FAST
+@given(st.integers(0, 5000), st.integers(1, 300), st.floats(0.0, 0.6), st.floats(0.0, 0.39),
+       st.integers(0, 2**40))
+def test_split_chunks3(n_obs: int, chunk_size: int, val: float, test: float, seed: int) -> None:
+    train, v, t = S.split_chunks3(n_obs, chunk_size, val, test, seed)
+    n = S.n_chunks(n_obs, chunk_size)
+    assert np.array_equal(np.sort(np.concatenate([train, v, t])), np.arange(n))  # disjoint
+    for part in (train, v, t):
+        assert np.all(np.diff(part) > 0)
+    assert np.array_equal(v, S.split_chunks(n_obs, chunk_size, val, seed)[1])
+    if n >= 1:
+        assert len(train) >= 1
+    if test > 0 and n - 1 - len(v) > 0:
+        assert len(t) >= max(1, min(round(test * n), n - 1 - len(v)))
+    if test == 0:
+        assert len(t) == 0
+
+
 # ---------------------------------------------------------------- unit tests
 
 
@@ -528,6 +547,10 @@ def test_split_chunks_edges() -> None:
     assert not np.array_equal(a, S.split_chunks(4000, 4, 0.3, 1)[1])
     with pytest.raises(ValueError, match=r"val_fraction must be a number in \[0, 1\)"):
         S.split_chunks(10, 2, 1.0, 0)
+    with pytest.raises(ValueError, match=r"val_fraction \+ test_fraction must be < 1"):
+        S.split_chunks3(10, 2, 0.5, 0.5, 0)
+    assert [len(a) for a in S.split_chunks3(3, 1, 0.3, 0.3, 0)] == [1, 1, 1]
+    assert [len(a) for a in S.split_chunks3(3, 1, 0.5, 0.4, 0)] == [1, 2, 0]  # val first
 
 
 def test_worker_items_validation() -> None:

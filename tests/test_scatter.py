@@ -37,7 +37,7 @@ from annbatch_torch.store import rawzarr
 from annbatch_torch.store.checks import bad_column
 from annbatch_torch.store.collection import open_collection
 from annbatch_torch.store.elements import CSRElement
-from annbatch_torch.store.inplace import InPlaceSource, as_source
+from annbatch_torch.store.inplace import InPlaceSource, open_source
 from annbatch_torch.store.rawzarr import ChunkError, RawZarrArray, open_raw
 from annbatch_torch.write.writer import create_anndata_collection
 
@@ -423,7 +423,7 @@ def pool_sources(
         "lz4": create_anndata_collection(
             synthetic_h5ads, folder / "lz4", compressor="lz4", **opts
         ),
-        "h5ad": as_source(list(synthetic_h5ads)),
+        "h5ad": open_source(list(synthetic_h5ads)),
         "memory": InPlaceSource([ad.read_h5ad(p) for p in synthetic_h5ads]),
     }
     out = {}

@@ -27,6 +27,7 @@ from .plan import (
     rank_batches,
     rank_items,
     split_chunks,
+    split_chunks3,
     validate_params,
     worker_items,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "remaining_items",
     "total_batches",
     "split_chunks",
+    "split_chunks3",
     "global_rows",
     "deal_pools",
     "deal_batches",

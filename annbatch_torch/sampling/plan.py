@@ -63,6 +63,7 @@ __all__ = [
     "rank_batches",
     "batch_positions",
     "split_chunks",
+    "split_chunks3",
     "EpochDeal",
     "chunk_deal",
     "deal_batches",
@@ -504,17 +505,43 @@ def split_chunks(
 
     Validation gets ``round(val_fraction * n_chunks)`` chunks, at least one when
     ``val_fraction > 0`` and ``n_chunks >= 2``, and never all of them (train keeps >= 1).
+    The same as the first two parts of :func:`split_chunks3` with ``test_fraction=0``.
+    """
+    train, val, _ = split_chunks3(n_obs, chunk_size, val_fraction, 0.0, seed)
+    return train, val
+
+
+def split_chunks3(
+    n_obs: int, chunk_size: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split whole chunks into sorted, disjoint ``(train_ids, val_ids, test_ids)``.
+
+    Validation gets ``round(val_fraction * n_chunks)`` chunks and test
+    ``round(test_fraction * n_chunks)``, each at least one when its fraction is > 0 and
+    there are chunks to spare; training always keeps at least one chunk (held-out parts
+    are cut down to leave it, validation first served). The validation part is the one
+    :func:`split_chunks` gives for the same ``val_fraction`` and ``seed``, so adding a test
+    split moves chunks out of training only.
     """
     _check_int("n_obs", n_obs, 0)
     _check_int("chunk_size", chunk_size, 1)
     _check_int("seed", seed, 0)
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be a number in [0, 1), got {val_fraction!r}")
+    for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= frac < 1.0:
+            raise ValueError(f"{name} must be a number in [0, 1), got {frac!r}")
+    if val_fraction + test_fraction >= 1.0:
+        raise ValueError(f"val_fraction + test_fraction must be < 1 (training keeps the rest), "
+                         f"got {val_fraction!r} + {test_fraction!r}")
     n = n_chunks(n_obs, chunk_size)
-    n_val = min(round(val_fraction * n), max(n - 1, 0))
-    if val_fraction > 0 and n >= 2:
+    spare = max(n - 1, 0)  # training keeps one chunk
+    n_val = min(round(val_fraction * n), spare)
+    if val_fraction > 0 and spare > 0:
         n_val = max(n_val, 1)
+    n_test = min(round(test_fraction * n), spare - n_val)
+    if test_fraction > 0 and spare - n_val > 0:
+        n_test = max(n_test, 1)
     perm = np.random.default_rng([seed, TAG_SPLIT]).permutation(n)
-    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+    held = n_val + n_test
+    return np.sort(perm[held:]), np.sort(perm[:n_val]), np.sort(perm[n_val:held])
 
 

@@ -55,7 +55,7 @@ from .inputs import (
 )
 from .manifest import MANIFEST_NAME, RAW_X, FieldInfo
 
-__all__ = ["InPlaceSource", "as_source"]
+__all__ = ["InPlaceSource", "open_source"]
 
 #: how an in-place user leaves a field out, ending the fix of a refusal
 _OMIT = "leave it out of the selector"
@@ -249,10 +249,32 @@ def _looks_like_zarr(p: Path) -> bool:
     return any((p / n).is_file() for n in (".zgroup", "zarr.json", ".zmetadata"))
 
 
-def as_source(obj: Any) -> Source:
-    """Resolve a user ``source`` argument: a Source, a collection folder, or AnnData inputs
-    (an AnnData, or an object that looks like one: see
-    :func:`~annbatch_torch.store.inputs.resolve_input`)."""
+def open_source(obj: Any) -> Source:
+    """The :class:`~annbatch_torch.Source` that :class:`~annbatch_torch.AnnBatchDataset`
+    reads for ``obj``.
+
+    Parameters
+    ----------
+    obj
+        A :class:`~annbatch_torch.Source` (returned as it is), a collection folder or URL
+        (opened with :func:`~annbatch_torch.open_collection`; credentials of a URL from the
+        environment), or AnnData inputs read in place: a ``.h5ad`` / AnnData-zarr path, an
+        ``AnnData`` (or an object that looks like one), or a list of those.
+
+    Returns
+    -------
+    Source
+        A :class:`~annbatch_torch.Collection` or the inputs read in place; file handles
+        open lazily, in every process that reads.
+
+    Raises
+    ------
+    CollectionError
+        A folder that is neither a collection nor an AnnData zarr store, or an unfinished
+        collection.
+    TypeError
+        Anything else.
+    """
     if isinstance(obj, Source):
         return obj
     if isinstance(obj, str | os.PathLike):
