@@ -280,7 +280,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         (:func:`~annbatch_torch.prepare_collection`).
 
         Lightning calls this on one process per node (``prepare_data_per_node``); calling it
-        yourself is fine too. Sets :attr:`store_written`. Only settings given explicitly
+        yourself is fine too. Sets ``store_written``. Only settings given explicitly
         in ``collection_kwargs`` are compared: a new DataModule ``seed`` alone reuses the
         store (it is shuffled already).
 
@@ -327,7 +327,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         sampler = None
         if train and self.sampler is not None:  # draws from the training split's rows only
             rows = None
-            if chunk_ids is not None and self.val_fraction > 0:
+            if chunk_ids is not None and (self.val_fraction > 0 or self.test_fraction > 0):
                 n, cs = self.collection.n_obs, self.chunk_size
                 starts = np.asarray(chunk_ids, dtype=np.int64) * cs
                 ranges = np.stack([starts, np.minimum(starts + cs, n)], axis=1)
@@ -392,8 +392,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
             f"{self._where()}: the training split has {rows:,} rows ({rows / pool:.1f} pools "
             f"of {pool:,} rows) for {world} rank(s) at batch_size={ds.batch_size}; with "
             f"even_batches='drop' an epoch uses only {kept:,} rows ({len(ds)} batches per "
-            f"rank). Lower batch_size or preload_nchunks (e.g. preload_nchunks={hint}), or "
-            "pass dataset_kwargs={'even_batches': 'pad'}."
+            f"rank). Lower batch_size or preload_nchunks (e.g. preload_nchunks={hint}), or, "
+            "for a model that skips padding rows (flagged False under 'mask'), pass "
+            "dataset_kwargs={'even_batches': 'pad'}."
         )
         if len(ds) == 0:
             raise ValueError(msg)

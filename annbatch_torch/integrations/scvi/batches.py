@@ -22,6 +22,9 @@ import annbatch_torch as abt
 
 __all__ = ["SCVI_KEYS", "ScviBatchConverter", "to_model"]
 
+#: fewer labelled rows than this in a batch add no classification loss (the classifier's
+#: BatchNorm refuses one row in training)
+MIN_LABELLED = 2
 #: the first keys of every batch, in scvi-tools' order (its semi-supervised training step
 #: reads a dict that starts with exactly these as "the labelled cells are all of them")
 SCVI_KEYS = ("X", "batch", "labels", "extra_categorical_covs", "extra_continuous_covs")
@@ -109,9 +112,10 @@ def to_model(batch: dict[str, Any], device: torch.device | str,
 
     With ``unlabeled_code`` (semi-supervised training), return ``[all rows, the rows whose
     label is not unlabeled]``, the pair scvi-tools' semi-supervised training and
-    validation steps read; a batch without labelled rows is returned as one dict whose
-    keys do not start with :data:`SCVI_KEYS` (so scvi-tools computes no classification
-    loss from it, rather than a mean over zero rows).
+    validation steps read; a batch with fewer than :data:`MIN_LABELLED` labelled rows is
+    returned as one dict whose keys do not start with :data:`SCVI_KEYS` (so scvi-tools
+    computes no classification loss from it, rather than a mean over zero rows or a
+    BatchNorm over one).
     """
     full = _dense_on(batch, device)
     if unlabeled_code is None:
@@ -119,7 +123,7 @@ def to_model(batch: dict[str, Any], device: torch.device | str,
     known = full["labels"][:, 0] != unlabeled_code
     if bool(known.all()):
         return [full, full]
-    if not bool(known.any()):
+    if int(known.sum()) < MIN_LABELLED:
         keys = list(full)
         keys.remove("labels")
         return {**{k: full[k] for k in keys}, "labels": full["labels"]}

@@ -26,7 +26,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 __all__ = ["SCVIDataModule"]
 
 #: AnnBatchDataset arguments this module sets itself
-_OWN = ("selector", "batch_converter", "return_index", "densify", "device")
+_OWN = ("selector", "batch_converter", "return_index", "densify", "device", "even_batches")
 #: AnnBatchDataModule arguments that may come in through ``**dataset_kwargs``
 _MODULE_ARGS = ("chunk_size", "preload_nchunks")
 
@@ -39,7 +39,9 @@ class SCVIDataModule(abt.AnnBatchDataModule):
     ``size_factor``, ``ind_x``: the global row ids), built in the DataLoader workers;
     ``X`` travels as CSR and is densified on the training device. The category mappings
     come from the collection's global categories, so a code means the same category in
-    every shard, and after an append (categories only grow at the end).
+    every shard. After an append (categories only grow at the end) batch, covariate and
+    SCVI label codes keep their meaning; SCANVI's swap of the unlabeled category to the
+    last code (scvi-tools' rule) can move a label's code when categories were added.
 
     Parameters
     ----------
@@ -65,7 +67,9 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         class-balanced or subset training).
     train_size, validation_size
         Fractions of whole chunks for training and validation (``validation_size``
-        default: ``1 - train_size``); the chunks left over form the test split.
+        default: ``1 - train_size``); the chunks left over form the test split. The
+        default ``train_size=1.0`` has no validation split (scvi-tools' ``early_stopping``
+        needs one).
     dataloader_kwargs
         Extra arguments of every DataLoader.
     check_counts
@@ -73,6 +77,8 @@ class SCVIDataModule(abt.AnnBatchDataModule):
     **dataset_kwargs
         Extra arguments of :class:`~annbatch_torch.AnnBatchDataset` (``var_names`` to
         train on a gene subset, ``read_threads``, ``chunk_size``, ``preload_nchunks``...).
+        Training drops the epoch's one partial batch (``drop_last=True``; a batch of one
+        row breaks BatchNorm in training); pass ``drop_last=False`` to keep it.
 
     Attributes
     ----------
@@ -125,8 +131,8 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         self.setup_fields = ScviSetup(
             src, model_name=model_name, layer=layer, batch_key=batch_key,
             labels_key=labels_key, unlabeled_category=unlabeled_category,
-            categorical_covariate_keys=tuple(categorical_covariate_keys or ()),
-            continuous_covariate_keys=tuple(continuous_covariate_keys or ()),
+            categorical_covariate_keys=categorical_covariate_keys,
+            continuous_covariate_keys=continuous_covariate_keys,
             size_factor_key=size_factor_key, var_names=dataset_kwargs.get("var_names"),
             check_counts=check_counts)
         fields = self.setup_fields
@@ -138,10 +144,16 @@ class SCVIDataModule(abt.AnnBatchDataModule):
             num_workers=num_workers, seed=seed, val_fraction=val_fraction,
             test_fraction=test_fraction, eval_even_batches="drop", sampler=sampler,
             dataloader_kwargs={"pin_memory": False, **(dataloader_kwargs or {})},
-            dataset_kwargs={**dataset_kwargs, "batch_converter": converter,
-                            "return_index": True},
+            # drop_last: a last batch of one row breaks BatchNorm in training (scvi-tools'
+            # own splitter avoids remainders under 3 rows)
+            dataset_kwargs={"drop_last": True, **dataset_kwargs,
+                            "batch_converter": converter, "return_index": True},
             **module_args,
         )
+        # the dataset arguments checked now, not at the first setup() (after the model)
+        abt.AnnBatchDataset(src, selector=self.selector, batch_size=batch_size,
+                            chunk_size=self.chunk_size, preload_nchunks=self.preload_nchunks,
+                            seed=seed, sampler=None, **self.dataset_kwargs)
         self.model_name = model_name
         self.train_size = float(train_size)
         self.validation_size = val_fraction
@@ -178,8 +190,10 @@ class SCVIDataModule(abt.AnnBatchDataModule):
 
     @property
     def n_labels(self) -> int:
-        """Entries of the label mapping (1 without ``labels_key``)."""
-        return self.setup_fields.n_labels
+        """Label classes of the model: the label mapping's entries (1 without
+        ``labels_key``), less the unlabeled category for SCANVI when cells carry it (as
+        SCANVI builds its classifier; ``save`` / ``load`` read this)."""
+        return self.setup_fields.n_labels - int(self.setup_fields.unlabeled_present)
 
     @property
     def n_samples(self) -> int:
@@ -247,7 +261,7 @@ class SCVIDataModule(abt.AnnBatchDataModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device,
                                  dataloader_idx: int) -> Any:
         """Lightning hook: the batch on ``device`` with ``X`` dense (see
-        :func:`~.batches.to_model`)."""
+        ``batches.to_model``)."""
         return to_model(batch, device, self._unlabeled_code())
 
     def inference_dataloader(self, batch_size: int | None = None,
@@ -270,7 +284,7 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         kwargs = {k: v for k, v in self.dataset_kwargs.items()
-                  if k not in ("shuffle", "even_batches", "drop_last")}
+                  if k not in ("shuffle", "even_batches", "drop_last")}  # every cell, in order
         ds = abt.AnnBatchDataset(
             self.setup_fields.source, selector=self.selector,
             batch_size=batch_size or self.batch_size, chunk_size=self.chunk_size,

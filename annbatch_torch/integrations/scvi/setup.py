@@ -55,6 +55,19 @@ def read_codes(source: abt.Source, keys: Sequence[str]) -> dict[str, np.ndarray]
     return {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in parts.items()}
 
 
+def _keys(value: Any, arg: str) -> tuple[str, ...]:
+    """Covariate keys as a tuple; one column name alone counts as one key."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    keys = tuple(value)
+    bad = [k for k in keys if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"{arg} must be obs column names, got {bad!r}.")
+    return keys
+
+
 @dataclass(frozen=True)
 class LabelMapping:
     """scvi-tools' label codes: ``mapping[code]`` is the label; ``lut[global_code + 1]``
@@ -65,16 +78,23 @@ class LabelMapping:
     unlabeled_code: int | None
 
 
-def label_mapping(categories: Sequence[Any], model_name: str,
-                  unlabeled_category: Any) -> LabelMapping:
-    """The labels' mapping scvi-tools registers for ``model_name`` (see the module doc)."""
+def label_mapping(categories: Sequence[Any], model_name: str, unlabeled_category: Any,
+                  unlabeled_present: bool = True) -> LabelMapping:
+    """The labels' mapping scvi-tools registers for ``model_name`` (see the module doc).
+
+    ``unlabeled_present``: whether a cell carries ``unlabeled_category`` (or a missing
+    label); as in scvi-tools, the unlabeled category is swapped with the last only then,
+    kept where it is when it is a category no cell has, and appended when it is none.
+    """
     cats = list(categories)
     if model_name == "SCANVI":
         order = list(range(len(cats)))
-        if unlabeled_category in cats:  # scvi swaps it with the last category
+        if unlabeled_category in cats and unlabeled_present:  # scvi swaps it with the last
             i = cats.index(unlabeled_category)
             order[i], order[-1] = order[-1], order[i]
             mapping = [cats[j] for j in order]
+        elif unlabeled_category in cats:
+            mapping = list(cats)
         else:
             mapping = [*cats, unlabeled_category]
         unlabeled = mapping.index(unlabeled_category)
@@ -107,6 +127,8 @@ class ScviSetup:
     check_counts: bool = True
     categories: dict[str, list[Any]] = field(init=False, default_factory=dict)
     labels: LabelMapping = field(init=False)
+    #: SCANVI: every cell's global label code (read once at construction)
+    label_codes: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.model_name not in MODELS:
@@ -116,8 +138,10 @@ class ScviSetup:
             raise ValueError("model_name='SCANVI' needs labels_key: the obs column of cell "
                              f"labels, with {self.unlabeled_category!r} (unlabeled_category) "
                              "or a missing value for the cells to label.")
-        self.categorical_covariate_keys = tuple(self.categorical_covariate_keys or ())
-        self.continuous_covariate_keys = tuple(self.continuous_covariate_keys or ())
+        self.categorical_covariate_keys = _keys(self.categorical_covariate_keys,
+                                                "categorical_covariate_keys")
+        self.continuous_covariate_keys = _keys(self.continuous_covariate_keys,
+                                               "continuous_covariate_keys")
         where = self.source.describe()
         x_field = self.x_field
         info = self._field(x_field, "layer" if self.layer is not None else "X")
@@ -132,9 +156,19 @@ class ScviSetup:
                     f"{where}: {arg}={key!r} must name a numeric obs column, but {key!r} is "
                     f"{kind}; pass it as a categorical_covariate_keys entry instead, or "
                     "write the collection with the numeric column.")
+        present = True
+        if self.model_name == "SCANVI" and self.labels_key is not None:
+            self.label_codes = read_codes(self.source, [self.labels_key])[self.labels_key]
+            cats = self.categories[self.labels_key]
+            code = cats.index(self.unlabeled_category) if (
+                self.unlabeled_category in cats) else None
+            present = bool((self.label_codes < 0).any()) or (
+                code is not None and bool((self.label_codes == code).any()))
         self.labels = label_mapping(self.categories.get(self.labels_key, [0]) if
                                     self.labels_key else [0], self.model_name,
-                                    self.unlabeled_category)
+                                    self.unlabeled_category, present)
+        #: whether a cell is unlabeled (SCANVI's classifier then has one class fewer)
+        self.unlabeled_present = present and self.model_name == "SCANVI"
         self._check_missing()
         if self.check_counts:
             self._check_counts()
@@ -191,9 +225,10 @@ class ScviSetup:
                     f"{self.source.describe()}: {arg}={key!r} has {n_missing} cell(s) with a "
                     f"missing value (rows {rows}...); scvi-tools needs a category for every "
                     "cell. Fill them in the inputs (e.g. adata.obs[key] = adata.obs[key]"
-                    ".cat.add_categories('unknown').fillna('unknown')) and rewrite the "
-                    "collection" + (", or train SCANVI, which treats them as unlabeled."
-                                    if arg == "labels_key" else "."))
+                    ".cat.add_categories('unknown').fillna('unknown'); then rewrite the "
+                    "collection, if it is one)" + (
+                        ", or train SCANVI, which treats them as unlabeled."
+                        if arg == "labels_key" else "."))
 
     def _check_counts(self) -> None:
         n = min(self.source.n_obs, COUNTS_PROBE_ROWS)
@@ -258,8 +293,12 @@ class ScviSetup:
         if self.labels_key is None:
             return pd.Categorical.from_codes(np.zeros(self.source.n_obs, np.int8),
                                              categories=self.labels.mapping)
-        codes = read_codes(self.source, [self.labels_key])[self.labels_key]
-        scvi_codes = self.labels.lut[codes.astype(np.int64) + 1]
+        codes = self.label_codes
+        if codes is None:
+            codes = read_codes(self.source, [self.labels_key])[self.labels_key]
+        small = np.int16 if len(self.labels.lut) < 2**15 else np.int32
+        lut = self.labels.lut.astype(small)
+        scvi_codes = lut[codes.astype(small, copy=False) + small(1)]  # 2-4 bytes per cell
         return pd.Categorical.from_codes(scvi_codes, categories=pd.Index(self.labels.mapping))
 
     def registry(self, scvi_version: str) -> dict[str, Any]:
