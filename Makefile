@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,lightning,zarrs]"
+	$(PY) -m pip install -q -e ".[test,lightning,zarrs,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,10 +20,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# the site, warnings as errors (nitpicky references included), tutorial pages executed
+docs: $(STAMP)
+	rm -rf docs/_build docs/generated
+	$(VENV)/bin/sphinx-build -q -W --keep-going -n -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -33,4 +39,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist
+	rm -rf $(VENV) .pytest_cache build dist docs/_build docs/generated docs/_generated docs/_inventories docs/jupyter_execute

@@ -159,7 +159,7 @@ class AnnBatchDataset(IterableDataset):
         Key of the boolean "real row" mask, present when ``even_batches="pad"``.
     read_threads
         Concurrent reads per process. Default: the usable CPUs, at most 4
-        (:func:`default_read_threads`).
+        (``default_read_threads()``).
     prefetch
         Read the next pool in a background thread while the current one is consumed.
         Default ``None``: on in the main process (``num_workers=0``; measured here: dense
@@ -170,7 +170,7 @@ class AnnBatchDataset(IterableDataset):
         516 MiB).
     device
         Hold each pool on this device (``"cuda"``, ``"cuda:1"``; the ``gpu`` extra) and cut
-        and densify batches there (:class:`~annbatch_torch.read.device_pool.DevicePool`):
+        and densify batches there (``read.device_pool.DevicePool``):
         batch values are then tensors on the device, also inside transforms and the
         ``batch_converter``. Needs ``num_workers=0``. ``"cpu"`` runs the same path on the
         host. Default ``None``: numpy/scipy batches on the host.
@@ -184,7 +184,7 @@ class AnnBatchDataset(IterableDataset):
         ``ClassBalancedSampler``, ``SubsetSampler`` or your own) chooses the rows of each
         epoch, a stream of row ids seeded by ``(seed, epoch)``; a plain
         ``torch.utils.data.Sampler`` of row indices works too
-        (:mod:`~annbatch_torch.torch_sampler`: iterated with torch's generator seeded by
+        (``torch_sampler.py``: iterated with torch's generator seeded by
         ``(seed, epoch)``, refused if it gives other indices when iterated again). The
         stream is cut into batches, dealt to ranks (equal counts, ``even_batches``) and
         workers, and each pool (``chunk_size * preload_nchunks`` sampled rows, rounded
@@ -370,7 +370,7 @@ class AnnBatchDataset(IterableDataset):
         """The work items (pools, their row order and batch ranges) of one worker of a rank
         (default: this rank, in this world) in ``epoch``. ``segments``: the parts of the
         epoch run before under other topologies (default: those of a loaded state, see
-        :mod:`~annbatch_torch.resume`)."""
+        ``resume.py``)."""
         own_rank, own_world = self._resolve_dist()
         epoch = self.epoch if epoch is None else epoch
         world = World(own_rank if rank is None else rank,
@@ -399,7 +399,7 @@ class AnnBatchDataset(IterableDataset):
     def densify_policy_for_workers(self, *, num_workers: int, pin_memory: bool = False,
                                    collate_fn: Callable[..., Any] | None = None
                                    ) -> DensifyPolicy:
-        """The :class:`~annbatch_torch.read.densify.DensifyPolicy` of a loader's workers:
+        """The ``read.densify.DensifyPolicy`` of a loader's workers:
         with ``densify=True`` and workers, sparse fields without a transform and with the
         default ``batch_converter`` are sent as CSR (~5x fewer bytes than dense at typical
         sparsity) and densified in the main process."""

@@ -115,7 +115,7 @@ def batch_dict_converter(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     batches; int32 index tensors when they fit, else int64); float arrays become float32,
     integer arrays int64 (category codes; -1 marks a missing label: use
     ``cross_entropy(..., ignore_index=-1)``), bool arrays stay bool. The result is a
-    :class:`Batch` (a ``dict``).
+    ``Batch`` (a ``dict``).
     """
     return Batch({k: to_tensor(v) for k, v in batch.items()})
 

@@ -138,7 +138,7 @@ class AnnBatchDataLoader(StatefulDataLoader):
         and Lightning checkpoints rank 0's state only). Saved with another number of ranks
         or workers: the batches every old rank had yielded follow from that number (ranks
         are in step); the rest of the epoch is dealt anew to this topology
-        (:func:`~annbatch_torch.resume.remaining_batches`).
+        (``resume.remaining_batches``).
         """
         self.resumed_elsewhere = False
         state = dict(state_dict)

@@ -25,7 +25,7 @@ def run_example(name: str, *args: str, timeout: int = 300) -> str:
 
 def test_every_example_is_tested() -> None:
     tested = {"plain_dataloader.py", "train_classifier.py", "selectors_and_transforms.py",
-              "lightning_ddp.py", "class_balanced.py"}
+              "lightning_ddp.py", "class_balanced.py", "scvi_from_collection.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -100,3 +100,16 @@ def test_the_readme_quickstart_runs_twice_verbatim(tmp_path: Path) -> None:
         assert re.search(r"^loss \d", proc.stdout, re.M)
         stamps.append((tmp_path / "store" / "manifest.json").stat().st_mtime_ns)
     assert stamps[0] == stamps[1]  # the second run reused the collection
+
+
+def test_scvi_from_collection_trains_scvi_and_scanvi() -> None:
+    out = run_example("scvi_from_collection.py")
+    m = re.search(r"validation ELBO ([0-9.]+) -> ([0-9.]+)", out)
+    assert m, out
+    assert float(m.group(2)) < float(m.group(1)), out
+    n_obs = int(re.search(r"n_obs ([0-9,]+)", out).group(1).replace(",", ""))  # type: ignore[union-attr]
+    assert re.search(rf"latent: {n_obs:,} x 10", out), out
+    acc = re.search(r"SCANVI accuracy on the unlabeled cells: ([0-9.]+) \(chance: ([0-9.]+)",
+                    out)
+    assert acc, out
+    assert float(acc.group(1)) > float(acc.group(2)) + 0.3, out

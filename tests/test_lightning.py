@@ -241,7 +241,8 @@ def test_a_test_split_and_dropped_eval_remainders(h5ads: list[Path], store: Path
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=3,
                                      strategy=SimpleNamespace(root_device=None))
         dm.setup(None)
-        assert dm.train_chunks is not None and dm.val_chunks is not None
+        assert dm.train_chunks is not None
+        assert dm.val_chunks is not None
         assert dm.test_chunks is not None
         parts = [dm.train_chunks, dm.val_chunks, dm.test_chunks]
         assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(-(-N_OBS // 32)))

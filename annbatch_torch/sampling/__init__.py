@@ -1,10 +1,10 @@
 """The epoch plan: pure functions over integers (numpy only; no torch, no I/O).
 
-:mod:`~annbatch_torch.sampling.plan` deals an epoch's chunks into pools, ranks and workers;
-:mod:`~annbatch_torch.sampling.worklist` holds its complete work items (a pool's ranges,
+``sampling/plan.py`` deals an epoch's chunks into pools, ranks and workers;
+``sampling/worklist.py`` holds its complete work items (a pool's ranges,
 row order and batches). The rules are in the docstring of
-:mod:`~annbatch_torch.sampling.plan`. Sampling mode: :mod:`~annbatch_torch.sampling.samplers`
-(which rows an epoch holds) and :mod:`~annbatch_torch.sampling.sampled_plan` (their stream
+``sampling/plan.py``. Sampling mode: ``sampling/samplers.py``
+(which rows an epoch holds) and ``sampling/sampled_plan.py`` (their stream
 dealt like chunked mode's).
 """
 

@@ -66,18 +66,18 @@ def sample_rank_items(sampler: Sampler, batch_size: int, pool: int, *, seed: int
                       rank: int = 0, world_size: int = 1, drop_last: bool = False,
                       even_batches: EvenBatches = "drop") -> WorkList:
     """A rank's work items of one epoch in sampling mode (deal them to workers with
-    :func:`~annbatch_torch.sampling.plan.worker_items`).
+    :func:`~annbatch_torch.sampling.worker_items`).
 
     Parameters
     ----------
     sampler
-        A bound sampler (:meth:`~annbatch_torch.sampling.samplers.Sampler.bind`).
+        A bound sampler (:meth:`~annbatch_torch.Sampler.bind`).
     batch_size, pool
         Rows per batch; rows per pool (read together), a multiple of ``batch_size``.
     seed, epoch
         The stream's ``(seed, epoch)``.
     rank, world_size, drop_last, even_batches
-        As in :func:`~annbatch_torch.sampling.plan.rank_items`.
+        As in :func:`~annbatch_torch.sampling.rank_items`.
     """
     return sample_deal(sampler, batch_size, pool, seed=seed, epoch=epoch, drop_last=drop_last,
                        even_batches=even_batches).fresh(rank, world_size)

@@ -209,7 +209,7 @@ class Source:
 
     def shard_group(self, shard: int) -> Any:
         """This process's open group of ``shard`` (opened lazily, cached; reopened in any
-        other process, see :meth:`_check_pid`)."""
+        other process, see ``_check_pid``)."""
         self._check_pid()
         group = self._handles.get(shard)
         if group is None:
@@ -218,7 +218,7 @@ class Source:
         return group
 
     def element(self, shard: int, field: str) -> Element:
-        """The :class:`Element` of ``field`` in ``shard`` (opened lazily, cached)."""
+        """The ``Element`` of ``field`` in ``shard`` (opened lazily, cached)."""
         self._check_pid()
         key = (shard, field)
         el = self._elements.get(key)
@@ -297,7 +297,7 @@ class Source:
 
 
 class Collection(Source):
-    """A finished collection on disk (see :mod:`annbatch_torch.store.manifest`).
+    """A finished collection on disk (see ``store/manifest.py``).
 
     Use :func:`open_collection` to get one. Besides the rows the reader pulls, it answers
     questions about cells and genes without reading any matrix: :meth:`obs_names_at` (cell
@@ -309,7 +309,7 @@ class Collection(Source):
     ----------
     path
         The collection folder (for a collection on an object store: the local mirror of
-        its metadata; :attr:`url` names it).
+        its metadata; ``url`` names it).
     url
         The collection's URL when it is on an object store, else ``None``.
     manifest
@@ -377,7 +377,7 @@ class Collection(Source):
 
     @property
     def shards(self) -> list[ShardInfo]:
-        """Shard folders (relative to :attr:`path`) and their row counts."""
+        """Shard folders (relative to ``path``) and their row counts."""
         return list(self.manifest.shards)
 
     def shard_path(self, shard: int) -> Path:
@@ -406,9 +406,10 @@ class Collection(Source):
         """The obs_names (cell names) of global row ids ``rows``.
 
         Global row ids are positions in the collection (shard 0's rows first, see
-        :attr:`shard_offsets`); they are what ``AnnBatchDataset(..., return_index=True)``
-        yields as ``batch["index"]``. Only each shard's obs index is read (the array the
-        ``obs`` group's ``_index`` attribute names), never ``X``; a shard's names are read
+        :attr:`~annbatch_torch.Source.shard_offsets`); they are what
+        ``AnnBatchDataset(..., return_index=True)`` yields as ``batch["index"]``. Only each
+        shard's obs index is read (the array the ``obs`` group's ``_index`` attribute
+        names), never ``X``; a shard's names are read
         once and cached in this object (in this process: a pickled collection, e.g. one
         sent to a spawned DataLoader worker, carries none and reads its own when asked).
         The cache holds Python str objects, roughly 70-100 bytes per cell of the shards
@@ -558,9 +559,10 @@ class Collection(Source):
         -------
         pandas.Series
             int64 counts named ``"count"``, indexed by the collection's global categories in
-            their order (:meth:`categories`), categories without cells included (0). Cells
-            with a missing value (code -1) are counted under one more entry, ``NaN``, last,
-            present only when there are any (as ``value_counts(dropna=False)`` counts them).
+            their order (:meth:`~annbatch_torch.Source.categories`), categories without
+            cells included (0). Cells with a missing value (code -1) are counted under one
+            more entry, ``NaN``, last, present only when there are any (as
+            ``value_counts(dropna=False)`` counts them).
 
         Raises
         ------
@@ -589,11 +591,11 @@ class Collection(Source):
 
     @property
     def var(self) -> pd.DataFrame:
-        """Gene metadata: a :class:`pandas.DataFrame` indexed by :attr:`var_names`.
+        """Gene metadata: a :class:`pandas.DataFrame` indexed by ``var_names``.
 
         Holds whatever columns the shards' ``var`` group stores (read from shard 0; every
         shard stores the same), read as obs columns are read
-        (:func:`~annbatch_torch.store.metadata.read_dataframe`): categoricals as
+        (``store.metadata.read_dataframe``): categoricals as
         :class:`pandas.Categorical`, strings as str, numeric and bool as stored. A
         collection whose writer kept no var columns gives an empty DataFrame with the
         index. Read once and cached in this object (a copy is returned).
@@ -609,7 +611,7 @@ class Collection(Source):
     @property
     def raw_var(self) -> pd.DataFrame | None:
         """Gene metadata of ``raw``: a :class:`pandas.DataFrame` indexed by
-        :attr:`raw_var_names`, read as :attr:`var` is (from shard 0's ``raw/var``); ``None``
+        ``raw_var_names``, read as :attr:`var` is (from shard 0's ``raw/var``); ``None``
         when the collection carries no ``raw/X``."""
         if self.raw_var_names is None:
             return None

@@ -292,7 +292,7 @@ def create_anndata_collection(
         The collection folder to create, or a URL on an object store
         (``s3://bucket/prefix``...): the collection is then written to a local staging
         folder (``TMPDIR``) and uploaded, its manifest last (see
-        :mod:`annbatch_torch.write.upload`).
+        ``write/upload.py``).
     shuffle
         Spread rows of all inputs uniformly over all shards (exact global shuffle). With
         False, rows keep input order.
@@ -319,7 +319,8 @@ def create_anndata_collection(
         variable ones): ``None`` carries it as field ``raw/X`` when every input has it
         (else it is left out with a warning), ``True`` requires it, ``False`` leaves it
         out. Its genes are joined like X's (``var_join``, ``var_names``) and kept apart
-        (:attr:`Collection.raw_var_names`); each shard stores it as AnnData does.
+        (:attr:`Collection.raw_var_names <annbatch_torch.Source.raw_var_names>`); each
+        shard stores it as AnnData does.
     n_obs_per_shard
         Rows per shard; default 2**17 (halved while what a shard holds until it is written,
         its obs names and columns, would take over 40% of the working memory). Any value
@@ -385,7 +386,7 @@ def create_anndata_collection(
         that the inputs cannot
         agree on or that holds bad values (NaN / inf, complex numbers, dates, labels that
         are no strings / numbers / booleans, uint64 above int64; see
-        :mod:`annbatch_torch.store.harmonize`), an unknown ``var_join``, an existing output
+        ``store/harmonize.py``), an unknown ``var_join``, an existing output
         without ``overwrite``, a ``max_memory`` that leaves under 64 MB once the process'
         RSS is subtracted. Nothing is left behind then. Fields *not* named that fail a rule
         are left out with a warning and the reason in the manifest's ``unavailable``, as
