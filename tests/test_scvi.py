@@ -130,6 +130,9 @@ def test_label_mapping_follows_scvi_fields() -> None:
     assert list(m.mapping) == ["a", "b", "u"]
     assert m.unlabeled_code == 2
     assert m.lut.tolist() == [2, 0, 2, 1]  # missing -> unlabeled; a, u, b
+    m = label_mapping(["a", "u", "b"], "SCANVI", "u", unlabeled_present=False)  # kept
+    assert list(m.mapping) == ["a", "u", "b"]
+    assert m.lut.tolist() == [1, 0, 1, 2]
     m = label_mapping(["a", "b"], "SCANVI", "Unknown")  # appended
     assert list(m.mapping) == ["a", "b", "Unknown"]
     assert m.lut.tolist() == [2, 0, 1]
