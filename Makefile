@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# test files marked `serial` (page-cache state): run alone, after the others
+SERIAL := tests/test_io_gate.py
 
 .PHONY: demo test test-fast lint docs bench clean
 
@@ -21,7 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory docs
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -p no:cacheprovider -m serial $(SERIAL)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

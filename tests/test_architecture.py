@@ -14,6 +14,7 @@ depends on, so an annotation that needs a forbidden module is the same breach of
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from functools import cache
@@ -365,3 +366,15 @@ def test_relative_imports_resolve() -> None:
     assert group_of("annbatch_torch.convert") == "face"
     with pytest.raises(ValueError, match="beyond"):
         resolve_base("annbatch_torch", True, None, 2)
+
+
+def test_serial_tests_are_run_by_make_test() -> None:
+    """``make test`` runs the tests in parallel except the ``serial`` ones, which it runs
+    after, from the files its ``SERIAL`` lists: a serial test elsewhere would never run."""
+    root = Path(__file__).resolve().parent.parent
+    make = (root / "Makefile").read_text()
+    listed = set(re.search(r"^SERIAL := (.*)$", make, re.M).group(1).split())  # type: ignore[union-attr]
+    mark = "pytest.mark." + "serial"  # not spelt whole here, or this file would match
+    marked = {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")
+              if mark in p.read_text()}
+    assert marked == listed

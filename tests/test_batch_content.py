@@ -174,10 +174,12 @@ def test_a_failing_transform_frees_the_prefetch_thread(small_collection: abt.Col
     kw = {"chunk_size": 64, "preload_nchunks": 2} if pools == "many pools" else {}
     ds = abt.AnnBatchDataset(small_collection, selector={"x": A.X.with_transform(_boom)},
                              batch_size=100, **kw)
+    before = set(threading.enumerate())  # other tests' datasets may still hold theirs
     with pytest.raises(abt.BatchError, match="boom") as info:
         list(ds)
     assert info.value is not None  # the traceback is still alive here
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("annbatch-prefetch")]
+    alive = [t.name for t in set(threading.enumerate()) - before
+             if t.name.startswith("annbatch-prefetch")]
     assert alive == []
     assert ds._stream is not None
     assert ds._stream.ahead is None

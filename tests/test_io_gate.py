@@ -15,7 +15,10 @@ from annbatch_torch import Collection, open_collection
 from annbatch_torch.read.reader import PoolReader
 from annbatch_torch.store import rawzarr
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs Linux RWF_NOWAIT")
+# serial: these tests need pages out of the page cache until they read them, so they do
+# not run beside other tests (make test runs the serial tests after the others)
+pytestmark = [pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs Linux RWF_NOWAIT"),
+              pytest.mark.serial]
 
 
 class _Slot(rawzarr.CpuSlots):
