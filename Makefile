@@ -26,8 +26,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -p no:cacheprovider -m serial $(SERIAL)
 
+# the quick loop: no docs build (so not its checks), no slow tests
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --ignore tests/test_docs.py
 
 # the site, warnings as errors (nitpicky references included), tutorial pages executed
 docs: $(STAMP)
