@@ -53,6 +53,9 @@ nb_execution_timeout = 300
 nb_execution_raise_on_error = True  # a page whose code breaks fails the build
 nb_execution_show_tb = True
 nb_merge_streams = True
+# stderr of the cells is not shown: tqdm.auto's "IProgress not found" under a kernel without
+# ipywidgets, Lightning's banners; a cell that raises still fails the build
+nb_output_stderr = "remove"
 nb_execution_in_temp = True  # pages write their generated inputs into a temporary folder
 
 # -- API reference ---------------------------------------------------------------------------
