@@ -57,6 +57,14 @@ nb_merge_streams = True
 # ipywidgets, Lightning's banners; a cell that raises still fails the build
 nb_output_stderr = "remove"
 nb_execution_in_temp = True  # pages write their generated inputs into a temporary folder
+# the pages' kernels start from a profile of the build's own (no user startup files) that
+# logs errors only: ipykernel warns at every start that jupyter_client's loopback TCP
+# channels are unencrypted, which is noise on a build machine
+_ipython = HERE / "_build" / "ipython"
+(_ipython / "profile_default").mkdir(parents=True, exist_ok=True)
+(_ipython / "profile_default" / "ipython_kernel_config.py").write_text(
+    "c.IPKernelApp.log_level = 'ERROR'\n")
+os.environ["IPYTHONDIR"] = str(_ipython)
 
 # -- API reference ---------------------------------------------------------------------------
 autosummary_generate = True
