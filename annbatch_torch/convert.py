@@ -114,8 +114,19 @@ def batch_dict_converter(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     Sparse matrices become ``torch.sparse_csr_tensor`` with float32 values (as dense
     batches; int32 index tensors when they fit, else int64); float arrays become float32,
     integer arrays int64 (category codes; -1 marks a missing label: use
-    ``cross_entropy(..., ignore_index=-1)``), bool arrays stay bool. The result is a
-    ``Batch`` (a ``dict``).
+    ``cross_entropy(..., ignore_index=-1)``), bool arrays stay bool.
+
+    Parameters
+    ----------
+    batch
+        One batch as the dataset assembled it: each key of the selector (and ``"index"``,
+        ``"mask"`` when asked for) mapped to a numpy array or a scipy CSR matrix.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        A ``Batch`` (a ``dict`` subclass that torch's ``default_collate`` passes through
+        unchanged) with one tensor per key.
     """
     return Batch({k: to_tensor(v) for k, v in batch.items()})
 
@@ -133,6 +144,24 @@ def to_device(
     already on a GPU (``AnnBatchDataset(device="cuda")``) move as they are. Copies *to*
     the CPU are synchronous: a non-blocking device-to-host copy could still be running
     when the values are read.
+
+    Parameters
+    ----------
+    batch
+        A batch of tensors (what the dataset or loader yields); values that are not tensors
+        are passed through.
+    device
+        Where to move it: ``"cuda"``, ``"cuda:1"``, ``"cpu"``, a :class:`torch.device`.
+    densify
+        Turn sparse CSR tensors into dense float32 tensors on ``device`` (default). With
+        ``False`` they arrive as CSR.
+    non_blocking
+        Copy asynchronously to a GPU (from pinned memory); ignored for the CPU.
+
+    Returns
+    -------
+    dict of str to Any
+        The batch on ``device``, same keys.
     """
     device = torch.device(device)
     pin = device.type == "cuda"

@@ -114,7 +114,26 @@ class _Raw:
 
 class _Accessor:
     """Entry point for selectors: ``A.X``, ``A.layers[k]``, ``A.obsm[k]``, ``A.obs[k]``,
-    ``A.raw.X``."""
+    ``A.raw.X``.
+
+    Each names one field of the AnnData inputs or of the collection; a selector maps batch
+    keys to them (``{"x": A.X, "y": A.obs["cell_type"]}``), optionally with a transform
+    (``A.X.with_transform(fn)``). The same fields can be written as strings: ``"X"``,
+    ``"layers/counts"``, ``"obsm/X_pca"``, ``"obs/cell_type"``, ``"raw/X"``.
+
+    Attributes
+    ----------
+    X
+        The main matrix (sparse or dense).
+    raw
+        AnnData's ``raw``: ``A.raw.X`` is its matrix, over raw's own genes.
+    layers
+        ``A.layers["counts"]``: a layer by name.
+    obsm
+        ``A.obsm["X_pca"]``: an obsm array by name (dense rows).
+    obs
+        ``A.obs["cell_type"]``: an obs column by name (categorical codes, numbers, bools).
+    """
 
     X: Field = Field("X")
     raw = _Raw()

@@ -61,20 +61,29 @@ class EpochForwardingSampler(Sampler[None]):
 
 class AnnBatchDataLoader(StatefulDataLoader):
     """``DataLoader(dataset, batch_size=None, ...)`` whose ``sampler.set_epoch`` reaches the
-    dataset, and that resumes mid-epoch. All keyword arguments go to
-    :class:`torch.utils.data.DataLoader`.
+    dataset, and that resumes mid-epoch (a torchdata ``StatefulDataLoader``).
 
     With ``densify=True`` on the dataset and ``num_workers > 0`` (and no ``pin_memory`` or
-    ``collate_fn``),
-    workers send sparse fields as CSR and the main process densifies them (scipy): moving
-    dense batches between processes costs more than densifying them (measured 1.4x faster
-    with 2 workers on 2 CPUs, and a worker needs far less memory). Sparse fields with a
-    transform, or with a custom ``batch_converter``, are densified in the workers as usual.
+    ``collate_fn``), workers send sparse fields as CSR and the main process densifies them
+    (scipy): moving dense batches between processes costs more than densifying them, and a
+    worker needs far less memory. Sparse fields with a transform, or with a custom
+    ``batch_converter``, are densified in the workers as usual.
 
-    ``finished_starts_next_epoch=True``: a loaded state saved after an epoch's last batch
-    starts the next epoch afresh instead of resuming a finished one (Lightning applies a
-    state saved at an epoch's last step to the next epoch's iterator;
-    :class:`~annbatch_torch.AnnBatchDataModule`'s loaders set it).
+    Parameters
+    ----------
+    dataset
+        The :class:`~annbatch_torch.AnnBatchDataset` to load (any other type is a
+        ``TypeError``).
+    finished_starts_next_epoch
+        When ``True``, a loaded state saved after an epoch's last batch starts the next
+        epoch afresh instead of resuming a finished one (Lightning applies a state saved at
+        an epoch's last step to the next epoch's iterator;
+        :class:`~annbatch_torch.AnnBatchDataModule`'s loaders set it).
+    **kwargs
+        Passed to :class:`torch.utils.data.DataLoader` (``num_workers``, ``pin_memory``,
+        ``persistent_workers``, ``multiprocessing_context``...). ``batch_size`` must stay
+        ``None`` (the dataset batches); ``pin_memory=True`` with a dataset whose pools are
+        on a GPU is a ``ValueError``.
     """
 
     def __init__(self, dataset: AnnBatchDataset, *, finished_starts_next_epoch: bool = False,

@@ -114,7 +114,7 @@ def test_ddp_page_code_under_torchrun(tmp_path: Path) -> None:
     (block,) = page_code("guides/ddp-lightning", {'"nccl"': '"gloo"', "range(10)": "range(2)"})
     script = tmp_path / "train.py"
     script.write_text(
-        "inputs = ['a.h5ad', 'b.h5ad']\n" + block
+        block
         + "sizes = [int(b['x'].shape[0]) for b in loader]\n"
         + "import torch\nassert batch['x'].layout == torch.strided\n"
         + "out = [None, None]\n"
@@ -131,8 +131,9 @@ def test_ddp_page_code_under_torchrun(tmp_path: Path) -> None:
 
 def test_gpu_page_code_on_the_cpu(tmp_path: Path, small_collection: Any) -> None:
     """The CSR-to-device path with ``"cpu"`` for ``"cuda"`` (the page's code, no GPU)."""
-    subs = {'"cuda"': '"cpu"', "num_workers=4": "num_workers=2"}
-    ns = run_page("guides/gpu", {"abt": abt, "A": abt.A, "coll": small_collection}, subs)
+    subs = {'"cuda"': '"cpu"', "num_workers=4": "num_workers=2",
+            '"store/"': repr(str(small_collection.path))}
+    ns = run_page("guides/gpu", {}, subs)
     batch = ns["batch"]
     assert batch["x"].layout.__repr__() == "torch.strided"
     assert batch["x"].shape[1] == small_collection.n_vars
@@ -153,10 +154,10 @@ def test_scvi_page_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         a.write_h5ad(path)
         parts.append(a)
     abt.create_anndata_collection(paths, "store/", progress=False)
-    adata = ad.concat(parts)
+    ad.concat(parts).write_h5ad("atlas.h5ad")
     subs = {"max_epochs=20": "max_epochs=1", "num_workers=4": "num_workers=0"}
-    ns = run_page("scvi", {"abt": abt, "np": np, "pd": pytest.importorskip("pandas"),
-                           "adata": adata}, subs)
+    ns = run_page("scvi", {}, subs)
+    adata = ns["adata"]
     assert ns["latent"].shape == (12000, 10)
     assert adata.obsm["X_scVI"].shape == (12000, 10)
     assert np.isfinite(adata.obsm["X_scVI"]).all()

@@ -51,6 +51,23 @@ def test_every_public_name_has_an_api_page(html: Path) -> None:
     assert "Parameters" in page
 
 
+def test_every_public_callable_documents_its_parameters(html: Path) -> None:
+    import inspect
+
+    missing = []
+    for name in abt.__all__:
+        obj = getattr(abt, name)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)) or issubclass(
+                obj if inspect.isclass(obj) else type(None), BaseException):
+            continue
+        params = [p for p in inspect.signature(obj).parameters if p != "self"]
+        page = (html / "generated" / f"annbatch_torch.{name}.html").read_text()
+        if params and "Parameters" not in page:
+            missing.append(name)
+    assert not missing, f"no Parameters section in the docstrings of {missing}"
+    assert "Attributes" in (html / "generated" / "annbatch_torch.A.html").read_text()
+
+
 def test_every_page_is_built_and_linked(html: Path) -> None:
     index = (html / "index.html").read_text()
     for page in PAGES:
