@@ -379,7 +379,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         assert self.collection is not None
         assert self.train_chunks is not None
         n_obs, cs = self.collection.n_obs, self.chunk_size
-        rows = (int(np.minimum(cs, n_obs - self.train_chunks * cs).sum()) if ds.sampler is None
+        rows = (sampling.chunk_rows(n_obs, cs, self.train_chunks) if ds.sampler is None
                 else len(ds.sampler))  # sampling mode: the rows an epoch draws
         if rows == 0 or ds.even_batches != "drop":
             return

@@ -338,6 +338,17 @@ def test_split_chunks3(n_obs: int, chunk_size: int, val: float, test: float, see
         assert len(t) == 0
 
 
+@FAST
+@given(st.integers(0, 5000), st.integers(1, 300), st.integers(0, 2**40))
+def test_chunk_rows_counts_the_rows_of_the_chunks(n_obs: int, chunk_size: int,
+                                                  seed: int) -> None:
+    n = S.n_chunks(n_obs, chunk_size)
+    ids = np.flatnonzero(np.random.default_rng(seed).random(n) < 0.5)
+    ranges = S.chunk_stream(n_obs, chunk_size, shuffle=False, seed=0, epoch=0, chunk_ids=ids)
+    assert S.chunk_rows(n_obs, chunk_size, ids) == int((ranges[:, 1] - ranges[:, 0]).sum())
+    assert S.chunk_rows(n_obs, chunk_size, np.arange(n)) == n_obs
+
+
 # ---------------------------------------------------------------- unit tests
 
 

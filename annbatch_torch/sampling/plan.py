@@ -52,6 +52,7 @@ __all__ = [
     "TAG_SPLIT",
     "validate_params",
     "n_chunks",
+    "chunk_rows",
     "pool_rows",
     "chunk_order",
     "chunk_stream",
@@ -133,6 +134,13 @@ def validate_params(
 def n_chunks(n_obs: int, chunk_size: int) -> int:
     """Number of chunks covering ``n_obs`` rows (the last one may be short)."""
     return -(-n_obs // chunk_size)
+
+
+def chunk_rows(n_obs: int, chunk_size: int, chunk_ids: np.ndarray) -> int:
+    """Rows held by the chunks ``chunk_ids`` of ``n_obs`` rows (the last chunk may be
+    short), e.g. the rows of a split."""
+    ids = np.asarray(chunk_ids, dtype=np.int64)
+    return int(np.minimum(chunk_size, n_obs - ids * chunk_size).sum())
 
 
 def pool_rows(batch_size: int, chunk_size: int, preload_nchunks: int) -> int:

@@ -244,11 +244,7 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         n, cs = self.n_obs, self.chunk_size
         train, val, _ = abt.sampling.split_chunks3(n, cs, self.val_fraction,
                                                    self.test_fraction, self.seed)
-
-        def rows(ids: np.ndarray) -> int:
-            return int(np.minimum(cs, n - ids.astype(np.int64) * cs).sum())
-
-        return rows(train), rows(val)
+        return abt.sampling.chunk_rows(n, cs, train), abt.sampling.chunk_rows(n, cs, val)
 
     # -- batches on the device -------------------------------------------------------------
     def _unlabeled_code(self) -> int | None:

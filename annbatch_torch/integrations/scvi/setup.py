@@ -157,8 +157,11 @@ class ScviSetup:
                     f"{kind}; pass it as a categorical_covariate_keys entry instead, or "
                     "write the collection with the numeric column.")
         present = True
+        # one pass over the rows for every categorical key (labels and the missing checks)
+        codes = read_codes(self.source, list(dict.fromkeys(k for _, k in
+                                                           self._categorical_args())))
         if self.model_name == "SCANVI" and self.labels_key is not None:
-            self.label_codes = read_codes(self.source, [self.labels_key])[self.labels_key]
+            self.label_codes = codes[self.labels_key]
             cats = self.categories[self.labels_key]
             code = cats.index(self.unlabeled_category) if (
                 self.unlabeled_category in cats) else None
@@ -169,7 +172,8 @@ class ScviSetup:
                                     self.unlabeled_category, present)
         #: whether a cell is unlabeled (SCANVI's classifier then has one class fewer)
         self.unlabeled_present = present and self.model_name == "SCANVI"
-        self._check_missing()
+        self._check_missing(codes)
+        del codes
         if self.check_counts:
             self._check_counts()
 
@@ -212,10 +216,13 @@ class ScviSetup:
                 "collection, or pass a numeric column as continuous_covariate_keys.")
         return list(self.source.categories(key))
 
-    def _check_missing(self) -> None:
+    def _check_missing(self, all_codes: dict[str, np.ndarray]) -> None:
+        """Refuse missing values of every categorical key (``all_codes``: each key's codes)
+        but SCANVI's labels, where a missing label means unlabeled."""
         keys = [k for a, k in self._categorical_args()
                 if not (a == "labels_key" and self.model_name == "SCANVI")]
-        for key, codes in read_codes(self.source, list(dict.fromkeys(keys))).items():
+        for key in dict.fromkeys(keys):
+            codes = all_codes[key]
             n_missing = int((codes < 0).sum())
             if n_missing:
                 arg = "batch_key" if key == self.batch_key else (
