@@ -328,10 +328,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
         if train and self.sampler is not None:  # draws from the training split's rows only
             rows = None
             if chunk_ids is not None and (self.val_fraction > 0 or self.test_fraction > 0):
-                n, cs = self.collection.n_obs, self.chunk_size
-                starts = np.asarray(chunk_ids, dtype=np.int64) * cs
-                ranges = np.stack([starts, np.minimum(starts + cs, n)], axis=1)
-                rows = sampling.global_rows(ranges)
+                rows = sampling.global_rows(sampling.chunk_stream(
+                    self.collection.n_obs, self.chunk_size, shuffle=False, seed=self.seed,
+                    epoch=0, chunk_ids=chunk_ids))
             sampler, chunk_ids = bind_sampler(self.collection, self.sampler, rows), None
         return AnnBatchDataset(
             self.collection, selector=self.selector, batch_size=self.batch_size,

@@ -215,7 +215,6 @@ def test_semi_supervised_pairs() -> None:
     assert isinstance(to_model(batch, "cpu"), dict)
 
 
-
 def test_a_gene_subset_reaches_the_registry_and_the_batches(small_collection: abt.Collection,
                                                             ref: ad.AnnData) -> None:
     genes = list(ref.var_names[::3][::-1])  # a subset, reordered

@@ -129,6 +129,8 @@ class ScviSetup:
     labels: LabelMapping = field(init=False)
     #: SCANVI: every cell's global label code (read once at construction)
     label_codes: np.ndarray | None = field(init=False, default=None)
+    #: whether a cell is unlabeled (SCANVI's classifier then has one class fewer)
+    unlabeled_present: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if self.model_name not in MODELS:
@@ -170,7 +172,6 @@ class ScviSetup:
         self.labels = label_mapping(self.categories.get(self.labels_key, [0]) if
                                     self.labels_key else [0], self.model_name,
                                     self.unlabeled_category, present)
-        #: whether a cell is unlabeled (SCANVI's classifier then has one class fewer)
         self.unlabeled_present = present and self.model_name == "SCANVI"
         self._check_missing(codes)
         del codes
