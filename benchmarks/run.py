@@ -44,7 +44,7 @@ NEEDS_STORE = {*EXPERIMENTS, *COLD_CASES, "ceiling_seq_zarr", "ceiling_seq_zarrs
 
 
 def _parser() -> argparse.ArgumentParser:
-    from annbatch_torch.cli import CliParser, int_at_least
+    from annbatch_torch.cli.args import CliParser, int_at_least
 
     p = CliParser(prog="annbatch-torch bench", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)

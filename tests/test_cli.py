@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-import annbatch_torch.cli as cli
-from annbatch_torch.cli import main
+import annbatch_torch.cli.main as cli
+from annbatch_torch.cli.main import main
 from annbatch_torch.store.collection import open_collection
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,10 +91,10 @@ def test_errors_are_reported_not_raised(synthetic_h5ads: list[Path], tmp_path: P
 
 def test_demo_and_bench_delegate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)
-    import annbatch_torch.demo as demo
+    import annbatch_torch.cli.demo as demo
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(demo, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(demo, "command", lambda argv: seen.append(argv) or 0)
     assert main(["demo", "--n-obs", "100", "--workers", "0"]) == 0
     assert seen == [["--n-obs", "100", "--workers", "0"]]
 

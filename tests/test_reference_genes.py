@@ -165,7 +165,7 @@ def test_prepare_collection_rewrites_for_another_reference_only(tmp_path: Path,
 def test_the_cli_takes_a_gene_list_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                         write_h5ads: WriteH5ads
                                         ) -> None:
-    from annbatch_torch.cli import main
+    from annbatch_torch.cli.main import main
 
     a = _adata("a", ["G0", "G1", "G2"], 30)
     paths = write_h5ads([a], tmp_path / "in")

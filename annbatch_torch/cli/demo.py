@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import sampling
-from .annbatch_dataset import AnnBatchDataset
-from .datasets import write_synthetic_h5ads
-from .fields import A
-from .write.writer import create_anndata_collection
+from .. import sampling
+from ..annbatch_dataset import AnnBatchDataset
+from ..datasets import write_synthetic_h5ads
+from ..fields import A
+from ..write.writer import create_anndata_collection
 
-__all__ = ["main", "run"]
+__all__ = ["command", "command_parser", "run"]
 
 
 def run(
@@ -96,9 +96,9 @@ def _log1p(x: np.ndarray) -> np.ndarray:
     return np.log1p(x, out=x)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_parser() -> argparse.ArgumentParser:
     """The demo's argument parser: every option with its help and default."""
-    from .cli import CliParser, int_at_least, plain_text
+    from .args import CliParser, int_at_least, plain_text
 
     p = CliParser(prog="annbatch-torch demo", description=plain_text(__doc__ or ""))
     p.add_argument("--n-obs", type=int_at_least(2), default=60_000, metavar="N",
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def command(argv: list[str] | None = None) -> int:
     """Command-line entry of the demo (``annbatch-torch demo``).
 
     Parameters
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     int
         0 on success (an argument error exits with status 2 through :mod:`argparse`).
     """
-    args = build_parser().parse_args(argv)
+    args = command_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     kw = dict(n_obs=args.n_obs, n_vars=args.n_vars, batch_size=args.batch_size,
               num_workers=args.workers, epochs=args.epochs, seed=args.seed)
@@ -145,10 +145,3 @@ def main(argv: list[str] | None = None) -> int:
             run(Path(d), **kw)
     return 0
 
-
-if __name__ == "__main__":  # through the command, for its error handling
-    import sys
-
-    from .cli import main as cli_main
-
-    raise SystemExit(cli_main(["demo", *sys.argv[1:]]))
