@@ -27,7 +27,7 @@ from .errors import (
 from .fields import A, Field
 from .sampling.samplers import ClassBalancedSampler, Sampler, SubsetSampler, WeightedSampler
 from .store.collection import Collection, Source, open_collection
-from .store.inplace import open_source
+from .store.inputs.inplace import open_source
 from .store.zarrs import set_codec_pipeline
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ from .read.reader import PoolReader, default_read_threads, describe_ranges
 from .resume import Resumer
 from .sampling import ObsColumn, Sampler
 from .store.collection import Source
-from .store.inplace import open_source
+from .store.inputs.inplace import open_source
 from .store.manifest import RAW_X
 from .torch_sampler import TorchIndexSampler
 from .world import SharedEpoch, World, distributed_rank_world

@@ -61,7 +61,8 @@ from .resume import is_mid_epoch, state_ints
 from .sampling import Sampler
 from .store.collection import Source, open_collection
 from .store.manifest import read_manifest
-from .write.prepare import explicit_settings, lock_path, write_if_stale
+from .write.prepare import explicit_settings, write_if_stale
+from .write.publish import lock_path
 from .write.staleness import store_is_current, store_staleness
 
 __all__ = ["AnnBatchDataModule", "store_is_current", "store_staleness"]
@@ -211,7 +212,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
                 "pass batch_size to AnnBatchDataModule."
             )
         self.adata_paths = [Path(p).expanduser() for p in (adata_paths or [])]
-        from .store.remote import is_url
+        from .store.remote.location import is_url
 
         if isinstance(store_path, Source) and self.adata_paths:
             raise ValueError(f"store_path is an opened source ({store_path.describe()}): "

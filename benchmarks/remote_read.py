@@ -35,7 +35,7 @@ import torch
 
 import annbatch_torch as abt
 from annbatch_torch import A
-from annbatch_torch.store.remote import RemoteLocation
+from annbatch_torch.store.remote.location import RemoteLocation
 from annbatch_torch.write.upload import upload_collection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

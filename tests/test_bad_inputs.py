@@ -56,7 +56,7 @@ from annbatch_torch import (
     open_collection,
 )
 from annbatch_torch.store import elements as elements_mod
-from annbatch_torch.store.inplace import InPlaceSource
+from annbatch_torch.store.inputs.inplace import InPlaceSource
 from annbatch_torch.store.manifest import FORMAT_VERSION, MANIFEST_NAME, VAR_NAMES_NAME
 
 N_VARS = 12
@@ -584,7 +584,7 @@ def test_string_column_is_not_a_label(h5ads: list[Path], monkeypatch: pytest.Mon
     assert src.fields["obs/barcode"].kind == "categorical"
     assert src.categories("barcode") == sorted(f"bc{i}_{j}" for i, n in enumerate([150, 110])
                                                for j in range(n))
-    from annbatch_torch.store import inplace
+    from annbatch_torch.store.inputs import inplace
 
     monkeypatch.setattr(inplace, "MAX_LABEL_CATEGORIES", 100)
     with pytest.raises(SchemaError, match="'obs/barcode'"):

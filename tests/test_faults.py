@@ -102,12 +102,12 @@ _WRITER_SCRIPT = textwrap.dedent(
             return real_open(*a, **k)
         zarr.open_group = open_group
     else:
-        from annbatch_torch.write import shardio as _shardio
-        real_append = _shardio.BucketWriter.append
+        from annbatch_torch.write import buckets as _buckets
+        real_append = _buckets.BucketWriter.append
         def append(self, *a, **k):
             real_append(self, *a, **k)
             note()
-        _shardio.BucketWriter.append = append
+        _buckets.BucketWriter.append = append
     abt.create_anndata_collection(inputs, out, seed=int(seed), n_obs_per_shard=300,
                                   overwrite=True, progress=False)
     print("FINISHED")
@@ -219,11 +219,11 @@ def _enospc(*args: Any, **kwargs: Any) -> None:
 def test_disk_full_leaves_no_output(
     tmp_path: Path, h5ads: list[Path], monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    from annbatch_torch.write import shardio as _shardio
+    from annbatch_torch.write import buckets as _buckets
     from annbatch_torch.write import shardstore, writer
 
     if where == "bucket":
-        monkeypatch.setattr(_shardio.BucketWriter, "append", _enospc)
+        monkeypatch.setattr(_buckets.BucketWriter, "append", _enospc)
     elif where == "shard":
         calls = [0]
 

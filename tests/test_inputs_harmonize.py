@@ -39,8 +39,8 @@ from hypothesis import strategies as st
 import annbatch_torch as abt
 from annbatch_torch import A
 from annbatch_torch.errors import InputError, SchemaError
-from annbatch_torch.store.inplace import InPlaceSource
-from annbatch_torch.store.inputs import InputSource
+from annbatch_torch.store.inputs.inplace import InPlaceSource
+from annbatch_torch.store.inputs.view import InputSource
 from annbatch_torch.write.schema import resolve_schema
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Reads that wait for the disk give their CPU slot back (store.rawzarr.io_gate)."""
+"""Reads that wait for the disk give their CPU slot back (store.diskio.io_gate)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import zarr
 
 from annbatch_torch import Collection, open_collection
 from annbatch_torch.read.reader import PoolReader
-from annbatch_torch.store import rawzarr
+from annbatch_torch.store import diskio
 
 # serial: these tests need pages out of the page cache until they read them, so they do
 # not run beside other tests (make test runs the serial tests after the others)
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs Li
               pytest.mark.serial]
 
 
-class _Slot(rawzarr.CpuSlots):
+class _Slot(diskio.CpuSlots):
     """Real slots (one) that record what is done with them."""
 
     def __init__(self) -> None:
@@ -41,8 +41,8 @@ def _gated_read(fd: int, bufs: list[np.ndarray], nbytes: int, want: np.ndarray,
                 **kw: int) -> _Slot:
     """Read ``bufs`` under a fresh slot; the bytes read equal ``want``; returns the slot."""
     slot = _Slot()
-    with rawzarr.io_gate(slot):
-        n = rawzarr._preadv_full(fd, bufs, 0, nbytes, **kw)
+    with diskio.io_gate(slot):
+        n = diskio.preadv_full(fd, bufs, 0, nbytes, **kw)
     assert n == len(want)
     np.testing.assert_array_equal(np.concatenate(bufs)[: len(want)], want)
     return slot
@@ -188,7 +188,7 @@ def test_a_file_system_refusing_rwf_nowait_reads_as_usual(
         return real(fd, bufs, offset)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(rawzarr, "_NOWAIT_REFUSED", [False])
+    monkeypatch.setattr(diskio, "_NOWAIT_REFUSED", [False])
     data = np.random.default_rng(4).integers(0, 255, 1 << 20, dtype=np.uint8)
     fd = _cached_file(tmp_path / "f", data)
     try:
@@ -196,7 +196,7 @@ def test_a_file_system_refusing_rwf_nowait_reads_as_usual(
             slot = _gated_read(fd, np.array_split(np.zeros_like(data), n_bufs), len(data),
                                data)
             assert slot.take_counts() == (1, 0)
-            assert rawzarr._NOWAIT_REFUSED[0]
+            assert diskio._NOWAIT_REFUSED[0]
     finally:
         os.close(fd)
 

@@ -151,10 +151,10 @@ def test_tasks_run_again_change_nothing(tmp_path: Path) -> None:
     """What Dask does after a worker died: a pass-1 task run again (its first result lost,
     or its first run killed halfway, leaving a part folder) and a pass-2 shard written again
     give the same buckets and the same shard."""
-    from annbatch_torch.store.inputs import open_inputs
+    from annbatch_torch.store.inputs.plan import open_inputs
     from annbatch_torch.write import parallel
     from annbatch_torch.write.schema import resolve_schema
-    from annbatch_torch.write.shardio import load_bucket
+    from annbatch_torch.write.buckets import load_bucket
 
     paths = _inputs(tmp_path, False, False)
     sources = open_inputs(paths)

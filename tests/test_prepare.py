@@ -14,7 +14,7 @@ import pytest
 
 import annbatch_torch as abt
 from annbatch_torch import CollectionError
-from annbatch_torch.write.prepare import lock_path
+from annbatch_torch.write.publish import lock_path
 
 
 def _stamp(store: Path) -> tuple[int, int]:
@@ -94,7 +94,7 @@ def test_racing_processes_write_once(synthetic_h5ads: list[Path], tmp_path: Path
 
 
 def test_fingerprint_sees_content_not_mtime(tmp_path: Path) -> None:
-    from annbatch_torch.store.fingerprint import fingerprint
+    from annbatch_torch.store.inputs.fingerprint import fingerprint
 
     rng = np.random.default_rng(0)
     big = tmp_path / "big.bin"  # larger than what is read whole: the sampled path

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from annbatch_torch.read.reader import PoolReader, split_ranges
-from annbatch_torch.store.inplace import InPlaceSource
+from annbatch_torch.store.inputs.inplace import InPlaceSource
 
 
 @st.composite

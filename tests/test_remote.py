@@ -19,7 +19,7 @@ from conftest import SMALL_SHARD_OBS, S3Server
 import annbatch_torch as abt
 from annbatch_torch import A
 from annbatch_torch.errors import CollectionError, InputError, ReadError
-from annbatch_torch.store import remote as remote_mod
+from annbatch_torch.store.remote import location as remote_mod
 from annbatch_torch.store.collection import open_collection
 from annbatch_torch.write.writer import create_anndata_collection
 
@@ -129,7 +129,7 @@ def test_the_second_epoch_reads_the_cache_only(remote_pair: tuple[str, abt.Colle
 def test_eviction_keeps_the_cache_under_its_size(remote_pair: tuple[str, abt.Collection],
                                                  s3: Any, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from annbatch_torch.store import chunkcache
+    from annbatch_torch.store.remote import chunkcache
 
     monkeypatch.setattr(chunkcache, "KEEP_RECENT_S", 0.0)
     url, local = remote_pair
@@ -417,7 +417,7 @@ def test_a_full_cache_disk_reads_on_uncached_with_a_warning(
     import builtins
     import errno
 
-    from annbatch_torch.store import chunkcache
+    from annbatch_torch.store.remote import chunkcache
 
     url, local = remote_pair
     cache = tmp_path / "cache"

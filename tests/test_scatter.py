@@ -33,11 +33,11 @@ from annbatch_torch.datasets import write_synthetic_h5ads
 from annbatch_torch.errors import ReadError
 from annbatch_torch.read.reader import GATHER_PIECES, PoolReader
 from annbatch_torch.sampling import pool_order
-from annbatch_torch.store import rawzarr
+from annbatch_torch.store import diskio, rawzarr
 from annbatch_torch.store.checks import bad_column
 from annbatch_torch.store.collection import open_collection
 from annbatch_torch.store.elements import CSRElement
-from annbatch_torch.store.inplace import InPlaceSource, open_source
+from annbatch_torch.store.inputs.inplace import InPlaceSource, open_source
 from annbatch_torch.store.rawzarr import ChunkError, RawZarrArray, open_raw
 from annbatch_torch.write.writer import create_anndata_collection
 
@@ -182,7 +182,8 @@ def test_read_runs_more_segments_than_iov_max(tmp_path: Path, crc: bool, n_chunk
 
 def test_preadv_full_splits_at_iov_max(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a tiny IOV_MAX every group boundary is exercised, also a short read mid-way."""
-    monkeypatch.setattr(rawzarr, "_IOV_MAX", 3)
+    monkeypatch.setattr(diskio, "IOV_MAX", 3)
+    monkeypatch.setattr(rawzarr, "IOV_MAX", 3)
     n = 40
     src = np.arange(1, n + 1, dtype=np.int64)
     raw = write_raw(tmp_path / "a", src, 20, crc=True)
@@ -203,13 +204,13 @@ def test_contiguous_runs_are_merged(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     src = np.arange(1, n + 1, dtype=np.int32)
     raw = write_raw(tmp_path / "a", src, n, crc=False)
     calls: list[int] = []
-    real = rawzarr._preadv_full
+    real = rawzarr.preadv_full
 
     def spy(fd: int, bufs: list[Any], *rest: Any) -> int:
         calls.append(len(bufs))
         return real(fd, bufs, *rest)
 
-    monkeypatch.setattr(rawzarr, "_preadv_full", spy)
+    monkeypatch.setattr(rawzarr, "preadv_full", spy)
     out = np.zeros(n + 5, dtype=np.int32)
     raw.read_runs(np.arange(n, dtype=np.int64), n, np.arange(n, dtype=np.int64) + 5, out)
     np.testing.assert_array_equal(out[5:], src)

@@ -513,7 +513,7 @@ def test_non_finite_refused_negative_allowed(tmp_path: Path) -> None:
 def test_stale_temporaries_of_dead_writers_are_removed(
     synthetic_h5ads: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from annbatch_torch.write.writer import _HOST
+    from annbatch_torch.write.publish import _HOST
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -702,7 +702,7 @@ def test_categories_of_different_types_across_inputs_are_refused(tmp_path: Path)
 
 def test_a_csc_file_too_big_to_load_names_the_writer_fixes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from annbatch_torch.store import inputs as inputs_mod
+    from annbatch_torch.store.inputs import view as inputs_mod
 
     a = synthetic(60, 12, seed=4)
     a.X = sp.csc_matrix(a.X)

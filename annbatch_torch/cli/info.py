@@ -51,7 +51,7 @@ def _first(names: Any, n: int = 5) -> str:
 
 def run_info(args: argparse.Namespace, parser: CliParser) -> int:
     from ..store.manifest import MANIFEST_NAME
-    from ..store.remote import is_url
+    from ..store.remote.location import is_url
 
     if is_url(args.store):  # credentials and endpoint from the environment
         return _info_collection(args.store, args)
@@ -60,7 +60,7 @@ def run_info(args: argparse.Namespace, parser: CliParser) -> int:
         raise CliError(f"{path}: no such file or folder.")
     if path.is_dir() and (path / MANIFEST_NAME).exists():
         return _info_collection(path, args)
-    from ..store.inputs import open_store
+    from ..store.inputs.open import open_store
 
     try:
         group = open_store(path)
@@ -81,7 +81,7 @@ def run_info(args: argparse.Namespace, parser: CliParser) -> int:
 
 def _info_collection(path: Path | str, args: argparse.Namespace) -> int:
     from ..store.collection import open_collection
-    from ..store.inputs import disk_usage
+    from ..store.inputs.open import disk_usage
 
     coll = open_collection(path)
     m = coll.manifest
@@ -134,7 +134,8 @@ def _info_collection(path: Path | str, args: argparse.Namespace) -> int:
 
 def _info_anndata(path: Path, args: argparse.Namespace) -> int:
     """Summarise an .h5ad file or AnnData zarr store, opened read-only as the writer does."""
-    from ..store.inputs import disk_usage, open_input
+    from ..store.inputs.open import disk_usage
+    from ..store.inputs.view import open_input
 
     kind = "an AnnData zarr store" if path.is_dir() else "an AnnData .h5ad file"
     try:

@@ -1,6 +1,8 @@
 """Pools of rows read into memory and cut into batches: ``reader`` (a pool's rows, read
 concurrently into place), ``buffers`` (reused pool buffers), ``csr`` (CSR views, slices,
-densifying), ``pool_stream`` (prefetch and the next epoch's read-ahead), ``host_pool`` and
-``device_pool`` (a pool on the host or on a CUDA device, ``batch(lo, hi)``), ``densify``
-(where sparse fields become dense). May import torch; never the writer or the face.
+densifying), ``genes`` (a gene subset or a reference gene order, cut out of the columns),
+``pool_stream`` (prefetch and the next epoch's read-ahead), ``host_pool`` and ``device_pool``
+(a pool on the host or on a CUDA device, ``batch(lo, hi)``), ``gpu_backends`` (the device
+pool's per-field storage on cupy or torch), ``densify`` (where sparse fields become dense).
+May import torch; never the writer or the face.
 """

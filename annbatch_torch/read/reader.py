@@ -31,8 +31,8 @@ import scipy.sparse as sp
 from ..errors import AnnBatchError, CollectionError, ReadError
 from ..store.checks import bad_column
 from ..store.collection import Source
+from ..store.diskio import CpuSlots, io_gate
 from ..store.elements import CSCElement, CSRElement
-from ..store.rawzarr import CpuSlots, io_gate
 from .buffers import BufferCache
 from .csr import csr_view
 
@@ -198,7 +198,7 @@ class PoolReader:
         Reads in flight at once when the data comes from the disk (default
         :data:`IO_DEPTH`, at least ``threads``): a read of raw chunks that must wait for
         the disk gives its slot back while it waits
-        (:func:`~annbatch_torch.store.rawzarr.io_gate`), so many requests queue at the
+        (:func:`~annbatch_torch.store.diskio.io_gate`), so many requests queue at the
         disk while at most ``threads`` copy and check bytes. A pool is read this way when
         5% or more of the previous pool's reads waited for the disk (and the first pool);
         when they came from the page cache, the next pool is read by ``threads`` threads

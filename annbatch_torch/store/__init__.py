@@ -1,9 +1,16 @@
 """The collection on disk and AnnData elements; no torch.
 
-``manifest`` (the JSON schema of a collection), ``collection`` (``Source`` / ``Collection``:
-shards, fields, lazy per-process handles), ``inputs`` (opening h5ad / zarr / in-memory
-AnnData inputs), ``inplace`` (reading such inputs where they are), ``elements`` (row-range
-readers of one AnnData element), ``checks`` (value and structure checks), ``rawzarr`` (our
-uncompressed chunks read with ``preadv``), ``zarrs`` (the zarrs codec pipeline). Public
-names are exported by :mod:`annbatch_torch`.
+Root modules: ``manifest`` (the JSON schema of a collection), ``collection`` (``Source`` /
+``Collection``: shards, fields, lazy per-process handles), ``metadata`` (obs / var frames and
+categories), ``elements`` (row-range readers of one AnnData element), ``checks`` (value and
+structure checks), ``rawzarr`` (the array reader: our uncompressed chunks read with ``preadv``,
+chunk objects from a :class:`~annbatch_torch.store.rawzarr.ChunkSource`), ``diskio`` (``preadv``
+reads, CPU slots and the disk gate), ``groups`` (a shard's hierarchy: raw, zarr and mirrored
+arrays), ``zarrs`` (the zarrs codec pipeline).
+
+Sub-wings: ``inputs/`` (AnnData inputs: opening, legacy files, the input view, the plan of a
+list of inputs, harmonising fields, in-place reading, fingerprints) and ``remote/`` (collections
+on object stores: the location, the local mirror, the chunk cache). ``inputs/`` may import the
+root and ``remote/``; ``remote/`` imports only root modules that do not import it. Public names
+are exported by :mod:`annbatch_torch`.
 """

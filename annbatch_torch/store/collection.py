@@ -39,7 +39,7 @@ from .metadata import (
 )
 
 if TYPE_CHECKING:
-    from .mirror import Mirror
+    from .remote.mirror import Mirror
 
 __all__ = [
     "Source", "Collection", "open_collection", "field_node", "MAX_LABEL_CATEGORIES",
@@ -665,7 +665,7 @@ class Collection(Source):
                 )
 
     def _open_shard(self, shard: int) -> Any:
-        from .rawzarr import open_fast_group
+        from .groups import open_fast_group
         from .zarrs import read_group
 
         p = self.shard_path(shard)
@@ -725,11 +725,11 @@ def open_collection(path: str | os.PathLike[str], *,
         If ``path`` is not a finished collection, its manifest is damaged or newer than
         this version, or a shard folder is missing.
     """
-    from .remote import is_url
+    from .remote.location import is_url
 
     if is_url(path):
-        from .mirror import Mirror
-        from .remote import RemoteLocation
+        from .remote.location import RemoteLocation
+        from .remote.mirror import Mirror
 
         mirror = Mirror(RemoteLocation(str(path), storage_options), cache_dir, cache_size)
         coll = Collection(mirror.sync(), mirror=mirror)

@@ -52,7 +52,7 @@ def encoding_type(node: Any) -> str | None:
     return enc
 
 
-def _is_group(node: Any) -> bool:
+def is_group(node: Any) -> bool:
     return hasattr(node, "keys") and not hasattr(node, "dtype")
 
 
@@ -451,7 +451,7 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
         The file the node lives in, used in messages.
     """
     enc = encoding_type(node)
-    if _is_group(node):
+    if is_group(node):
         members = {
             "csr_matrix": ("data", "indices", "indptr"),
             "csc_matrix": ("data", "indices", "indptr"),

@@ -25,23 +25,51 @@ import itertools
 import json
 import os
 import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .checks import bad_column
+from .diskio import IOV_MAX, OpenFile, count_warm, fast_flags, preadv_full, split_at
 
-if TYPE_CHECKING:
-    from .mirror import Mirror, RemoteChunks
-
-__all__ = ["RawZarrArray", "FastGroup", "open_raw", "open_fast_group", "ChunkError", "io_gate",
-           "CpuSlots"]
+__all__ = ["ChunkError", "ChunkSource", "RawZarrArray", "open_raw"]
 
 
 class ChunkError(OSError):
     """A chunk file is missing bytes or fails its checksum."""
+
+
+class ChunkSource(Protocol):
+    """Where a raw array's chunk files come from when they are not on the local disk (a
+    collection on an object store: :class:`~annbatch_torch.store.remote.mirror.RemoteChunks`).
+
+    ``path`` is always the name of a chunk or shard file under the array's local folder
+    (which holds the array's metadata, not its chunks); the bytes are read from the local
+    files :meth:`local` returns.
+    """
+
+    def present(self, path: str) -> bool:
+        """Whether the object behind ``path`` exists."""
+
+    def identity(self, path: str) -> tuple[int, int, int] | None:
+        """A fingerprint of the object (changes when it is replaced), ``None`` if absent."""
+
+    def size(self, path: str) -> int | None:
+        """The object's size in bytes, ``None`` if absent."""
+
+    def local(self, path: str, start: int, stop: int) -> str | None:
+        """A local file holding bytes ``[start, stop)`` of the object (fetched now if
+        needed), ``None`` if absent."""
+
+    def fetch(self, wanted: list[tuple[str, int, int]]) -> None:
+        """Make the byte ranges ``(path, start, stop)`` local, concurrently."""
+
+    def drop(self, local: str) -> None:
+        """Forget a local copy (a damaged one): the next :meth:`local` fetches it again."""
+
+    def url_of(self, path: str) -> str:
+        """Where the object is, for messages."""
 
 
 _local = threading.local()
@@ -65,7 +93,7 @@ class RawZarrArray:
     #: of stores whose writer wrote every chunk
     require_chunks = False
 
-    def __init__(self, path: Path, meta: dict[str, Any], remote: RemoteChunks | None = None
+    def __init__(self, path: Path, meta: dict[str, Any], remote: ChunkSource | None = None
                  ) -> None:
         self.path = path
         #: where the chunk objects are when they are on an object store (``None``: files
@@ -435,8 +463,8 @@ class RawZarrArray:
         lo_l, hi_l, chunks = lo_b.tolist(), hi_b.tolist(), chunk.tolist()
         crcs: dict[int, int] = {}
         trusted = False  # a chunk was read without its checksum
-        files = _Files()
-        fast = _fast_flags()  # preadv flags of a read that must not wait (None: gated reads)
+        files = OpenFile()
+        fast = fast_flags()  # preadv flags of a read that must not wait (None: gated reads)
         k = 0  # the next stretch
         try:
             for i0, i1 in itertools.pairwise(chunk_at):
@@ -458,18 +486,18 @@ class RawZarrArray:
                         off, want = base + lo_l[s0], hi_l[s1 - 1] - lo_l[s0]
                         bufs = views[s0:s1]
                         got = 0
-                        if fast is not None and len(bufs) <= _IOV_MAX:
+                        if fast is not None and len(bufs) <= IOV_MAX:
                             try:
                                 got = os.preadv(fd, bufs, off, fast)
                             except OSError:  # not cached, or the flag refused here (the
                                 got = 0  # gated read below notes a refusal)
                         if got < want:
-                            rest = _split(bufs, got)[1]
-                            got += _preadv_full(fd, rest, off + got, want - got)
+                            rest = split_at(bufs, got)[1]
+                            got += preadv_full(fd, rest, off + got, want - got)
                             if got != want:
                                 raise ChunkError(f"{path}: chunk file is truncated")
                         else:
-                            _count_warm()
+                            count_warm()
                     crc, trusted = None, True  # not checked now: the caller checks its part
                 if crc is not None:
                     crcs[c] = crc
@@ -570,7 +598,7 @@ class RawZarrArray:
             return None
         try:
             if not self.crc:
-                n = _preadv_full(fd, segs, base + first, last - first)
+                n = preadv_full(fd, segs, base + first, last - first)
                 if n != last - first:
                     raise ChunkError(f"{path}: chunk file is truncated ({first + n} of "
                                      f"{last} bytes)")
@@ -583,7 +611,7 @@ class RawZarrArray:
             extra = 0 if self.per_shard else 1
             check = scratch[self.chunk_nbytes : self.chunk_nbytes + 4 + extra]
             bufs = ([scratch[:first]] if first else []) + segs + ([tail] if len(tail) else [])
-            n = _preadv_full(fd, [*bufs, check], base, want + extra, need=want)
+            n = preadv_full(fd, [*bufs, check], base, want + extra, need=want)
             if n != want:
                 what = f"inner chunk {c % self.per_shard}" if self.per_shard else "chunk file"
                 raise ChunkError(f"{path}: {what} has {n} bytes, expected {want}")
@@ -610,218 +638,6 @@ class RawZarrArray:
         self._read_chunk_segments(c, offset, offset + dst.nbytes, [dst.reshape(-1).view(np.uint8)])
 
 
-_IOV_MAX = 1024
-
-
-class _Files:
-    """Descriptors of the files one call reads, opened once each, closed together."""
-
-    def __init__(self) -> None:
-        self.path: str | None = None
-        self.fd = -1
-
-    def open(self, path: str) -> int:
-        if path != self.path:
-            self.close()
-            self.fd = os.open(path, os.O_RDONLY)
-            self.path = path
-        return self.fd
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-        self.path, self.fd = None, -1
-
-
-class CpuSlots:
-    """At most ``n`` reads copying and checking bytes at once (a semaphore), and counts of
-    the reads made under it (``reads``) and of those that waited for the disk
-    (``waits``; approximate under threads: a hint, not an account)."""
-
-    def __init__(self, n: int) -> None:
-        self._sem = threading.BoundedSemaphore(max(1, int(n)))
-        self.reads = 0
-        self.waits = 0
-
-    def acquire(self) -> None:
-        self._sem.acquire()
-
-    def release(self) -> None:
-        self._sem.release()
-
-    def note(self, waited: bool) -> None:
-        """Count one read (``waited``: part of it had to come from the disk)."""
-        self.reads += 1
-        self.waits += waited
-        _GATE.noted = True
-
-    def take_counts(self) -> tuple[int, int]:
-        """``(reads, waits)`` since the last call (then zero again)."""
-        counts = (self.reads, self.waits)
-        self.reads = self.waits = 0
-        return counts
-
-
-class _Gate(threading.local):
-    """This thread's CPU slots, if a reader gave it some (:func:`io_gate`)."""
-
-    slot: CpuSlots | None = None
-    noted = False  # a read under the slot was counted
-
-
-_GATE = _Gate()
-_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: fail instead of waiting for the disk
-#: a page read taking longer came from the disk (a cached one takes microseconds)
-_DISK_WAIT_S = 1e-3
-
-
-@contextlib.contextmanager
-def io_gate(slots: CpuSlots) -> Any:
-    """Read in this thread holding one of ``slots`` (acquired here), but give it back while
-    a read waits for the disk.
-
-    Reads try ``preadv(RWF_NOWAIT)`` first: what is in the page cache is copied at once,
-    holding the slot; only the bytes that need the disk are read after releasing it (and
-    the slot is taken again before the checksum). So a reader may keep many reads waiting
-    on the disk (cold data: the disk's queue is what bounds throughput) while no more than
-    the slots' count copy and check bytes (warm data: the CPUs are). Without
-    ``RWF_NOWAIT`` (not Linux) every read simply holds the slot.
-    """
-    slots.acquire()
-    _GATE.slot, _GATE.noted = slots, False
-    try:
-        yield
-    finally:
-        if not _GATE.noted:  # no raw read here (e.g. zarr decoding): nothing waited
-            slots.note(False)
-        _GATE.slot = None
-        slots.release()
-
-
-def _preadv_all(fd: int, bufs: list[Any], offset: int, flags: int = 0) -> int:
-    """``os.preadv`` over any number of buffers, ``IOV_MAX`` at a time; returns the bytes
-    read (short at EOF or, with ``RWF_NOWAIT`` in ``flags``, where the cache ends)."""
-    total = 0
-    for k in range(0, len(bufs), _IOV_MAX):
-        part = bufs[k : k + _IOV_MAX]
-        try:
-            n = os.preadv(fd, part, offset + total, flags)
-        except BlockingIOError:  # RWF_NOWAIT: the rest is not in the page cache
-            return total
-        total += n
-        if n < sum(len(b) for b in part):
-            break
-    return total
-
-
-def _split(bufs: list[np.ndarray], n: int) -> tuple[list[Any], list[Any]]:
-    """The buffers' first ``n`` bytes and the rest (views)."""
-    head: list[Any] = []
-    rest: list[Any] = []
-    for b in bufs:
-        size = len(b)
-        if n >= size:
-            head.append(b)
-        elif n > 0:
-            head.append(memoryview(b)[:n])
-            rest.append(memoryview(b)[n:])
-        else:
-            rest.append(b)
-        n -= size
-    return head, rest
-
-
-class _Refused(Exception):
-    """``RWF_NOWAIT`` is refused here (the file system does not support it)."""
-
-
-_NOWAIT_REFUSED = [False]  # set once a file system refused RWF_NOWAIT in this process
-
-
-def _nowait(fd: int, bufs: list[Any], offset: int) -> int:
-    """Bytes ``preadv(RWF_NOWAIT)`` copies from the page cache (0 when none is there);
-    :class:`_Refused` where the file system does not take the flag."""
-    try:
-        return _preadv_all(fd, bufs, offset, _NOWAIT)
-    except OSError as e:
-        _NOWAIT_REFUSED[0] = True
-        raise _Refused from e
-
-
-def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tuple[int, float]:
-    """A blocking read with ``slot`` given back meanwhile: ``(bytes, seconds)``."""
-    slot.release()
-    t0 = time.perf_counter()
-    try:
-        return _preadv_all(fd, bufs, offset), time.perf_counter() - t0
-    finally:
-        slot.acquire()
-
-
-def _fast_flags() -> int | None:
-    """``preadv`` flags for a first try that copies only what is in the page cache
-    (``RWF_NOWAIT`` under :func:`io_gate`, ``0`` without a gate), ``None`` where that try
-    is not possible (no ``RWF_NOWAIT``, or refused by the file system)."""
-    if _GATE.slot is None:
-        return 0
-    if _NOWAIT is None or _NOWAIT_REFUSED[0]:
-        return None
-    return _NOWAIT
-
-
-def _count_warm() -> None:
-    """Count a read copied from the page cache (what :func:`_preadv_full` would note)."""
-    slot = _GATE.slot
-    if slot is not None:
-        slot.note(False)
-
-
-def _preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,
-                 need: int | None = None) -> int:
-    """``os.preadv`` over any number of buffers (``nbytes`` in all); returns the bytes
-    read (short at EOF). Under :func:`io_gate`, waits for the disk without the slot.
-
-    ``need``: the bytes that must be there (default ``nbytes``); the rest is a probe past
-    them (a chunk file one byte longer than its chunk is damage), read only if cached or
-    while reading from the disk anyway.
-    """
-    need = nbytes if need is None else need
-    slot = _GATE.slot
-    if slot is None or _NOWAIT is None or _NOWAIT_REFUSED[0]:
-        if slot is not None:
-            slot.note(False)  # nothing to learn about the disk: count the read as warm
-        return _preadv_all(fd, bufs, offset)
-    try:
-        return _gated_read(slot, fd, bufs, offset, nbytes, need)
-    except _Refused:  # this file system does not take RWF_NOWAIT: read as usual
-        slot.note(False)
-        return _preadv_all(fd, bufs, offset)
-
-
-def _gated_read(slot: CpuSlots, fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,
-                need: int) -> int:
-    got = _nowait(fd, bufs, offset)
-    if got >= need:
-        slot.note(False)
-        return got
-    # RWF_NOWAIT also declines a cached page that marks where the kernel's read-ahead
-    # starts: read one page without the slot (from the disk, this starts the read-ahead
-    # of what follows), then try the rest again
-    head, rest = _split(_split(bufs, got)[1], min(4096, nbytes - got))
-    n, seconds = _without_slot(slot, fd, head, offset + got)
-    got += n
-    waited = seconds > _DISK_WAIT_S
-    if n and got < need:
-        more = _nowait(fd, rest, offset + got)
-        got += more
-        if got < need:  # still on disk: wait for the rest without the slot
-            more, _ = _without_slot(slot, fd, _split(rest, more)[1], offset + got)
-            got += more
-            waited = True
-    slot.note(waited)
-    return got
-
-
 #: the index entry of an absent inner chunk (offset and size all ones)
 _ABSENT = 2**64 - 1
 
@@ -843,12 +659,13 @@ def _raw_codecs(codecs: list[dict[str, Any]]) -> bool:
     return all(c.get("name") == "crc32c" for c in codecs[1:])
 
 
-def open_raw(path: str | os.PathLike[str], mirror: Mirror | None = None) -> RawZarrArray | None:
+def open_raw(path: str | os.PathLike[str], remote: ChunkSource | None = None
+             ) -> RawZarrArray | None:
     """A :class:`RawZarrArray` for the zarr v3 array at ``path``, or ``None`` when the
     array is not raw (compressed, v2, big-endian, chunked along columns; sharded with
-    other inner codecs or inner chunks that do not divide the shard). ``mirror``: ``path``
-    is in the local mirror of a collection on an object store, whose chunk objects stay
-    there (see :mod:`.mirror`)."""
+    other inner codecs or inner chunks that do not divide the shard). ``remote``: ``path``
+    holds the array's metadata only, its chunk objects come from there (a collection on an
+    object store, see :mod:`annbatch_torch.store.remote.mirror`)."""
     p = Path(path)
     try:
         with open(p / "zarr.json") as f:
@@ -882,78 +699,6 @@ def open_raw(path: str | os.PathLike[str], mirror: Mirror | None = None) -> RawZ
         if (len(inner) != len(shape) or list(inner[1:]) != list(shape[1:])
                 or int(inner[0]) < 1 or int(chunks[0]) % int(inner[0])):
             return None
-    return RawZarrArray(p, meta, None if mirror is None else mirror.chunks())
+    return RawZarrArray(p, meta, remote)
 
 
-class FastGroup:
-    """Read-only navigation of a zarr v3 hierarchy on the local filesystem that hands out
-    :class:`RawZarrArray` for raw arrays and falls back to ``zarr.open_array`` for others.
-
-    Supports what :mod:`annbatch_torch.store.elements` needs: ``group[key]``, ``key in group``,
-    ``keys()``, ``attrs``.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], mirror: Mirror | None = None) -> None:
-        self.path = Path(path)
-        self.mirror = mirror
-        try:
-            with open(self.path / "zarr.json") as f:
-                meta = json.load(f)
-        except FileNotFoundError:
-            raise KeyError(str(self.path)) from None
-        if meta.get("node_type") != "group":
-            raise ValueError(f"{self.path} is not a zarr v3 group")
-        self.attrs: dict[str, Any] = meta.get("attributes", {})
-
-    def keys(self) -> list[str]:
-        return sorted(p.name for p in self.path.iterdir() if (p / "zarr.json").is_file())
-
-    def array_keys(self) -> list[str]:
-        return [k for k in self.keys() if not isinstance(self[k], FastGroup)]
-
-    def __iter__(self) -> Any:
-        return iter(self.keys())
-
-    def __contains__(self, key: str) -> bool:
-        return (self.path / key / "zarr.json").is_file()
-
-    def __getitem__(self, key: str) -> Any:
-        if "/" in key:
-            node: Any = self
-            for part in key.split("/"):
-                node = node[part]
-            return node
-        child = self.path / key
-        try:
-            with open(child / "zarr.json") as f:
-                meta = json.load(f)
-        except (FileNotFoundError, NotADirectoryError):
-            raise KeyError(key) from None
-        if meta.get("node_type") == "group":
-            return FastGroup(child, self.mirror)
-        raw = open_raw(child, self.mirror)
-        if raw is not None:
-            raw.attrs = meta.get("attributes", {})
-            return raw
-        import zarr
-
-        if self.mirror is not None:  # on a store: its chunk objects come through the cache
-            from .mirror import mirror_store
-
-            # zarr-python's pipeline: zarrs would read the mirror's files behind the store
-            with zarr.config.set({"codec_pipeline.path":
-                                  "zarr.core.codec_pipeline.BatchedCodecPipeline"}):
-                return zarr.open_array(store=mirror_store(self.mirror),
-                                       path=self.mirror.key_of(child), mode="r")
-        return zarr.open_array(str(child), mode="r")
-
-
-def open_fast_group(path: str | os.PathLike[str], mirror: Mirror | None = None) -> Any:
-    """A :class:`FastGroup` for a zarr v3 group, else ``zarr.open_group`` (v2 stores);
-    ``mirror``: ``path`` is in the local mirror of a collection on an object store."""
-    p = Path(path)
-    if (p / "zarr.json").is_file():
-        return FastGroup(p, mirror)
-    import zarr
-
-    return zarr.open_group(str(p), mode="r")

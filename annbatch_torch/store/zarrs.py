@@ -183,7 +183,7 @@ def _opening(path: str | None) -> Iterator[None]:
 
 
 class ReadGroup:
-    """A zarr group (``zarr.Group`` or :class:`~annbatch_torch.store.rawzarr.FastGroup`) whose
+    """A zarr group (``zarr.Group`` or :class:`~annbatch_torch.store.groups.FastGroup`) whose
     arrays open with the read pipeline chosen for the process.
 
     The codec pipeline is bound when zarr opens an array, so only ``group[key]`` needs the

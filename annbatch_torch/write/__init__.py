@@ -1,6 +1,12 @@
-"""The offline shuffle; no torch: ``writer`` (``create_anndata_collection``), ``schema``
-(the fields a collection stores), ``shardio`` (bucket files, shard writing), ``budget``
-(the ``max_memory`` accounting), ``prepare`` and ``staleness`` (write once, when missing or
-stale; append when the inputs only grew), ``parallel`` (the passes as Dask tasks) and
-``append`` (new inputs as new shards). Public names are exported by :mod:`annbatch_torch`.
+"""The offline shuffle; no torch. From the entry points down:
+
+``prepare`` (write once, when missing or stale; append when the inputs only grew) and
+``staleness`` (is a collection current for its inputs?), ``append`` (new inputs as new shards),
+``writer`` (``create_anndata_collection``), ``parallel`` (the passes as Dask tasks), ``passes``
+(pass 1 routes rows into buckets, pass 2 writes a shard from its buckets), ``budget`` (the
+``max_memory`` accounting), ``shardstore`` (a shard's zarr arrays, written block by block),
+``schema`` (the fields a collection stores) and ``varmeta`` (its var frame), ``buckets`` (pass
+1's bucket file format), ``publish`` (temporaries, fsync, the swap into place, the writers'
+lock), ``upload`` (a collection written to an object store). Public names are exported by
+:mod:`annbatch_torch`.
 """

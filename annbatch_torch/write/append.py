@@ -35,7 +35,8 @@ import scipy.sparse as sp
 
 from ..errors import CollectionError, InputError
 from ..store.collection import MAX_LABEL_CATEGORIES, Collection, open_collection
-from ..store.inputs import InputSource, open_inputs, warn_shared_obs_names
+from ..store.inputs.plan import open_inputs, warn_shared_obs_names
+from ..store.inputs.view import InputSource
 from ..store.manifest import (
     RAW_X,
     FieldInfo,
@@ -46,17 +47,10 @@ from ..store.manifest import (
 )
 from . import budget as _budget
 from .budget import parse_memory
-from .prepare import lock_path
+from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
 from .schema import OutField, Schema, resolve_schema
-from .shardio import compressors_for
-from .writer import (
-    DEFAULT_MAX_MEMORY,
-    _remove_stale_temporaries,
-    _sibling,
-    sync_dir,
-    sync_tree,
-    write_shards,
-)
+from .shardstore import compressors_for
+from .writer import DEFAULT_MAX_MEMORY, write_shards
 
 __all__ = ["append_to_collection"]
 
@@ -212,7 +206,7 @@ def append_to_collection(
     """
     from filelock import FileLock
 
-    from ..store.remote import is_url
+    from ..store.remote.location import is_url
 
     if isinstance(collection, Collection) and collection.url is not None:
         storage_options = (collection.mirror.location.options if storage_options is None
@@ -300,8 +294,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         logger.info("Appending %d cells from %d input(s) to %s (%d cells) as new shards "
                     "from shard_%05d.", n_new, len(sources), coll.describe(), manifest.n_obs,
                     first)
-        _remove_stale_temporaries(root)
-        tmp = _sibling(root, "tmp")
+        remove_stale_temporaries(root)
+        tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,

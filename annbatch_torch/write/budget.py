@@ -20,11 +20,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..store.inputs import InputSource
+from ..store.inputs.view import InputSource
 from .schema import Schema
 
 __all__ = ["parse_memory", "current_rss", "working_memory", "fit_layout", "block_size",
-           "MIN_WORK_MEMORY", "RESERVE", "DEFAULT_WORK_MEMORY", "DEFAULT_SHARD_OBS"]
+           "MIN_WORK_MEMORY", "RESERVE", "DEFAULT_WORK_MEMORY", "DEFAULT_SHARD_OBS",
+           "release_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,6 @@ def working_memory(max_memory: int | None, n_cells: int) -> int:
     ``None`` (the writer's default): :data:`DEFAULT_WORK_MEMORY`, on top of whatever the
     process already uses (never refused).
     """
-    from .shardio import release_memory
-
     _preload()
     release_memory()
     rss = current_rss()
@@ -243,3 +242,25 @@ def block_size(sources: list[InputSource], schema: Schema, work: int, shuffle: b
         size = 256
     size = min(size, MAX_BLOCK_OBS, shard_obs)
     return size - size % 1024 if size >= 2048 and size < shard_obs else size
+
+
+def _load_trim() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``; no-op elsewhere).
+
+    Blocks and shards are large, short-lived arrays: without this, glibc keeps freed
+    memory mapped in its arenas and RSS creeps above the ``max_memory`` budget.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

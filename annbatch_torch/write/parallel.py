@@ -7,12 +7,12 @@ one process. Both passes are parallel by nature, and here they run as tasks on a
 holding the inputs and the output).
 
 * **Pass 1** is cut into tasks of contiguous input rows (:func:`pass1_tasks`: about four
-  per worker). A task routes its rows (the very :func:`~.shardio.route_block` of the serial
+  per worker). A task routes its rows (the very :func:`~.passes.route_block` of the serial
   writer, positions from the one permutation the caller drew) into bucket files of its own
   (``.buckets/t<task>/``), written in a part folder renamed into place when the task is done:
   a task run again after its worker died starts afresh, and pass 2 never sees half a task.
 * **Pass 2** is one task per shard: it reads the shard's buckets from every pass-1 task's
-  folder (:func:`~.shardio.load_bucket` over several files), puts rows in position order
+  folder (:func:`~.buckets.load_bucket` over several files), puts rows in position order
   and writes the shard into a part folder renamed into place, then records it done
   (``.buckets/<shard>.done.json``) and deletes its buckets; run again, a done shard is
   returned as it is.
@@ -42,19 +42,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import CollectionError, InputError
-from ..store.inputs import InputSource, open_input
+from ..store.inputs.view import InputSource, open_input
 from ..store.manifest import ShardInfo
+from .buckets import BucketSegment, BucketWriter, bucket_id, bucket_segments
+from .passes import route_rows, write_shard_blocks
 from .schema import Schema
-from .shardio import (
-    BucketWriter,
-    Segment,
-    bucket_id,
-    bucket_segments,
-    route_rows,
-    write_shard_blocks,
-)
 
-__all__ = ["Pass1Task", "pass1_tasks", "run_passes", "open_scheduler", "SCHEDULERS"]
+__all__ = ["Pass1Task", "pass1_tasks", "run_parallel", "open_scheduler", "SCHEDULERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +168,7 @@ def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schem
     return dict(schema.dropped)
 
 
-def segments_of(schema: Schema) -> list[Segment]:
+def segments_of(schema: Schema) -> list[BucketSegment]:
     """The bucket frame layout of ``schema`` (every field, dropped ones as placeholders)."""
     return bucket_segments(schema.fields)
 
@@ -260,11 +254,11 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Pa
     return results
 
 
-def run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
-               layout: tuple[int, int], dest: np.ndarray | None, work: int,
-               opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
-               n_workers: int | None, first_shard: int = 0
-               ) -> tuple[list[ShardInfo], dict[str, str]]:
+def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
+                 layout: tuple[int, int], dest: np.ndarray | None, work: int,
+                 opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
+                 n_workers: int | None, first_shard: int = 0
+                 ) -> tuple[list[ShardInfo], dict[str, str]]:
     """Both passes on ``scheduler``: the shards in ``tmp`` and the stored dtypes. Updates
     ``schema.dropped`` with what pass 1 found."""
     from tqdm.auto import tqdm

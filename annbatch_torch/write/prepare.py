@@ -20,31 +20,12 @@ from typing import Any
 
 from ..errors import CollectionError, InputError
 from ..store.manifest import FORMAT, MANIFEST_NAME, looks_like_collection
+from .publish import lock_path, refuse_url
 from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, appended_inputs, store_staleness
 
-__all__ = ["prepare_collection", "lock_path", "explicit_settings"]
+__all__ = ["prepare_collection", "explicit_settings", "write_if_stale"]
 
 logger = logging.getLogger(__name__)
-
-
-def refuse_url(store_path: Any) -> None:
-    """An :class:`~annbatch_torch.InputError` for a URL: preparing (write-unless-current,
-    serialised by a lock file beside the store) needs a local folder."""
-    from ..store.remote import is_url
-
-    if is_url(store_path):
-        raise InputError(
-            f"{store_path}: prepare_collection keeps a collection current in a local (or "
-            "shared) folder, not on an object store. Write it there once with "
-            f"create_anndata_collection(inputs, {str(store_path)!r}) (or append_to_collection"
-            "), then read it by its URL.")
-
-
-def lock_path(store_path: str | os.PathLike[str]) -> Path:
-    """The lock file beside ``store_path`` that serialises writers (``<store>.lock``)."""
-    refuse_url(store_path)
-    p = Path(store_path)
-    return p.with_name(p.name + ".lock")
 
 
 def explicit_settings(collection_kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,8 @@ import pandas as pd
 
 from ..errors import InputError
 from ..store.collection import MAX_LABEL_CATEGORIES, too_many_categories
-from ..store.inputs import InputSource, nonempty, plan_fields
+from ..store.inputs.plan import nonempty, plan_fields
+from ..store.inputs.view import InputSource
 from ..store.manifest import RAW_X
 from .varmeta import merge_var
 

@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..errors import CollectionError
+from ..errors import CollectionError, InputError
 from ..store.manifest import RAW_X
 
-__all__ = ["Appender", "ShardStore", "array_kwargs", "carry_bytes", "gather_rows"]
+__all__ = ["Appender", "ShardStore", "array_kwargs", "carry_bytes", "compressors_for",
+           "gather_rows"]
 
 _EMPTY_GROUPS = ("layers", "obsm", "obsp", "varm", "varp", "uns")
 _GATHER_ROWS = 4096  # rows of a CSR field put in order at a time
@@ -262,7 +263,7 @@ class ShardStore:
     def append(self, arrays: dict[str, np.ndarray], first: int) -> None:
         """Append the block of positions ``[first, first + n)`` of the shard: ``arrays`` is
         its loaded bucket (consumed: entries are dropped once written)."""
-        from .shardio import decode_names
+        from .buckets import decode_names
 
         pos = arrays.pop("pos")
         n = len(pos)
@@ -330,3 +331,40 @@ class ShardStore:
                 dtypes[f.key] = str(node["codes"].dtype if f.kind == "categorical"
                                     else node.dtype)
         return dtypes
+
+
+def compressors_for(compressor: Any, zarr_format: int) -> Any:
+    """zarr ``compressors`` for a codec name or codec objects.
+
+    ``"raw"`` (default): no compression, a CRC-32C per chunk (zarr v3 ``crc32c`` codec);
+    read directly by :mod:`annbatch_torch.store.rawzarr`, the fastest path, and corruption is
+    detected. ``"lz4"`` / ``"zstd"``: Blosc, 3-5x smaller on disk, decoded by zarr or zarrs
+    (slower reads), followed by a CRC-32C in zarr v3 (Blosc does not verify its payload; in
+    zarr v2 a damaged chunk can decode to wrong values). ``"none"``: raw chunks without
+    checksums.
+    """
+    if not isinstance(compressor, str):
+        return compressor
+    name = compressor.lower()
+    if name in ("none", ""):
+        return None
+    if name == "raw":
+        if zarr_format == 2:
+            return None
+        from zarr.codecs import Crc32cCodec
+
+        return [Crc32cCodec()]
+    if name not in ("lz4", "zstd", "lz4hc", "blosclz", "zlib"):
+        raise InputError(
+            f"compressor {compressor!r} unknown; use 'raw', 'lz4', 'zstd' or 'none'."
+        )
+    clevel = 3 if name == "zstd" else 5
+    if zarr_format == 2:
+        from numcodecs import Blosc
+
+        return Blosc(cname=name, clevel=clevel, shuffle=Blosc.SHUFFLE)
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    # Blosc does not verify its payload: a CRC-32C makes a damaged chunk an error (zarrs
+    # validates it on the whole-chunk reads annbatch_torch makes, see store.zarrs.ChunkAligned)
+    return [BloscCodec(cname=name, clevel=clevel, shuffle="shuffle"), Crc32cCodec()]

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CollectionError
-from ..store.fingerprint import fingerprint
-from ..store.inputs import disk_usage
+from ..store.inputs.fingerprint import fingerprint
+from ..store.inputs.open import disk_usage
 from ..store.manifest import RAW_X, Manifest, read_manifest
 
 __all__ = ["store_is_current", "store_staleness", "RECORDED_SETTINGS", "FIELD_SETTINGS"]
@@ -64,7 +64,7 @@ def store_staleness(
         unchanged since (same resolved paths and sizes, and the same modification times or,
         where those differ, the same content fingerprint).
     """
-    from .prepare import refuse_url
+    from .publish import refuse_url
 
     refuse_url(store_path)
     try:

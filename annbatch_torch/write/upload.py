@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import CollectionError, InputError
 from ..store.manifest import MANIFEST_NAME
-from ..store.remote import RemoteLocation
+from ..store.remote.location import RemoteLocation
 
 __all__ = ["check_remote_output", "upload_collection", "UPLOAD_THREADS"]
 

@@ -56,13 +56,10 @@ written, including all-zero ones (the manifest says so, readers check it). All o
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
 import os
-import re
 import secrets
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -72,29 +69,30 @@ import numpy as np
 
 from ..errors import InputError
 from ..store.collection import Collection, open_collection
-from ..store.inputs import InputSource, open_inputs, warn_shared_obs_names
+from ..store.inputs.plan import open_inputs, warn_shared_obs_names
+from ..store.inputs.view import InputSource
 from ..store.manifest import (
-    FORMAT,
-    MANIFEST_NAME,
     RAW_X,
     FieldInfo,
     Manifest,
     ShardInfo,
-    looks_like_collection,
     write_manifest,
 )
-from ..store.remote import RemoteLocation, is_url
+from ..store.remote.location import RemoteLocation, is_url
 from . import budget as _budget
+from .buckets import BucketWriter, bucket_id, bucket_segments
 from .budget import parse_memory
-from .schema import Schema, check_reference, resolve_schema
-from .shardio import (
-    BucketWriter,
-    bucket_id,
-    bucket_segments,
-    compressors_for,
-    route_rows,
-    write_shard_blocks,
+from .passes import route_rows, write_shard_blocks
+from .publish import (
+    check_output,
+    remove_stale_temporaries,
+    sibling_path,
+    swap_into_place,
+    sync_dir,
+    sync_tree,
 )
+from .schema import Schema, check_reference, resolve_schema
+from .shardstore import compressors_for
 
 __all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",
            "DEFAULT_CHUNK_ELEMS", "DEFAULT_SHARD_ELEMS", "VAR_JOINS"]
@@ -118,133 +116,6 @@ def shard_layout(n_total: int, shard_obs: int) -> str:
     last = n_total - (n - 1) * shard_obs
     return f"{n} shards of {shard_obs:,} rows" + (f" (the last {last:,})" if last != shard_obs
                                                   else "")
-
-
-# -- the public entry point --------------------------------------------------------------
-def _check_output(out: Path, overwrite: bool, sources_paths: list[Path]) -> None:
-    real = out.resolve()  # through symbolic links, as the inputs' paths are
-    for p in sources_paths:
-        if p == real or real in p.parents or p in real.parents:
-            raise InputError(f"{out}: the output overlaps the input {p}; choose another "
-                             "output_path.")
-    blocker = next((q for q in out.parents if q.exists() and not q.is_dir()), None)
-    if blocker is not None:
-        raise InputError(f"{out}: {blocker} is a file, so no folder can be made inside it; "
-                         "choose another output_path.")
-    if not (out.exists() or out.is_symlink()):
-        return
-    if not overwrite:
-        raise InputError(
-            f"{out}: the output already exists. Pass overwrite=True to replace it (the old "
-            "store is removed only after the new one is complete), or choose another "
-            "output_path."
-        )
-    if out.is_dir() and not looks_like_collection(out) and any(out.iterdir()):
-        raise InputError(
-            f"{out}: exists and is not an annbatch_torch collection (no {MANIFEST_NAME} "
-            f"with format {FORMAT!r}); "
-            "refusing to delete it with overwrite=True. Remove it yourself or choose another "
-            "output_path."
-        )
-    if not out.is_dir():
-        raise InputError(f"{out}: exists and is a file, not a collection; refusing to delete "
-                         "it with overwrite=True. Remove it or choose another output_path.")
-
-
-_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-
-
-def _sibling(out: Path, kind: str) -> Path:
-    """``<out>.<kind>-<host>-<pid>-<random>``: a temporary folder beside ``out``."""
-    return out.with_name(f"{out.name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _remove_stale_temporaries(out: Path) -> None:
-    """Delete temporary folders that killed writes to ``out`` left behind.
-
-    Only those made on this host by a process that is gone: a write still running, here or
-    on another node sharing the file system, is never touched (those are logged).
-    """
-    if not out.parent.is_dir():
-        return
-    for p in sorted(out.parent.glob(f"{glob.escape(out.name)}.*-*-*-*")):
-        kind, _, rest = p.name[len(out.name) + 1 :].partition("-")
-        parts = rest.rsplit("-", 2)
-        if kind not in ("tmp", "old") or len(parts) != 3 or not parts[1].isdigit():
-            continue
-        host, pid = parts[0], int(parts[1])
-        if kind == "old" and not (out / MANIFEST_NAME).is_file():
-            # killed between the two renames of an overwrite: this is the only copy of the
-            # previous collection; keep it for the user to rename back
-            logger.warning("%s holds the previous collection of %s, which is missing (an "
-                           "overwrite was interrupted); not removed: rename it back to keep it.",
-                           p, out)
-            continue
-        if host == _HOST and pid != os.getpid() and not _alive(pid):
-            logger.info("Removing %s, left by an interrupted write (process %d is gone).", p,
-                        pid)
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            logger.warning("%s belongs to a write that may still run (host %s, process %d); "
-                           "not removed.", p, host, pid)
-
-
-def sync_dir(path: Path) -> None:
-    """``fsync`` a directory: the renames and new entries in it survive a power loss."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems cannot sync a directory; data is synced anyway
-        logger.debug("fsync of directory %s: %s", path, e)
-    finally:
-        os.close(fd)
-
-
-def sync_tree(root: Path) -> None:
-    """``fsync`` every file below ``root``, then every directory (deepest first): written
-    data is on the disk, not only in the page cache, before anything points to it."""
-    dirs = []
-    for here, _, names in os.walk(root):
-        dirs.append(Path(here))
-        for name in names:
-            fd = os.open(os.path.join(here, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for d in reversed(dirs):
-        sync_dir(d)
-
-
-def _swap_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first, deleted last."""
-    if not (out.exists() or out.is_symlink()):
-        os.replace(tmp, out)
-        return
-    _check_output(out, overwrite, [])  # it may have appeared while we were writing
-    old = _sibling(out, "old")
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    if old.is_symlink():  # `out` was a link: drop the link, never what it pointed to
-        logger.warning("%s was a symbolic link to %s; the new collection replaces the link, "
-                       "the old collection there is left in place.", out, os.readlink(old))
-        old.unlink()
-        return
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
@@ -471,8 +342,8 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
     checked); returns the folder."""
     out = Path(output_path).expanduser().absolute()
     disk = [Path(p).expanduser().resolve() for p in adata_paths if isinstance(p, str | os.PathLike)]
-    _check_output(out, overwrite, disk)
-    _remove_stale_temporaries(out)
+    check_output(out, overwrite, disk)
+    remove_stale_temporaries(out)
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % (2**63))
     sources: list[InputSource] = []
@@ -491,7 +362,7 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
                     "(written in blocks of %d rows).", n_total, len(schema.var_names),
                     var_join, len(sources), shard_layout(n_total, shard_obs), out, block_obs)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _sibling(out, "tmp")
+        tmp = sibling_path(out, "tmp")
         tmp.mkdir()
         shards, dtypes = write_shards(sources, schema, tmp, n_total, (shard_obs, block_obs),
                                       shuffle, seed, work, opts, progress, value_check,
@@ -500,7 +371,7 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor)
         sync_dir(tmp)  # the manifest's own rename
-        _swap_into_place(tmp, out, overwrite)
+        swap_into_place(tmp, out, overwrite)
         sync_dir(out.parent)  # the rename of the collection into place
         tmp = None
     finally:
@@ -528,16 +399,16 @@ def write_shards(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
     """Both passes, in this process (``scheduler=None``) or on Dask
     (:mod:`.parallel`): the shards in ``tmp`` and the stored dtypes."""
     if scheduler is None:
-        return run_passes(sources, schema, tmp, n_total, layout, shuffle, seed, work, opts,
+        return run_serial(sources, schema, tmp, n_total, layout, shuffle, seed, work, opts,
                           progress, value_check, first_shard)
-    from .parallel import run_passes as run_parallel
+    from .parallel import run_parallel
 
     return run_parallel(sources, schema, tmp, n_total, layout,
                         permutation(n_total, shuffle, seed), work, opts, progress,
                         value_check, scheduler, n_workers, first_shard)
 
 
-def run_passes(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
+def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
                layout: tuple[int, int], shuffle: bool, seed: int, work: int,
                opts: dict[str, Any], progress: bool, value_check: Any,
                first_shard: int = 0) -> tuple[list[ShardInfo], dict[str, str]]:

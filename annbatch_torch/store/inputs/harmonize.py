@@ -76,8 +76,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..errors import InputError
-from .manifest import FieldInfo
+from ...errors import InputError
+from ..manifest import FieldInfo
 
 __all__ = [
     "COLUMN_KINDS",

@@ -25,15 +25,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..errors import CollectionError, InputError
-from .collection import (
+from ...errors import CollectionError, InputError
+from ..collection import (
     MAX_LABEL_CATEGORIES,
     Source,
     field_node,
     open_collection,
     too_many_categories,
 )
-from .elements import (
+from ..elements import (
     CSCElement,
     CSRElement,
     DenseAsCSRElement,
@@ -44,16 +44,11 @@ from .elements import (
     element_from_memory,
     open_element,
 )
-from .inputs import (
-    InputSource,
-    LegacyStore,
-    nonempty,
-    open_inputs,
-    open_store,
-    plan_fields,
-    warn_shared_obs_names,
-)
-from .manifest import MANIFEST_NAME, RAW_X, FieldInfo
+from ..manifest import MANIFEST_NAME, RAW_X, FieldInfo
+from .legacy import LegacyStore
+from .open import open_store
+from .plan import nonempty, open_inputs, plan_fields, warn_shared_obs_names
+from .view import InputSource
 
 __all__ = ["InPlaceSource", "open_source"]
 
@@ -110,7 +105,7 @@ class InPlaceSource(Source):
         return self._labels[shard]
 
     def _open_shard(self, shard: int) -> Any:
-        from .zarrs import read_group
+        from ..zarrs import read_group
 
         p = self._paths[shard]
         assert p is not None
@@ -278,7 +273,7 @@ def open_source(obj: Any) -> Source:
     if isinstance(obj, Source):
         return obj
     if isinstance(obj, str | os.PathLike):
-        from .remote import is_url
+        from ..remote.location import is_url
 
         if is_url(obj):  # a collection on an object store (credentials from the environment)
             return open_collection(str(obj))

@@ -38,10 +38,10 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
-from ..errors import CollectionError, InputError
+from ...errors import CollectionError, InputError
+from ..manifest import MANIFEST_NAME, ShardInfo
 from .chunkcache import ChunkCache, cache_token
-from .manifest import MANIFEST_NAME, ShardInfo
-from .remote import ObjectInfo, RemoteLocation
+from .location import ObjectInfo, RemoteLocation
 
 __all__ = ["Mirror", "MirrorStore", "RemoteChunks", "default_cache_size", "FETCH_THREADS",
            "mirror_store"]
@@ -195,7 +195,7 @@ class Mirror:
         return self.root
 
     def _copy_metadata(self, objects: dict[str, ObjectInfo]) -> None:
-        from .rawzarr import open_raw
+        from ..rawzarr import open_raw
 
         loc = self.location
         if MANIFEST_NAME not in objects:
@@ -373,7 +373,7 @@ class RemoteChunks:
             for (start, stop, token), buf in zip(ranges, bufs):
                 view = memoryview(buf)
                 if len(view) != stop - start:
-                    from .rawzarr import ChunkError
+                    from ..rawzarr import ChunkError
 
                     raise ChunkError(f"{loc.where(key)}: bytes [{start}, {stop}) arrived "
                                      f"as {len(view)} bytes (the object is truncated)")

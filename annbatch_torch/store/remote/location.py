@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import CollectionError, InputError, ReadError
+from ...errors import CollectionError, InputError, ReadError
 
 __all__ = ["RemoteLocation", "SCHEMES", "is_url", "check_url", "ObjectInfo"]
 
