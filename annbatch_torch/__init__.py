@@ -26,8 +26,9 @@ from .errors import (
 )
 from .fields import A, Field
 from .sampling.samplers import ClassBalancedSampler, Sampler, SubsetSampler, WeightedSampler
-from .store.collection import Collection, Source, open_collection
+from .store.collection import Collection, open_collection
 from .store.inputs.inplace import open_source
+from .store.source import Source
 from .store.zarrs import set_codec_pipeline
 
 if TYPE_CHECKING:

@@ -2,12 +2,16 @@
 
 A batch's path, one direction (``docs/architecture.md``, "A batch's path"): the
 :class:`~annbatch_torch.world.World` of this copy is resolved once per ``__iter__``; the
-plan (:mod:`annbatch_torch.sampling`, pure) gives its complete work items (a pool's rows,
-their order, its batches); a :class:`~annbatch_torch.read.pool_stream.PoolStream` reads each
-pool (the next one in the background) into a host or device pool; ``pool.batch(lo, hi)``
-cuts a zero-copy slice and densifies where the
-:class:`~annbatch_torch.read.densify.DensifyPolicy` says; then come the per-field transforms
-and the ``batch_converter``. Resume state lives in :mod:`annbatch_torch.resume`.
+plan (:class:`~annbatch_torch.sampling.ChunkPlan` or
+:class:`~annbatch_torch.sampling.SamplePlan`, pure) gives its complete work items (a pool's
+rows, their order, its batches) and answers every other planning question (``len``, the
+resume fingerprint); a :class:`~annbatch_torch.read.pool_stream.PoolStream` reads each
+pool (the next one in the background) into a host or device pool; a
+:class:`~annbatch_torch.batches.BatchAssembler` cuts each batch out of it (``pool.batch(lo,
+hi)``: a zero-copy slice, densified where the
+:class:`~annbatch_torch.read.densify.DensifyPolicy` says) and applies the per-field
+transforms and the ``batch_converter``. The dataset keeps the configuration, pickling and
+``__iter__``; resume state lives in :mod:`annbatch_torch.resume`.
 """
 
 from __future__ import annotations
@@ -17,36 +21,32 @@ import copy
 import logging
 import os
 import pickle
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data import Sampler as TorchSampler
 
-from . import resume, sampling
-from .convert import batch_dict_converter
-from .errors import BatchError, SamplerError, SchemaError
+from . import sampling
+from .batches import BatchAssembler
+from .errors import SamplerError, SchemaError, check_int
 from .fields import Field, normalize_selector
-from .read.csr import densify_csr
 from .read.densify import DensifyPolicy
-from .read.device_pool import DevicePool, check_device
+from .read.device_pool import check_device
 from .read.genes import GeneSelection
-from .read.host_pool import HostPool
 from .read.pool_stream import PoolStream
-from .read.reader import PoolReader, default_read_threads, describe_ranges
+from .read.reader import PoolReader, default_read_threads
 from .resume import Resumer
-from .sampling import ObsColumn, Sampler
-from .store.collection import Source
+from .sampling import ChunkPlan, EpochPlan, SamplePlan, Sampler, Segment
 from .store.inputs.inplace import open_source
 from .store.manifest import RAW_X
-from .torch_sampler import TorchIndexSampler
+from .store.source import Source
+from .torch_sampler import bind_sampler
 from .world import SharedEpoch, World, distributed_rank_world
 
-__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS", "bind_sampler"]
+__all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,22 +58,6 @@ DEFAULT_CHUNK_SIZE = 512
 DEFAULT_PRELOAD_NCHUNKS = 32
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
-    return int(value)
-
-
-def _own_copy(value: Any) -> Any:
-    """A copy of a batch value (numpy, scipy sparse or torch), so that an in-place
-    transform of one key never changes another key's values."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if sp.issparse(value):
-        return value.copy()
-    return np.array(value, copy=True)
-
-
 def _int_array(name: str, values: Any) -> np.ndarray:
     """``values`` as int64, refusing fractions and non-numbers (never truncated)."""
     arr = np.asarray(values)
@@ -81,32 +65,6 @@ def _int_array(name: str, values: Any) -> np.ndarray:
             arr.dtype.kind == "f" and not np.all(np.isfinite(arr) & (arr == np.round(arr)))):
         raise ValueError(f"{name} must be a 1-D list of integers, got {values!r}.")
     return arr.astype(np.int64)
-
-
-def bind_sampler(source: Source, sampler: Any, rows: np.ndarray | None = None) -> Sampler:
-    """``sampler`` bound to ``source`` with the obs columns it asked for (read as global
-    codes), drawing from ``rows`` only when given (a training split)."""
-    if isinstance(sampler, TorchSampler) and not isinstance(sampler, Sampler):
-        sampler = TorchIndexSampler(sampler)  # its indices as the stream
-    if not isinstance(sampler, Sampler):
-        raise TypeError(
-            "sampler must be an annbatch_torch Sampler (WeightedSampler, ClassBalancedSampler, "
-            "SubsetSampler or a subclass of Sampler) or a torch.utils.data.Sampler of row "
-            f"indices, got {type(sampler).__name__}.")
-    columns = {}
-    for name in sampler.columns:
-        try:
-            categories = source.categories(name)
-        except SchemaError as e:
-            raise SamplerError(f"sampler {sampler!r}: {e}") from None
-        field = name if name.startswith("obs/") else f"obs/{name}"
-        reader = PoolReader(source, [field], threads=1)
-        try:
-            codes = reader.read(np.array([[0, source.n_obs]], dtype=np.int64))[field]
-        finally:
-            reader.close()
-        columns[name] = ObsColumn(np.asarray(codes), tuple(categories))
-    return sampler.bind(source.n_obs, columns, rows)
 
 
 class AnnBatchDataset(IterableDataset):
@@ -219,12 +177,12 @@ class AnnBatchDataset(IterableDataset):
         sampler: Sampler | TorchSampler | None = None,
     ) -> None:
         super().__init__()
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.chunk_size = _check_int("chunk_size", chunk_size, 1)
-        self.preload_nchunks = _check_int("preload_nchunks", preload_nchunks, 1)
-        self.seed = _check_int("seed", seed, 0)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.chunk_size = check_int("chunk_size", chunk_size, 1)
+        self.preload_nchunks = check_int("preload_nchunks", preload_nchunks, 1)
+        self.seed = check_int("seed", seed, 0)
         self.read_threads = (default_read_threads() if read_threads is None
-                             else _check_int("read_threads", read_threads, 1))
+                             else check_int("read_threads", read_threads, 1))
         if even_batches not in ("drop", "pad"):
             raise ValueError(f"even_batches must be 'drop' or 'pad', got {even_batches!r}.")
         if batch_converter is not None and not callable(batch_converter):
@@ -263,15 +221,12 @@ class AnnBatchDataset(IterableDataset):
         if clash:
             raise ValueError(f"selector keys {sorted(clash)} clash with reserved output keys.")
         self.chunk_ids = None if chunk_ids is None else _int_array("chunk_ids", chunk_ids)
-        # resume states record it (state_dict runs at every batch: computed once)
-        self._chunk_ids_crc = (None if self.chunk_ids is None
-                               else zlib.crc32(np.sort(self.chunk_ids).tobytes()))
         self.sampler = None if sampler is None else self._bind_sampler(sampler)
         self._explicit_dist = rank is not None or world_size is not None
         self._rank, self._world_size = 0, 1
         if self._explicit_dist:
-            self._rank = _check_int("rank", 0 if rank is None else rank, 0)
-            self._world_size = _check_int("world_size", 1 if world_size is None else world_size, 1)
+            self._rank = check_int("rank", 0 if rank is None else rank, 0)
+            self._world_size = check_int("world_size", 1 if world_size is None else world_size, 1)
             if self._rank >= self._world_size:
                 raise ValueError(
                     f"rank must be in [0, world_size={self._world_size}), got {self._rank}."
@@ -282,6 +237,14 @@ class AnnBatchDataset(IterableDataset):
             preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
             rank=self._rank, world_size=self._world_size, even_batches=self.even_batches,
         )
+        settings = dict(n_obs=self.source.n_obs, chunk_size=self.chunk_size,
+                        preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
+                        shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
+                        even_batches=self.even_batches)
+        #: the epochs' plan, asked what they hold (chunked or sampling mode)
+        self._epoch_plan: EpochPlan = (
+            ChunkPlan(**settings, chunk_ids=self.chunk_ids) if self.sampler is None
+            else SamplePlan(**settings, sampler=self.sampler))
         # set_epoch in the main process reaches (persistent) workers
         self._epoch = SharedEpoch()
         #: Where sparse fields are densified (AnnBatchDataLoader installs its own in its
@@ -335,37 +298,30 @@ class AnnBatchDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch used by the next iteration (reaches persistent workers too)."""
-        self._epoch.set(_check_int("epoch", epoch, 0))
+        self._epoch.set(check_int("epoch", epoch, 0))
 
-    def _plan_kwargs(self) -> dict[str, Any]:
-        return dict(
-            n_obs=self.source.n_obs, chunk_size=self.chunk_size,
-            preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
-            drop_last=self.drop_last, even_batches=self.even_batches, chunk_ids=self.chunk_ids,
-        )
+    @property
+    def epoch_plan(self) -> EpochPlan:
+        """The epochs' plan (:class:`~annbatch_torch.sampling.ChunkPlan`, or
+        :class:`~annbatch_torch.sampling.SamplePlan` with a sampler): the deal of an epoch,
+        its batches per rank, its work items, the fingerprint a resume state records."""
+        return self._epoch_plan
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank). In an epoch resumed
         on another number of ranks, the batches every rank yielded before plus those it
         yields now."""
         world = self._resolve_dist()[1]
-        segments, steps = self._resumer.planned(self.epoch, world)
-        if segments:
-            return steps + resume.rank_items(self._deal(self.epoch), segments, 0,
-                                             world).n_batches
-        if self.sampler is not None:
-            return sampling.sample_batches_per_rank(
-                self.sampler, self.batch_size, self._pool_rows(), world_size=world,
-                drop_last=self.drop_last, even_batches=self.even_batches)
-        return sampling.batches_per_rank(**self._plan_kwargs(), world_size=world)
+        return self._epoch_plan.batches_per_rank(self.epoch, world,
+                                                 self._resumer.planned(self.epoch, world))
 
     def _pool_rows(self) -> int:
-        return sampling.pool_rows(self.batch_size, self.chunk_size, self.preload_nchunks)
+        return self._epoch_plan.pool
 
     def plan(
         self, epoch: int | None = None, worker: int = 0, num_workers: int = 1, *,
         rank: int | None = None, world_size: int | None = None,
-        segments: Sequence[resume.Segment] | None = None,
+        segments: Sequence[Segment] | None = None,
     ) -> Sequence[sampling.WorkItem]:
         """The work items (pools, their row order and batch ranges) of one worker of a rank
         (default: this rank, in this world) in ``epoch``. ``segments``: the parts of the
@@ -377,51 +333,27 @@ class AnnBatchDataset(IterableDataset):
                       own_world if world_size is None else world_size, worker,
                       max(1, num_workers))
         if segments is None:
-            segments = self._resumer.planned(epoch, world.world_size)[0]
-        return self._plan(epoch, world, tuple(segments))
+            segments = self._resumer.planned(epoch, world.world_size)
+        return self._items(epoch, world, tuple(segments))
 
-    def _deal(self, epoch: int) -> sampling.EpochDeal:
-        """How ``epoch``'s stream is dealt to ranks and workers."""
-        if self.sampler is not None:
-            return sampling.sample_deal(
-                self.sampler, self.batch_size, self._pool_rows(), seed=self.seed, epoch=epoch,
-                drop_last=self.drop_last, even_batches=self.even_batches,
-                in_order=not self.shuffle)
-        return sampling.chunk_deal(**self._plan_kwargs(), shuffle=self.shuffle, seed=self.seed,
-                                   epoch=epoch)
-
-    def _plan(self, epoch: int, world: World, segments: tuple[resume.Segment, ...] = ()
-              ) -> Sequence[sampling.WorkItem]:
-        deal = self._deal(epoch)
-        items = resume.rank_items(deal, segments, world.rank, world.world_size)
-        return deal.workers(items, world.num_workers)[world.worker]
+    def _items(self, epoch: int, world: World, segments: tuple[Segment, ...] = ()
+               ) -> Sequence[sampling.WorkItem]:
+        return self._epoch_plan.items(epoch, rank=world.rank, world_size=world.world_size,
+                                      worker=world.worker, num_workers=world.num_workers,
+                                      segments=segments)
 
     def densify_policy_for_workers(self, *, num_workers: int, pin_memory: bool = False,
                                    collate_fn: Callable[..., Any] | None = None
                                    ) -> DensifyPolicy:
-        """The ``read.densify.DensifyPolicy`` of a loader's workers:
-        with ``densify=True`` and workers, sparse fields without a transform and with the
-        default ``batch_converter`` are sent as CSR (~5x fewer bytes than dense at typical
-        sparsity) and densified in the main process."""
-        keys = set()
-        if self.batch_converter is None:
-            keys = {key for key, f in self.selector.items()
-                    if f.transform is None and self.source.fields[f.path].kind == "csr"}
-        return self.densify_policy.for_workers(keys, num_workers=num_workers,
-                                               pin_memory=pin_memory, collate_fn=collate_fn)
+        """The ``read.densify.DensifyPolicy`` of a loader's workers
+        (:meth:`~annbatch_torch.read.densify.DensifyPolicy.for_workers`): with
+        ``densify=True`` and workers, sparse fields without a transform and with the
+        default ``batch_converter`` are sent as CSR and densified in the main process."""
+        return self.densify_policy.for_workers(
+            self.selector, self.source.fields, default_converter=self.batch_converter is None,
+            num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn)
 
     # -- resume (torchdata Stateful) -----------------------------------------------------
-    def _plan_fingerprint(self) -> dict[str, Any]:
-        """What the epoch's batches depend on besides seed, epoch and world size (JSON
-        scalars): a state saved under other values would skip other batches."""
-        return {
-            "n_obs": int(self.source.n_obs), "batch_size": self.batch_size,
-            "chunk_size": self.chunk_size, "preload_nchunks": self.preload_nchunks,
-            "shuffle": self.shuffle, "drop_last": self.drop_last,
-            "even_batches": self.even_batches,
-            "chunk_ids": self._chunk_ids_crc,
-            "sampler": None if self.sampler is None else self.sampler.signature,
-        }
 
     def state_dict(self) -> dict[str, Any]:
         """Small JSON-serialisable progress of this copy: seed, epoch, worker, batches done.
@@ -431,7 +363,7 @@ class AnnBatchDataset(IterableDataset):
         the start of that epoch.
         """
         return self._resumer.state_dict(seed=self.seed, world_size=self.world_size,
-                                        epoch=self.epoch, plan=self._plan_fingerprint())
+                                        epoch=self.epoch, plan=self._epoch_plan.fingerprint())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration skips the batches done.
@@ -441,7 +373,7 @@ class AnnBatchDataset(IterableDataset):
         epoch's last batch resumes that epoch with nothing left.
         """
         epoch = self._resumer.load(state_dict, seed=self.seed, world_size=self.world_size,
-                                   epoch=self.epoch, plan=self._plan_fingerprint())
+                                   epoch=self.epoch, plan=self._epoch_plan.fingerprint())
         if epoch is not None:
             self.set_epoch(epoch)
             self._epoch.forget_start()  # resuming the same epoch is intended
@@ -529,7 +461,7 @@ class AnnBatchDataset(IterableDataset):
         segments, skip = self._resumer.start(epoch, world)
         if self.device is not None:
             check_device(self.device)  # refuses DataLoader workers with the fix
-        items = self._plan(epoch, world, segments)
+        items = self._items(epoch, world, segments)
         if skip:
             items = sampling.remaining_items(items, skip)
         self._iterations += 1
@@ -540,62 +472,27 @@ class AnnBatchDataset(IterableDataset):
         prefetch = self.prefetch if self.prefetch is not None else not world.in_worker
 
         def upcoming() -> sampling.WorkItem | None:  # the next epoch's first pool
-            nxt = self._plan(epoch + 1, world)
+            nxt = self._items(epoch + 1, world)
             return nxt[0] if len(nxt) else None
 
         pools = self._pool_stream().pools(items, prefetch=prefetch, shared=world.in_worker,
                                           upcoming=upcoming)
         # closed on any exit: an exception kept by the caller must not keep the prefetch
         # thread and its pool alive, nor a pool read ahead for an epoch that failed
+        assembler = self._assembler(world)
         try:
             with contextlib.closing(pools):
                 for item, pool in pools:
-                    yield from self._batches(item, pool, world, iteration)
+                    # a generator of its own: its last batch is let go before the next pool
+                    yield from self._counted(assembler.batches(item, pool), iteration)
         except Exception:
             if self._stream is not None:
                 self._stream.drop_read_ahead(wait=True)
             raise
 
-    def _batches(self, item: sampling.WorkItem, pool: HostPool | DevicePool, world: World,
-                 iteration: int) -> Iterator[Any]:
-        converter = self.batch_converter or batch_dict_converter
-        policy = self.densify_policy
-        on_device = isinstance(pool, DevicePool)
-        dense = {key: policy.pool_densifies(key, world.in_worker) for key in self.selector}
-        # a field is densified in the pool when every key of it wants it dense; a key that
-        # wants dense a field another key takes as CSR densifies its own copy
-        dense_paths = {f.path for f in self.selector.values()} - {
-            f.path for key, f in self.selector.items() if not dense[key]}
-        for b in range(item.batch_start, item.batch_stop):
-            lo, hi = item.bounds(b)  # batches are contiguous in the pool
-            values = (pool.batch(lo, hi, policy.where == "device") if on_device
-                      else pool.batch(lo, hi, dense_paths))
-            batch: dict[str, Any] = {}
-            taken: set[str] = set()
-            for key, f in self.selector.items():  # every key its own memory, then transforms
-                value = values[f.path]
-                if dense[key] and sp.issparse(value):
-                    value = densify_csr(value, shared=world.in_worker)  # fresh
-                elif f.path in taken:  # one field under two keys: never the same memory
-                    value = _own_copy(value)
-                else:
-                    taken.add(f.path)
-                batch[key] = value
-            for key, f in self.selector.items():
-                if f.transform is not None:
-                    try:
-                        batch[key] = f.transform(batch[key])
-                    except Exception as e:
-                        what = f"the transform of selector key {key!r} (field {f.path!r})"
-                        raise self._batch_error(what, item, b, e) from e
-            if self.return_index:
-                batch["index"] = item.rows[lo:hi]
-            if self.even_batches == "pad":
-                batch[self.mask_key] = np.full(hi - lo, not item.padding, dtype=bool)
-            try:
-                out = converter(batch)
-            except Exception as e:
-                raise self._batch_error("the batch_converter", item, b, e) from e
+    def _counted(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
+        """``batches``, each counted into this copy's progress as it is yielded."""
+        for out in batches:
             if self._iterations != iteration:  # never counted into the newer one's progress
                 raise RuntimeError(
                     "AnnBatchDataset: this iterator was superseded by a newer iter() of the "
@@ -605,15 +502,12 @@ class AnnBatchDataset(IterableDataset):
             self._resumer.count()  # before yield: state_dict() follows the fetch
             yield out
 
-    def _batch_error(
-        self, what: str, item: sampling.WorkItem, batch: int, exc: Exception
-    ) -> BatchError:
-        # the DataLoader passes only the message to the training loop: carry type and text
-        return BatchError(
-            f"{self.source.describe()}: {what} raised {type(exc).__name__}: {exc} on batch "
-            f"{batch} of pool {item.pool_index}, read from "
-            f"{describe_ranges(self.source, item.ranges)}."
-        )
+    def _assembler(self, world: World) -> BatchAssembler:
+        """How this copy turns a pool's rows into batches, in ``world``."""
+        return BatchAssembler(
+            self.source, self.selector, self.densify_policy, in_worker=world.in_worker,
+            converter=self.batch_converter, index=self.return_index,
+            mask_key=self.mask_key if self.even_batches == "pad" else None)
 
     def __repr__(self) -> str:
         sel = {k: str(v) for k, v in self.selector.items()}

@@ -6,10 +6,47 @@ All of them subclass :class:`ValueError` so generic handlers keep working.
 
 from __future__ import annotations
 
+import contextlib
+import operator
+
+import numpy as np
+
 __all__ = [
     "AnnBatchError", "CollectionError", "InputError", "SchemaError", "ReadError", "BatchError",
-    "SamplerError",
+    "SamplerError", "check_int",
 ]
+
+
+def check_int(name: str, value: object, minimum: int, *,
+              error: type[Exception] = ValueError, note: str = "") -> int:
+    """``value`` as an ``int`` when it is an integer ``>= minimum``, else ``error``.
+
+    Parameters
+    ----------
+    name
+        The argument's name, as the message gives it.
+    value
+        An ``int``, a numpy integer or anything with ``__index__``; ``bool`` (also
+        ``numpy.bool_``) is refused.
+    minimum
+        The smallest value allowed.
+    error
+        The exception class raised (``ValueError``; e.g. :class:`SamplerError`).
+    note
+        Text after the bound in the message (e.g. ``" (or None)"``).
+
+    Raises
+    ------
+    Exception
+        ``error("{name} must be an integer >= {minimum}{note}, got {value!r}.")``.
+    """
+    out = None
+    if not isinstance(value, bool | np.bool_):
+        with contextlib.suppress(TypeError):
+            out = operator.index(value)  # type: ignore[arg-type]
+    if out is None or out < minimum:
+        raise error(f"{name} must be an integer >= {minimum}{note}, got {value!r}.")
+    return out
 
 
 class AnnBatchError(ValueError):

@@ -49,18 +49,16 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from . import sampling
-from .annbatch_dataset import (
-    DEFAULT_CHUNK_SIZE,
-    DEFAULT_PRELOAD_NCHUNKS,
-    AnnBatchDataset,
-    bind_sampler,
-)
+from .annbatch_dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
+from .errors import check_int
 from .fields import Field
 from .loader import AnnBatchDataLoader
 from .resume import is_mid_epoch, state_ints
 from .sampling import Sampler
-from .store.collection import Source, open_collection
+from .store.collection import open_collection
 from .store.manifest import read_manifest
+from .store.source import Source
+from .torch_sampler import bind_sampler
 from .write.prepare import explicit_settings, write_if_stale
 from .write.publish import lock_path
 from .write.staleness import store_is_current, store_staleness
@@ -194,10 +192,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         if eval_even_batches not in ("pad", "drop"):
             raise ValueError("eval_even_batches must be 'pad' or 'drop', got "
                              f"{eval_even_batches!r}.")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}.")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}.")
+        num_workers = check_int("num_workers", num_workers, 0)
+        seed = check_int("seed", seed, 0)
         if isinstance(adata_paths, str | os.PathLike):
             adata_paths = [adata_paths]
         managed = sorted(set(dataset_kwargs or {}) & set(_MANAGED))
@@ -329,9 +325,10 @@ class AnnBatchDataModule(pl.LightningDataModule):
         if train and self.sampler is not None:  # draws from the training split's rows only
             rows = None
             if chunk_ids is not None and (self.val_fraction > 0 or self.test_fraction > 0):
-                rows = sampling.global_rows(sampling.chunk_stream(
-                    self.collection.n_obs, self.chunk_size, shuffle=False, seed=self.seed,
-                    epoch=0, chunk_ids=chunk_ids))
+                rows = sampling.ChunkPlan(
+                    n_obs=self.collection.n_obs, chunk_size=self.chunk_size,
+                    preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
+                    seed=self.seed, chunk_ids=chunk_ids).rows()
             sampler, chunk_ids = bind_sampler(self.collection, self.sampler, rows), None
         return AnnBatchDataset(
             self.collection, selector=self.selector, batch_size=self.batch_size,
@@ -517,8 +514,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
 
     def set_epoch(self, epoch: int) -> None:
         """Set the training epoch (Lightning does this itself through the sampler)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}.")
+        epoch = check_int("epoch", epoch, 0)
         self._epoch = epoch
         if self.train_dataset is not None:
             self.train_dataset.set_epoch(epoch)

@@ -31,7 +31,7 @@ from typing import Any
 from torch.utils.data import Sampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from . import resume, sampling
+from . import resume
 from .annbatch_dataset import AnnBatchDataset
 from .read.densify import Densifying
 
@@ -147,71 +147,21 @@ class AnnBatchDataLoader(StatefulDataLoader):
         and Lightning checkpoints rank 0's state only). Saved with another number of ranks
         or workers: the batches every old rank had yielded follow from that number (ranks
         are in step); the rest of the epoch is dealt anew to this topology
-        (``resume.remaining_batches``).
+        (``sampling.remaining_batches``). What happens is decided by ``resume.restore``.
         """
         self.resumed_elsewhere = False
-        state = dict(state_dict)
-        epoch = state.pop(resume.EPOCH_KEY, None)
-        if epoch is not None and int(epoch) > self.dataset.epoch:
-            self.dataset.set_epoch(int(epoch))  # a later epoch than the snapshots' wins
-        saved = resume.loader_progress(state)
-        if saved is None:  # not a state of this dataset: torchdata says why
-            super().load_state_dict(state)
-            return
-        ds_state = saved.dataset_state
-        world, workers = self.dataset.world_size, max(1, self.num_workers)
-        saved_world = int(ds_state.get("world_size") or world)  # None in states of 0.1.0
-        if self.finished_starts_next_epoch and self._finished(saved, saved_world):
-            # the epoch was done (Lightning: a checkpoint at its last step, applied to the
-            # next epoch's iterator): start the next epoch afresh
-            if saved.epoch + 1 > self.dataset.epoch:
-                self.dataset.set_epoch(saved.epoch + 1)
-            super().load_state_dict({})
-            return
-        if (not saved.multiprocess and saved.steps and not ds_state.get("batches")
-                and not ds_state.get("segments")):
-            # without workers the dataset's state is taken with the loader's: set_epoch moved
-            # on after the last batch (a checkpoint between epochs), the next one is whole
-            self.dataset.load_state_dict(ds_state)
-            super().load_state_dict({})
-            return
-        if saved.epoch < self.dataset.epoch:  # stale: that epoch runs from its start, and
+        ds = self.dataset
+        decision = resume.restore(
+            state_dict, plan=ds.epoch_plan, epoch=ds.epoch, rank=ds.rank,
+            world_size=ds.world_size, num_workers=self.num_workers,
+            finished_starts_next_epoch=self.finished_starts_next_epoch,
+            epoch_limit=self.epoch_limit)
+        if decision.epoch is not None:
+            ds.set_epoch(decision.epoch)
+        if decision.kind == "fresh":
             logger.info("AnnBatchDataLoader: epoch %d is set, later than the loaded state's "
-                        "(%d); it runs from its start.", self.dataset.epoch, saved.epoch)
-            super().load_state_dict({})  # nothing of the old epoch's iterator carries over
-            return
-        if (saved_world, saved.workers, saved.multiprocess) != (world, workers,
-                                                                self.num_workers > 0):
-            # another topology (or 0 <-> 1 workers, whose torchdata states differ): the
-            # rest of the epoch is dealt anew (with 1 worker as without: the same plan)
-            self.dataset.load_state_dict({**ds_state, "world_size": saved_world,
-                                          "num_workers": saved.workers, "steps": saved.steps})
-            self.resumed_elsewhere = (saved_world, saved.workers) != (world, workers)
-            super().load_state_dict({})
-            return
-        # the same topology: torchdata restores each copy; this copy knows the epoch's
-        # segments (its len) until the workers take theirs
-        self.dataset.load_state_dict(ds_state)
-        snap = state.get("_snapshot")
-        if isinstance(snap, dict) and snap.get("_worker_snapshots"):
-            counts = [sampling.total_batches(self.dataset.plan(saved.epoch, w, workers))
-                      for w in range(workers)]
-            state["_snapshot"] = resume.for_rank(snap, counts)
-        super().load_state_dict(state)
-
-    def _finished(self, saved: resume.LoaderProgress, saved_world: int) -> bool:
-        """Whether ``saved`` was taken at its epoch's end: after every batch of its
-        topology, or at :attr:`epoch_limit`."""
-        segments = [resume.Segment.from_json(s) for s in saved.dataset_state.get("segments")
-                    or []]
-        total = sum(seg.steps for seg in segments) + sum(
-            sampling.total_batches(self.dataset.plan(saved.epoch, w, saved.workers, rank=0,
-                                                     world_size=saved_world,
-                                                     segments=segments))
-            for w in range(saved.workers))
-        limit = self.epoch_limit
-        if isinstance(limit, float) and limit < 1.0:
-            total = max(1, int(total * limit))
-        elif isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-            total = min(total, limit)
-        return saved.epoch_steps >= total
+                        "(%d); it runs from its start.", ds.epoch, decision.saved_epoch)
+        if decision.dataset_state is not None:
+            ds.load_state_dict(decision.dataset_state)
+        self.resumed_elsewhere = decision.resumed_elsewhere
+        super().load_state_dict(decision.loader_state)

@@ -1,25 +1,22 @@
-"""Exact resume, in one place: per-copy progress, the replay of what workers consumed, and
-the glue to torchdata's ``StatefulDataLoader``.
+"""What a saved state means: per-copy progress, the state's JSON, the glue to torchdata's
+``StatefulDataLoader`` and the loader's restore decision.
 
 * :class:`Progress`: what one dataset copy (one per DataLoader worker) yielded of an
   epoch. :class:`Resumer` owns it for :class:`~annbatch_torch.AnnBatchDataset`: its
   ``state_dict()`` is that progress as JSON; ``load_state_dict()`` makes the next
   ``__iter__`` of the same epoch skip the batches done. A state applies to its own epoch
   only.
-* The replay (pure): :func:`dataloader_order` is the order torch's ``DataLoader`` takes
-  batches from its workers (round-robin, skipping exhausted ones), and
-  :func:`consumed_per_worker` what each worker had yielded when the loader had yielded
-  ``n``. That is how a state saved on one rank resumes another: ranks yield the same
-  number of batches but their workers need not, and Lightning checkpoints rank 0 only.
-* Elastic resume (pure): a :class:`Segment` is a part of an epoch run under one topology
-  (``world_size`` ranks of ``num_workers`` workers) until every rank's loader had yielded
-  ``steps`` batches. :func:`remaining_batches` replays an epoch's segments, every rank and
-  worker of each, and gives the epoch's batches not yet yielded; :func:`rank_items` deals
-  them to a new topology (``sampling.EpochDeal.rest``). A state is O(segments): which
-  batches were consumed follows from ``(seed, epoch)``, the plan and the steps.
+* The replay of what each worker of each rank consumed (pure) is part of the plan:
+  :mod:`annbatch_torch.sampling.replay` (:class:`~annbatch_torch.sampling.Segment`,
+  ``dataloader_order``, ``consumed_per_worker``, ``remaining_batches``). A state is
+  O(segments): which batches were consumed follows from ``(seed, epoch)``, the plan and
+  the steps. :func:`same_topology` is the one test of whether a state runs where it was
+  saved.
 * The torchdata glue: :func:`loader_progress` reads ``(epoch, step, workers)`` out of a
   ``StatefulDataLoader`` state, :func:`for_rank` rewrites its worker snapshots for this
   rank's plan, :func:`is_mid_epoch` says whether a state was taken inside an epoch.
+* :func:`restore`: what :class:`~annbatch_torch.AnnBatchDataLoader` does with a loaded
+  state, one pure decision (:class:`Restore`) that the loader applies.
 """
 
 from __future__ import annotations
@@ -27,26 +24,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
-import numpy as np
-
-from . import sampling
+from .sampling import EpochPlan, Segment, consumed_per_worker, dataloader_order
 from .world import World
 
 __all__ = [
     "Progress",
     "Resumer",
-    "Segment",
-    "dataloader_order",
-    "consumed_per_worker",
-    "remaining_batches",
-    "rank_items",
+    "same_topology",
+    "segment_from_json",
+    "LoadedState",
+    "parse_state",
     "LoaderProgress",
     "loader_progress",
     "for_rank",
     "is_mid_epoch",
     "state_ints",
+    "Restore",
+    "restore",
     "EPOCH_KEY",
 ]
 
@@ -82,32 +78,30 @@ class Progress:
     batches: int = 0
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A part of an epoch run on ``world_size`` ranks of ``num_workers`` DataLoader workers
-    each (0 workers count as 1), until every rank's loader had yielded ``steps`` batches."""
+def segment_from_json(value: Any) -> Segment:
+    """A :class:`~annbatch_torch.sampling.Segment` of a saved state, or a ``ValueError``
+    naming what is wrong."""
+    got = state_ints(value if isinstance(value, Mapping) else {},
+                     ("world_size", "num_workers", "steps"), "AnnBatchDataset.state_dict()")
+    if got["world_size"] < 1 or got["num_workers"] < 1 or got["steps"] < 0:
+        raise ValueError(f"load_state_dict: segment {dict(value)!r} needs world_size >= 1, "
+                         "num_workers >= 1 and steps >= 0; pass a state saved by "
+                         "AnnBatchDataset.state_dict().")
+    return Segment(**got)
 
-    world_size: int
-    num_workers: int
-    steps: int
 
-    def to_json(self) -> dict[str, int]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, value: Any) -> Segment:
-        """A segment of a saved state, or a ``ValueError`` naming what is wrong."""
-        got = state_ints(value if isinstance(value, Mapping) else {},
-                         ("world_size", "num_workers", "steps"), "AnnBatchDataset.state_dict()")
-        if got["world_size"] < 1 or got["num_workers"] < 1 or got["steps"] < 0:
-            raise ValueError(f"load_state_dict: segment {dict(value)!r} needs world_size >= 1, "
-                             "num_workers >= 1 and steps >= 0; pass a state saved by "
-                             "AnnBatchDataset.state_dict().")
-        return cls(**got)
+def same_topology(saved_world: int | None, saved_workers: int, world_size: int,
+                  num_workers: int) -> bool:
+    """Whether a state saved on ``saved_world`` ranks of ``saved_workers`` DataLoader
+    workers each runs on ``world_size`` ranks of ``num_workers`` as it was saved (0 workers
+    count as 1; ``saved_world=None``, a state of 0.1.0: the same world assumed). Otherwise
+    the rest of its epoch is dealt anew (:func:`~annbatch_torch.sampling.rank_items_after`).
+    """
+    return saved_world in (None, world_size) and max(1, saved_workers) == max(1, num_workers)
 
 
 @dataclass(frozen=True)
-class _Loaded:
+class LoadedState:
     """A loaded state waiting for the next ``__iter__``: the saved copy's progress, the
     segments of its epoch run before it under other topologies, and (handed over by
     :class:`~annbatch_torch.AnnBatchDataLoader`) the batches its rank's loader had
@@ -122,7 +116,7 @@ class _Loaded:
     steps: int | None
 
     def same_topology(self, world_size: int, num_workers: int) -> bool:
-        return (self.world_size in (None, world_size)) and self.num_workers == num_workers
+        return same_topology(self.world_size, self.num_workers, world_size, num_workers)
 
     def as_segment(self) -> Segment:
         """This state's own part of the epoch, as a segment to resume elsewhere."""
@@ -134,6 +128,54 @@ class _Loaded:
         return Segment(self.world_size, self.num_workers, self.steps)
 
 
+def parse_state(state: Mapping[str, Any], *, seed: int, world_size: int,
+                plan: Mapping[str, Any] | None = None) -> LoadedState:
+    """A dataset copy's saved state, checked against this dataset (``seed``, ``plan``: its
+    fingerprint) and ``world_size``, or a ``ValueError`` that says what differs and how to
+    resume (pure: :meth:`Resumer.load` keeps what it returns)."""
+    got = state_ints(state, ("seed", "epoch", "worker", "num_workers", "batches"),
+                     "AnnBatchDataset.state_dict()")
+    if got["seed"] != seed:
+        raise ValueError(
+            f"load_state_dict: the state was saved with seed={got['seed']} but this "
+            f"dataset has seed={seed}; construct the dataset with seed={got['seed']} to "
+            "resume."
+        )
+    saved_plan = state.get("plan")  # absent from states saved before it was recorded
+    if isinstance(saved_plan, Mapping) and plan is not None:
+        differ = [k for k in sorted(set(saved_plan) | set(plan))
+                  if saved_plan.get(k) != plan.get(k)]
+        if differ:
+            what = ", ".join(f"{k}={saved_plan.get(k)!r} (now {plan.get(k)!r})"
+                             for k in differ)
+            raise ValueError(
+                f"load_state_dict: the state was saved by a dataset with {what}: its "
+                "epochs hold other batches, so the batches done cannot be skipped. "
+                "Construct the dataset as it was saved (or start the epoch afresh "
+                "without the state).")
+    saved_world = state.get("world_size")  # absent from states of 0.1.0
+    segments = state.get("segments") or []  # absent before elastic resume (version 1)
+    if not isinstance(segments, Sequence) or isinstance(segments, str):
+        raise ValueError(f"load_state_dict: segments must be a list, got {segments!r}.")
+    steps = state.get("steps")
+    loaded = LoadedState(
+        got["epoch"], None if saved_world is None else int(saved_world), got["worker"],
+        max(1, got["num_workers"]), got["batches"],
+        tuple(segment_from_json(seg) for seg in segments),
+        None if steps is None else state_ints(state, ("steps",), "AnnBatchDataLoader")[
+            "steps"])
+    if loaded.steps is None and loaded.num_workers == 1:  # the copy's count is the rank's
+        loaded = replace(loaded, steps=loaded.batches)
+    if (loaded.world_size is not None and loaded.world_size != world_size
+            and loaded.steps is None):
+        raise ValueError(
+            f"load_state_dict: this is the state of DataLoader worker {loaded.worker} of "
+            f"{loaded.num_workers} on {loaded.world_size} ranks; to resume on "
+            f"{world_size} ranks the whole loader's progress is needed: save and load "
+            "AnnBatchDataLoader.state_dict() (or resume on the same number of ranks).")
+    return loaded
+
+
 class Resumer:
     """The resume state of one dataset copy: its :class:`Progress`, the segments of its
     epoch that ran under other topologies before it, and a loaded state waiting for the
@@ -143,7 +185,7 @@ class Resumer:
         self.progress = Progress()
         #: the parts of ``progress.epoch`` run before this one under other topologies
         self.segments: tuple[Segment, ...] = ()
-        self._pending: _Loaded | None = None
+        self._pending: LoadedState | None = None
 
     def state_dict(self, *, seed: int, world_size: int, epoch: int,
                    plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -162,7 +204,7 @@ class Resumer:
             progress = Progress(epoch, self.progress.worker, self.progress.num_workers, 0)
             segments, steps = (), None
         state = {"version": 2, "seed": seed, "world_size": world_size, **asdict(progress),
-                 "segments": [seg.to_json() for seg in segments]}
+                 "segments": [asdict(seg) for seg in segments]}
         if steps is not None and steps != progress.batches:
             state["steps"] = steps
         if plan is not None:
@@ -171,52 +213,13 @@ class Resumer:
 
     def load(self, state: Mapping[str, Any], *, seed: int, world_size: int,
              epoch: int, plan: Mapping[str, Any] | None = None) -> int | None:
-        """Check a saved state and keep it for the next :meth:`start`.
+        """Check a saved state (:func:`parse_state`) and keep it for the next :meth:`start`.
 
         Returns the epoch to set, or ``None`` when a later epoch (``epoch``) is set already:
         then the state is stale and that epoch runs from its start. A state of another
         ``world_size`` or ``num_workers`` resumes elastically at :meth:`start`.
         """
-        got = state_ints(state, ("seed", "epoch", "worker", "num_workers", "batches"),
-                         "AnnBatchDataset.state_dict()")
-        if got["seed"] != seed:
-            raise ValueError(
-                f"load_state_dict: the state was saved with seed={got['seed']} but this "
-                f"dataset has seed={seed}; construct the dataset with seed={got['seed']} to "
-                "resume."
-            )
-        saved_plan = state.get("plan")  # absent from states saved before it was recorded
-        if isinstance(saved_plan, Mapping) and plan is not None:
-            differ = [k for k in sorted(set(saved_plan) | set(plan))
-                      if saved_plan.get(k) != plan.get(k)]
-            if differ:
-                what = ", ".join(f"{k}={saved_plan.get(k)!r} (now {plan.get(k)!r})"
-                                 for k in differ)
-                raise ValueError(
-                    f"load_state_dict: the state was saved by a dataset with {what}: its "
-                    "epochs hold other batches, so the batches done cannot be skipped. "
-                    "Construct the dataset as it was saved (or start the epoch afresh "
-                    "without the state).")
-        saved_world = state.get("world_size")  # absent from states of 0.1.0
-        segments = state.get("segments") or []  # absent before elastic resume (version 1)
-        if not isinstance(segments, Sequence) or isinstance(segments, str):
-            raise ValueError(f"load_state_dict: segments must be a list, got {segments!r}.")
-        steps = state.get("steps")
-        loaded = _Loaded(
-            got["epoch"], None if saved_world is None else int(saved_world), got["worker"],
-            max(1, got["num_workers"]), got["batches"],
-            tuple(Segment.from_json(seg) for seg in segments),
-            None if steps is None else state_ints(state, ("steps",), "AnnBatchDataLoader")[
-                "steps"])
-        if loaded.steps is None and loaded.num_workers == 1:  # the copy's count is the rank's
-            loaded = replace(loaded, steps=loaded.batches)
-        if (loaded.world_size is not None and loaded.world_size != world_size
-                and loaded.steps is None):
-            raise ValueError(
-                f"load_state_dict: this is the state of DataLoader worker {loaded.worker} of "
-                f"{loaded.num_workers} on {loaded.world_size} ranks; to resume on "
-                f"{world_size} ranks the whole loader's progress is needed: save and load "
-                "AnnBatchDataLoader.state_dict() (or resume on the same number of ranks).")
+        loaded = parse_state(state, seed=seed, world_size=world_size, plan=plan)
         self._pending = None
         if epoch > loaded.epoch:
             logger.info("AnnBatchDataset: epoch %d is set, later than the loaded state's "
@@ -225,22 +228,18 @@ class Resumer:
         self._pending = loaded
         return loaded.epoch
 
-    def planned(self, epoch: int, world_size: int) -> tuple[tuple[Segment, ...], int]:
-        """``(segments, steps)`` of ``epoch`` on ``world_size`` ranks as the next
-        :meth:`start` will run it (a loaded state's; else this copy's own when it runs that
-        epoch): the segments its plan replays, and the batches every rank yielded in them.
-        Another ``num_workers`` on as many ranks leaves the rank's batch count unchanged,
-        so it is not needed here."""
+    def planned(self, epoch: int, world_size: int) -> tuple[Segment, ...]:
+        """The segments of ``epoch`` on ``world_size`` ranks that the next :meth:`start`
+        replays (a loaded state's; else this copy's own when it runs that epoch). Another
+        ``num_workers`` on as many ranks leaves the rank's batches unchanged, so it is not
+        needed here."""
         p = self._pending
         if p is not None and p.epoch == epoch:
             segments = p.segments
             if not p.same_topology(world_size, p.num_workers):
                 segments += (p.as_segment(),)
-        elif self.progress.epoch == epoch:
-            segments = self.segments
-        else:
-            segments = ()
-        return segments, sum(seg.steps for seg in segments)
+            return segments
+        return self.segments if self.progress.epoch == epoch else ()
 
     def start(self, epoch: int, world: World) -> tuple[tuple[Segment, ...], int]:
         """Begin iterating ``epoch`` in ``world``: ``(segments, skip)``, the segments the
@@ -300,90 +299,6 @@ class Resumer:
         """One more batch yielded (counted before the yield: ``state_dict()`` follows the
         fetch)."""
         self.progress.batches += 1
-
-
-# --------------------------------------------------------------------------- replay (pure)
-
-
-def dataloader_order(per_worker_counts: Sequence[int]) -> list[tuple[int, int]]:
-    """``(worker, local batch index)`` in the order torch's DataLoader yields them: one batch
-    per worker in turn, skipping exhausted workers."""
-    return [
-        (w, j)
-        for j in range(max(per_worker_counts, default=0))
-        for w, c in enumerate(per_worker_counts)
-        if j < c
-    ]
-
-
-def consumed_per_worker(per_worker_counts: Sequence[int], n_consumed: int) -> list[int]:
-    """Batches each worker had yielded when the DataLoader had yielded ``n_consumed``."""
-    counts = [int(c) for c in per_worker_counts]
-    if not 0 <= n_consumed <= sum(counts):
-        raise ValueError(f"n_consumed must lie in [0, {sum(counts)}], got {n_consumed}")
-    done = [0] * len(counts)
-    left = n_consumed
-    while left:
-        active = [w for w, c in enumerate(counts) if c > done[w]]
-        rounds = min(min(counts[w] - done[w] for w in active), left // len(active))
-        if rounds == 0:  # a partial round: the first `left` active workers yield one more
-            for w in active[:left]:
-                done[w] += 1
-            break
-        for w in active:
-            done[w] += rounds
-        left -= rounds * len(active)
-    return done
-
-
-# --------------------------------------------------------------------------- elastic (pure)
-
-
-def _first_batch_ids(items: sampling.WorkList, n: int) -> np.ndarray:
-    """Epoch batch ids of the first ``n`` batches of a worker's items (padding left out)."""
-    counts = items.batch_counts
-    pool = np.repeat(items.pool_index, counts)[:n]
-    first = np.repeat(items.batch_start - np.cumsum(counts) + counts, counts)[:n]
-    batch = np.arange(len(pool), dtype=np.int64) + first
-    return (pool * (items.pool_size // items.batch_size) + batch)[pool >= 0]
-
-
-def remaining_batches(deal: sampling.EpochDeal, segments: Sequence[Segment]) -> np.ndarray:
-    """The epoch batch ids (sorted int64; see :func:`~annbatch_torch.sampling.epoch_batches`)
-    not yielded in ``segments``, run one after the other: the first dealt as a fresh epoch,
-    each later one the batches left by those before it. Every rank of a segment yielded
-    its ``steps`` batches, its workers round-robin (:func:`consumed_per_worker`).
-
-    Raises ``ValueError`` when a segment's steps exceed what its ranks had to yield (a
-    state of another plan).
-    """
-    left = np.arange(deal.n_batches, dtype=np.int64)
-    for k, seg in enumerate(segments):
-        done = []
-        for rank in range(seg.world_size):
-            items = (deal.fresh(rank, seg.world_size) if k == 0
-                     else deal.rest(left, rank, seg.world_size))
-            per_worker = deal.workers(items, seg.num_workers)
-            counts = [sampling.total_batches(w) for w in per_worker]
-            if seg.steps > sum(counts):
-                raise ValueError(
-                    f"load_state_dict: the state says {seg.steps} batches were yielded on "
-                    f"{seg.world_size} ranks x {seg.num_workers} workers, but a rank had only "
-                    f"{sum(counts)} to yield; pass a state saved by this dataset's loader.")
-            for wl, n in zip(per_worker, consumed_per_worker(counts, seg.steps)):
-                done.append(_first_batch_ids(wl, n))  # type: ignore[arg-type]
-        consumed = np.sort(np.concatenate(done)) if done else np.zeros(0, np.int64)
-        assert len(np.unique(consumed)) == len(consumed), "a batch consumed twice"
-        left = np.setdiff1d(left, consumed, assume_unique=True)
-    return left
-
-
-def rank_items(deal: sampling.EpochDeal, segments: Sequence[Segment], rank: int,
-               world_size: int) -> sampling.WorkList:
-    """Rank ``rank``'s items of an epoch after ``segments`` (none: the fresh epoch)."""
-    if not segments:
-        return deal.fresh(rank, world_size)
-    return deal.rest(remaining_batches(deal, segments), rank, world_size)
 
 
 # --------------------------------------------------------------------------- torchdata glue
@@ -458,3 +373,127 @@ def is_mid_epoch(state: Mapping[str, Any], n_batches: int) -> bool:
     saved = loader_progress(state)
     done = saved.epoch_steps if saved is not None else 0
     return not state.get("_iterator_finished", False) and 0 < done < n_batches
+
+
+# --------------------------------------------------------------------------- restore
+
+#: What :class:`~annbatch_torch.AnnBatchDataLoader` does with a loaded state.
+RestoreKind = Literal["torchdata", "fresh", "next epoch", "dataset only", "same"]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """The decision :func:`restore` makes, which the loader applies in this order.
+
+    Attributes
+    ----------
+    kind
+        ``"torchdata"``: not a state of this dataset, torchdata loads it (and says why
+        not); ``"fresh"``: a later epoch is set, it runs from its start; ``"next epoch"``:
+        the state's epoch was finished, the next one starts afresh; ``"dataset only"``: the
+        dataset resumes from ``dataset_state`` and torchdata's iterator starts afresh
+        (a state taken between epochs without workers, or an epoch resumed on another
+        topology); ``"same"``: the same topology, torchdata restores every worker's copy.
+    loader_state
+        What the ``StatefulDataLoader`` loads (``{}``: nothing carries over).
+    epoch
+        The epoch to set on the dataset first (``None``: keep its own).
+    dataset_state
+        The state to load into the dataset (``None``: none).
+    resumed_elsewhere
+        The epoch resumes on another number of ranks or workers (its ``len`` differs).
+    saved_epoch
+        The epoch of the state (``None`` under ``"torchdata"``).
+    """
+
+    kind: RestoreKind
+    loader_state: dict[str, Any]
+    epoch: int | None = None
+    dataset_state: Mapping[str, Any] | None = None
+    resumed_elsewhere: bool = False
+    saved_epoch: int | None = None
+
+
+def restore(state_dict: Mapping[str, Any], *, plan: EpochPlan, epoch: int, rank: int,
+            world_size: int, num_workers: int, finished_starts_next_epoch: bool = False,
+            epoch_limit: int | float | None = None) -> Restore:
+    """What a loader does with ``state_dict`` (pure; see :class:`Restore`).
+
+    Parameters
+    ----------
+    state_dict
+        A state of :meth:`AnnBatchDataLoader.state_dict` (or a plain ``StatefulDataLoader``
+        state).
+    plan
+        The dataset's :class:`~annbatch_torch.sampling.EpochPlan` (its seed and
+        fingerprint check the state).
+    epoch
+        The epoch the dataset is set to.
+    rank, world_size, num_workers
+        Where the loader runs (``num_workers=0``: no workers).
+    finished_starts_next_epoch, epoch_limit
+        As on :class:`~annbatch_torch.AnnBatchDataLoader`.
+
+    Raises
+    ------
+    ValueError
+        The state's dataset part does not fit the dataset (:func:`parse_state`), checked
+        before its segments are replayed.
+    """
+    state = dict(state_dict)
+    set_to = None
+    saved_epoch = state.pop(EPOCH_KEY, None)
+    if saved_epoch is not None and int(saved_epoch) > epoch:
+        set_to = epoch = int(saved_epoch)  # a later epoch than the snapshots' wins
+    saved = loader_progress(state)
+    if saved is None:
+        return Restore("torchdata", state, set_to)
+    ds_state = saved.dataset_state
+    workers = max(1, num_workers)
+    saved_world = int(ds_state.get("world_size") or world_size)  # None in states of 0.1.0
+    if finished_starts_next_epoch and _finished(saved, saved_world, plan, epoch_limit):
+        # the epoch was done (Lightning: a checkpoint at its last step, applied to the next
+        # epoch's iterator): start the next epoch afresh
+        return Restore("next epoch", {}, saved.epoch + 1 if saved.epoch + 1 > epoch
+                       else set_to, saved_epoch=saved.epoch)
+    if (not saved.multiprocess and saved.steps and not ds_state.get("batches")
+            and not ds_state.get("segments")):
+        # without workers the dataset's state is taken with the loader's: set_epoch moved on
+        # after the last batch (a checkpoint between epochs), the next one is whole
+        return Restore("dataset only", {}, set_to, ds_state, saved_epoch=saved.epoch)
+    if saved.epoch < epoch:
+        # stale: that epoch runs from its start, nothing of the old epoch's iterator carries
+        # over
+        return Restore("fresh", {}, set_to, saved_epoch=saved.epoch)
+    same = same_topology(saved_world, saved.workers, world_size, workers)
+    if not same or saved.multiprocess != (num_workers > 0):
+        # another topology (or 0 <-> 1 workers, whose torchdata states differ): the rest of
+        # the epoch is dealt anew (with 1 worker as without: the same plan)
+        return Restore("dataset only", {}, set_to,
+                       {**ds_state, "world_size": saved_world, "num_workers": saved.workers,
+                        "steps": saved.steps}, resumed_elsewhere=not same,
+                       saved_epoch=saved.epoch)
+    # the same topology: torchdata restores each copy, its batch count recomputed for this
+    # rank; the dataset (which knows the epoch's segments, its len, until the workers take
+    # theirs) checks the state first
+    loaded = parse_state(ds_state, seed=plan.seed, world_size=world_size,
+                         plan=plan.fingerprint())
+    snap = state.get("_snapshot")
+    if isinstance(snap, dict) and snap.get("_worker_snapshots"):
+        counts = plan.worker_batches(saved.epoch, rank=rank, world_size=world_size,
+                                     num_workers=workers, segments=loaded.segments)
+        state["_snapshot"] = for_rank(snap, counts)
+    return Restore("same", state, set_to, ds_state, saved_epoch=saved.epoch)
+
+
+def _finished(saved: LoaderProgress, saved_world: int, plan: EpochPlan,
+              limit: int | float | None) -> bool:
+    """Whether ``saved`` was taken at its epoch's end: after every batch of its topology,
+    or at ``limit`` (Lightning's ``limit_train_batches``: an int, or a fraction)."""
+    segments = [segment_from_json(s) for s in saved.dataset_state.get("segments") or []]
+    total = plan.batches_per_rank(saved.epoch, saved_world, segments)
+    if isinstance(limit, float) and limit < 1.0:
+        total = max(1, int(total * limit))
+    elif isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        total = min(total, limit)
+    return saved.epoch_steps >= total

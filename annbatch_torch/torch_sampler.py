@@ -12,21 +12,27 @@ That covers torch's own samplers without a ``generator`` of their own
 that differs between processes, gives other rows when iterated again and is refused at
 construction. A ``DistributedSampler`` is refused too: the dataset deals rows to ranks
 itself.
+
+:func:`bind_sampler` binds either kind to a source: the obs columns the sampler asks for
+are read (as global codes) and handed to :meth:`~annbatch_torch.Sampler.bind`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 from torch.utils.data import Sampler as TorchSampler
 
-from .errors import SamplerError
+from .errors import SamplerError, SchemaError
+from .read.reader import PoolReader
 from .sampling import ObsColumn, Sampler
+from .store.source import Source
 
-__all__ = ["TorchIndexSampler"]
+__all__ = ["TorchIndexSampler", "bind_sampler"]
 
 _TAG = 0x54524348  # "TRCH": torch's generator is seeded by (seed, epoch, _TAG)
 
@@ -87,3 +93,29 @@ class TorchIndexSampler(Sampler):
     def __repr__(self) -> str:  # stable across processes (resume states compare it)
         n = f", {self._len} indices" if self.is_bound else ""
         return f"TorchIndexSampler({type(self.sampler).__name__}{n})"
+
+
+def bind_sampler(source: Source, sampler: Any, rows: np.ndarray | None = None) -> Sampler:
+    """``sampler`` bound to ``source`` with the obs columns it asked for (read as global
+    codes), drawing from ``rows`` only when given (a training split)."""
+    if isinstance(sampler, TorchSampler) and not isinstance(sampler, Sampler):
+        sampler = TorchIndexSampler(sampler)  # its indices as the stream
+    if not isinstance(sampler, Sampler):
+        raise TypeError(
+            "sampler must be an annbatch_torch Sampler (WeightedSampler, ClassBalancedSampler, "
+            "SubsetSampler or a subclass of Sampler) or a torch.utils.data.Sampler of row "
+            f"indices, got {type(sampler).__name__}.")
+    columns = {}
+    for name in sampler.columns:
+        try:
+            categories = source.categories(name)
+        except SchemaError as e:
+            raise SamplerError(f"sampler {sampler!r}: {e}") from None
+        field = name if name.startswith("obs/") else f"obs/{name}"
+        reader = PoolReader(source, [field], threads=1)
+        try:
+            codes = reader.read(np.array([[0, source.n_obs]], dtype=np.int64))[field]
+        finally:
+            reader.close()
+        columns[name] = ObsColumn(np.asarray(codes), tuple(categories))
+    return sampler.bind(source.n_obs, columns, rows)

@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from annbatch_torch import resume
 from annbatch_torch import sampling as S
+from annbatch_torch.sampling import replay
 
 SETTINGS = settings(max_examples=300, deadline=None)
 
@@ -34,15 +34,15 @@ def _batches(deal: S.EpochDeal, items, worker_count: int) -> list[list[tuple[int
     return out
 
 
-def _run(deal: S.EpochDeal, segments: list[resume.Segment], world: int, workers: int,
+def _run(deal: S.EpochDeal, segments: list[replay.Segment], world: int, workers: int,
          stop: int | None) -> tuple[list[tuple[int, tuple]], list[int]]:
     """Every rank of a segment after ``segments``, stopped after ``stop`` batches per rank
     (None: to the end): the batches yielded and each rank's batch count."""
     yielded, counts = [], []
     for rank in range(world):
-        items = resume.rank_items(deal, segments, rank, world)
+        items = replay.rank_items_after(deal, segments, rank, world)
         per_worker = _batches(deal, items, workers)
-        order = resume.dataloader_order([len(b) for b in per_worker])
+        order = replay.dataloader_order([len(b) for b in per_worker])
         counts.append(len(order))
         take = order if stop is None else order[:stop]
         yielded += [per_worker[w][j] for w, j in take]
@@ -74,7 +74,7 @@ def deals(draw: st.DrawFn) -> S.EpochDeal:
 @given(deals(), st.lists(st.tuples(st.integers(1, 8), st.integers(0, 4), st.floats(0, 1)),
                          min_size=2, max_size=3))
 def test_an_epoch_in_segments_yields_every_batch_once(deal: S.EpochDeal, topologies) -> None:
-    segments: list[resume.Segment] = []
+    segments: list[replay.Segment] = []
     seen: list[tuple[int, tuple]] = []
     for i, (world, workers, frac) in enumerate(topologies):
         last = i == len(topologies) - 1
@@ -85,8 +85,8 @@ def test_an_epoch_in_segments_yields_every_batch_once(deal: S.EpochDeal, topolog
         got, _ = _run(deal, segments, world, workers, stop)
         seen += got
         if not last:
-            segments.append(resume.Segment(world, max(1, workers), stop))
-            left = resume.remaining_batches(deal, segments)
+            segments.append(replay.Segment(world, max(1, workers), stop))
+            left = replay.remaining_batches(deal, segments)
             real = [g for g, _ in seen if g >= 0]
             # consumed + remaining = the epoch, disjoint
             assert sorted(real + left.tolist()) == list(range(deal.n_batches))
@@ -111,7 +111,7 @@ def test_the_same_topology_continues_the_same_batches(deal: S.EpochDeal, world: 
     full, counts = _run(deal, [], world, workers, None)
     stop = int(frac * counts[0])
     head, _ = _run(deal, [], world, workers, stop)
-    left = resume.remaining_batches(deal, [resume.Segment(world, max(1, workers), stop)])
+    left = replay.remaining_batches(deal, [replay.Segment(world, max(1, workers), stop)])
     consumed = {g for g, _ in head if g >= 0}
     dealt = {g for g, _ in full if g >= 0}
     assert set(left.tolist()) == set(range(deal.n_batches)) - consumed
@@ -124,6 +124,6 @@ def test_a_state_claiming_more_steps_than_an_epoch_is_refused() -> None:
 
     with pytest.raises(ValueError, match="11 batches were yielded on 1 ranks x 1 workers, "
                        "but a rank had only 10"):
-        resume.remaining_batches(deal, [resume.Segment(1, 1, 11)])
-    assert np.array_equal(resume.remaining_batches(deal, [resume.Segment(2, 2, 5)]),
+        replay.remaining_batches(deal, [replay.Segment(1, 1, 11)])
+    assert np.array_equal(replay.remaining_batches(deal, [replay.Segment(2, 2, 5)]),
                           np.zeros(0, np.int64))

@@ -18,7 +18,8 @@ import scipy.sparse as sp
 import torch.multiprocessing as tmp
 from test_ddp import free_port
 
-from annbatch_torch import AnnBatchDataLoader, WeightedSampler, resume
+from annbatch_torch import AnnBatchDataLoader, WeightedSampler
+from annbatch_torch.sampling import replay
 
 N_OBS = 1003
 
@@ -34,7 +35,7 @@ def h5ad(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rows(ds: Any, epoch: int, rank: int, world: int, workers: int,
-          segments: list[resume.Segment]) -> list[int]:
+          segments: list[replay.Segment]) -> list[int]:
     """The rows a rank yields of ``epoch`` after ``segments`` (its plan, all workers)."""
     out: list[int] = []
     for w in range(max(1, workers)):
@@ -70,7 +71,7 @@ def test_two_ranks_with_workers_resume_on_one_rank_and_on_three(h5ad: Path, tmp_
     state = json.loads((tmp_path / "state.json").read_text())
     assert len(json.dumps(state)) < 4000  # O(1) in the epoch's size
     head = np.concatenate([h["index"] for h in heads])
-    segments = [resume.Segment(2, 2, stop)]
+    segments = [replay.Segment(2, 2, stop)]
     epoch_rows = Counter(_rows(ds, 0, 0, 1, 0, []))  # what a 1-rank run yields in all
 
     topologies = [(1, 0), (3, 1)] if mode == "chunked" else [(3, 1)]

@@ -4,7 +4,7 @@ resumed by ``Trainer(devices=1)``, and one of ``devices=1`` resumed on 2 devices
 How it is derived, not gathered: the checkpoint holds rank 0's loader state only. DDP ranks
 yield equal batch counts and step together, so rank 0's count is every rank's; with the
 saved world size and worker count it fixes which batches every old rank consumed
-(:func:`annbatch_torch.resume.remaining_batches`). The resumed epoch yields the rest, dealt
+(:func:`annbatch_torch.sampling.replay.remaining_batches`). The resumed epoch yields the rest, dealt
 to the new ranks; Lightning reads an epoch's length once, so the DataModule has its train
 loader set up again for the next epoch, which is a fresh run's.
 """
@@ -24,8 +24,9 @@ pl = pytest.importorskip("lightning.pytorch")
 from lightning_helpers import Preempted, StepRecorder  # noqa: E402
 
 import annbatch_torch as abt  # noqa: E402
-from annbatch_torch import A, resume  # noqa: E402
+from annbatch_torch import A  # noqa: E402
 from annbatch_torch.lightning import AnnBatchDataModule  # noqa: E402
+from annbatch_torch.sampling import replay  # noqa: E402
 
 N_OBS, N_VARS = 1200, 8
 STOP = 7  # batches per rank before the preemption
@@ -66,7 +67,7 @@ def _fit(store: Path, out: Path, tag: str, devices: int, num_workers: int,
 
 
 def _rows(dm: AnnBatchDataModule, epoch: int, world: int, rank: int, workers: int,
-          segments: list[resume.Segment]) -> list[int]:
+          segments: list[replay.Segment]) -> list[int]:
     ds = dm.train_dataset
     assert ds is not None
     out: list[int] = []
@@ -100,7 +101,7 @@ def test_a_checkpoint_resumes_on_another_number_of_devices(
     first = [_load(tmp_path, "first", r) for r in range(w1)]
     resumed = [_load(tmp_path, "resumed", r) for r in range(w2)]
     assert all(len(f["sizes"]) == STOP for f in first)
-    segments = [resume.Segment(w1, max(1, n1), STOP)]
+    segments = [replay.Segment(w1, max(1, n1), STOP)]
     counts = []
     for r, rec in enumerate(resumed):
         got0, got1 = rec["per_epoch"][0], rec["per_epoch"][1]

@@ -153,8 +153,8 @@ def test_tasks_run_again_change_nothing(tmp_path: Path) -> None:
     give the same buckets and the same shard."""
     from annbatch_torch.store.inputs.plan import open_inputs
     from annbatch_torch.write import parallel
-    from annbatch_torch.write.schema import resolve_schema
     from annbatch_torch.write.buckets import load_bucket
+    from annbatch_torch.write.schema import resolve_schema
 
     paths = _inputs(tmp_path, False, False)
     sources = open_inputs(paths)

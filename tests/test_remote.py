@@ -19,8 +19,8 @@ from conftest import SMALL_SHARD_OBS, S3Server
 import annbatch_torch as abt
 from annbatch_torch import A
 from annbatch_torch.errors import CollectionError, InputError, ReadError
-from annbatch_torch.store.remote import location as remote_mod
 from annbatch_torch.store.collection import open_collection
+from annbatch_torch.store.remote import location as remote_mod
 from annbatch_torch.write.writer import create_anndata_collection
 
 pytest.importorskip("s3fs")

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from annbatch_torch import resume
 from annbatch_torch import sampling as S
+from annbatch_torch.sampling import replay
 
 FAST = settings(max_examples=200, deadline=None)
 SLOW = settings(max_examples=100, deadline=None)
@@ -120,7 +120,7 @@ def worker_batches(p: P, rank: int, num_workers: int) -> list[list[Batch]]:
 
 
 def loader_batches(per_worker: list[list[Batch]]) -> list[Batch]:
-    order = resume.dataloader_order([len(b) for b in per_worker])
+    order = replay.dataloader_order([len(b) for b in per_worker])
     return [per_worker[w][j] for w, j in order]
 
 
@@ -285,10 +285,10 @@ def test_resume_yields_exactly_the_rest(p: P, num_workers: int, data) -> None:
     per_item = [S.worker_items(items, w, num_workers) for w in range(num_workers)]
     per_worker = worker_batches(p, 0, num_workers)
     counts = [len(b) for b in per_worker]
-    order = resume.dataloader_order(counts)
+    order = replay.dataloader_order(counts)
     assert sorted(order) == [(w, j) for w in range(num_workers) for j in range(counts[w])]
     k = data.draw(st.integers(0, sum(counts)))
-    done = resume.consumed_per_worker(counts, k)
+    done = replay.consumed_per_worker(counts, k)
     assert done == [sum(1 for w2, _ in order[:k] if w2 == w) for w in range(num_workers)]
     yielded = [per_worker[w][j] for w, j in order[:k]]
     rest = []
@@ -427,11 +427,11 @@ def test_fewer_pools_than_ranks_still_feeds_every_rank() -> None:
 
 
 def test_dataloader_order_and_consumed() -> None:
-    assert resume.dataloader_order([2, 0, 3]) == [(0, 0), (2, 0), (0, 1), (2, 1), (2, 2)]
-    assert resume.consumed_per_worker([2, 0, 3], 3) == [2, 0, 1]
-    assert resume.consumed_per_worker([5, 1, 5], 8) == [4, 1, 3]
+    assert replay.dataloader_order([2, 0, 3]) == [(0, 0), (2, 0), (0, 1), (2, 1), (2, 2)]
+    assert replay.consumed_per_worker([2, 0, 3], 3) == [2, 0, 1]
+    assert replay.consumed_per_worker([5, 1, 5], 8) == [4, 1, 3]
     with pytest.raises(ValueError, match="n_consumed"):
-        resume.consumed_per_worker([1], 2)
+        replay.consumed_per_worker([1], 2)
     with pytest.raises(ValueError, match="consumed"):
         S.remaining_items(S.epoch_pools(10, 3, 2, 4, shuffle=False, seed=0, epoch=0), 4)
 
@@ -460,7 +460,7 @@ def test_dataloader_order_matches_torch() -> None:
     torch = pytest.importorskip("torch")
     counts = [3, 1, 4]
     loader = torch.utils.data.DataLoader(_CountingDataset(counts), batch_size=None, num_workers=3)
-    assert [(int(w), int(j)) for w, j in loader] == resume.dataloader_order(counts)
+    assert [(int(w), int(j)) for w, j in loader] == replay.dataloader_order(counts)
 
 
 def test_documented_generators() -> None:

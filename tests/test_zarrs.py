@@ -24,8 +24,9 @@ from torch.utils.data import DataLoader
 import annbatch_torch as abt
 from annbatch_torch.convert import batch_dict_converter
 from annbatch_torch.store import zarrs as _zarrs
-from annbatch_torch.store.collection import Source, open_collection
+from annbatch_torch.store.collection import open_collection
 from annbatch_torch.store.inputs.inplace import InPlaceSource
+from annbatch_torch.store.source import Source
 from annbatch_torch.write.writer import create_anndata_collection
 
 needs_zarrs = pytest.mark.skipif(not _zarrs.zarrs_available(), reason="zarrs not installed")

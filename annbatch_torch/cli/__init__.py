@@ -10,6 +10,6 @@ Modules:
 - ``demo``: ``annbatch-torch demo``, the main job end to end on generated data.
 
 The command's entry point is :func:`annbatch_torch.cli.main.main`; ``python -m
-annbatch_torch.cli`` (``__main__``) and ``python -m annbatch_torch`` run it too. Nothing is imported here, so
-that ``annbatch_torch.cli.main`` names the module, not the function.
+annbatch_torch.cli`` (``__main__``) and ``python -m annbatch_torch`` run it too. Nothing is
+imported here, so that ``annbatch_torch.cli.main`` names the module, not the function.
 """

@@ -9,9 +9,9 @@ is a :class:`DensifyPolicy`:
 * ``"main"``: DataLoader workers send CSR (~5x fewer bytes than dense at typical
   sparsity) and the main process densifies :attr:`DensifyPolicy.main_keys` (scipy) as
   batches arrive. :class:`~annbatch_torch.AnnBatchDataLoader` chooses it for its workers
-  with :meth:`DensifyPolicy.for_workers`; keys with a transform, or all keys under a
-  custom ``batch_converter``, stay densified in the workers (the transform and converter
-  see dense values).
+  with :meth:`DensifyPolicy.for_workers`, which also chooses those keys: keys with a
+  transform, or all keys under a custom ``batch_converter``, stay densified in the workers
+  (the transform and converter see dense values).
 
 A dataset decides its policy at construction (:meth:`DensifyPolicy.for_dataset`); a loader
 decides once, at construction, whether its workers use ``"main"``, and installs that
@@ -20,7 +20,7 @@ policy in each worker's dataset copy (:meth:`DensifyPolicy.installer`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,12 +57,37 @@ class DensifyPolicy:
             return cls("none")
         return cls("device" if device is not None else "pool")
 
-    def for_workers(self, main_keys: Iterable[str], *, num_workers: int, pin_memory: bool,
-                    collate_fn: Callable[..., Any] | None) -> DensifyPolicy:
-        """The policy of a loader's workers: ``"main"`` for ``main_keys`` when the dataset
-        densifies where its pools are, there are workers, and nothing between the workers
-        and the main process (``pin_memory``, a ``collate_fn``) expects dense values."""
-        keys = frozenset(main_keys)
+    def for_workers(self, selector: Mapping[str, Any], fields: Mapping[str, Any], *,
+                    default_converter: bool, num_workers: int, pin_memory: bool = False,
+                    collate_fn: Callable[..., Any] | None = None) -> DensifyPolicy:
+        """The policy of a loader's workers: ``"main"`` when the dataset densifies where its
+        pools are, there are workers, and nothing between the workers and the main process
+        (``pin_memory``, a ``collate_fn``) expects dense values.
+
+        Parameters
+        ----------
+        selector
+            ``{output key: field}`` of the dataset (each with a ``path`` and a
+            ``transform``).
+        fields
+            The source's fields by path (each with a ``kind``: ``"csr"`` for sparse).
+        default_converter
+            Whether the batches go through the default ``batch_converter``.
+        num_workers, pin_memory, collate_fn
+            The loader's.
+
+        Returns
+        -------
+        DensifyPolicy
+            Under ``"main"``, :attr:`main_keys` are the sparse keys without a transform,
+            sent as CSR (~5x fewer bytes than dense at typical sparsity) and densified in
+            the main process; a transform or a custom converter sees dense values, so
+            those keys (all keys under a custom converter) stay densified in the workers.
+        """
+        keys = frozenset()
+        if default_converter:
+            keys = frozenset(key for key, f in selector.items()
+                             if f.transform is None and fields[f.path].kind == "csr")
         if (self.where != "pool" or num_workers <= 0 or pin_memory
                 or collate_fn is not None or not keys):
             return self

@@ -32,18 +32,18 @@ from torch.utils.data import get_worker_info
 
 from . import gpu_backends as _gb
 from .gpu_backends import (
-    _BACKENDS,
-    _Backend,
-    _CsrField,
-    _DenseField,
-    _gather_csr,
-    _HostField,
-    _import_cupy,
-    _index_dtype,
-    _numeric,
-    _Rows,
-    _slice_csr,
+    BACKENDS,
+    Backend,
+    CsrField,
+    DenseField,
+    HostField,
+    Rows,
+    gather_csr,
+    index_dtype,
+    numeric,
+    slice_csr,
 )
+from .gpu_backends import import_cupy as _import_cupy  # a name of its own: tests replace it
 
 __all__ = ["DevicePool", "check_device"]
 
@@ -184,20 +184,20 @@ class DevicePool:
         pin_memory: bool | None = None,
         _backend: str | None = None,
     ) -> None:
-        if _backend is not None and _backend not in _BACKENDS:
-            raise ValueError(f"_backend must be one of {sorted(_BACKENDS)}, got {_backend!r}.")
+        if _backend is not None and _backend not in BACKENDS:
+            raise ValueError(f"_backend must be one of {sorted(BACKENDS)}, got {_backend!r}.")
         need_cupy = _backend in (None, "cupy")
         self.device: torch.device = _check_device(device, need_cupy=need_cupy)
         cuda = self.device.type == "cuda"
         name = _backend or ("cupy" if cuda else "numpy")
-        _BACKENDS[name].check(self.device)
-        self._backend: _Backend = _BACKENDS[name]()
+        BACKENDS[name].check(self.device)
+        self._backend: Backend = BACKENDS[name]()
         self._pin = bool(cuda and pin_memory is not False)
         self._pin_min = 0 if pin_memory else _PIN_MIN_BYTES
         self._stream: torch.cuda.Stream | None = None
         self._ready: torch.cuda.Event | None = None
         self._streams_seen: set[int] = set()
-        self._fields: dict[str, _CsrField | _DenseField | _HostField] = {}
+        self._fields: dict[str, CsrField | DenseField | HostField] = {}
         self._closed = False
 
         n_rows: int | None = None
@@ -250,7 +250,7 @@ class DevicePool:
             host = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         return host.to(self.device, non_blocking=True)
 
-    def _upload_field(self, path: str, value: Any) -> _CsrField | _DenseField | _HostField:
+    def _upload_field(self, path: str, value: Any) -> CsrField | DenseField | HostField:
         if sp.issparse(value):
             m = value if value.format == "csr" else value.tocsr()
             ip = np.array(m.indptr, dtype=np.int64)  # a copy: kept for host look-ups
@@ -260,17 +260,17 @@ class DevicePool:
             data = np.ascontiguousarray(m.data[lo:hi], dtype=np.float32)
             indices = np.ascontiguousarray(m.indices[lo:hi], dtype=idx)
             ip0 = ip - lo if lo else ip
-            return _CsrField(
+            return CsrField(
                 data=self._upload(data), indices=self._upload(indices),
                 indptr=self._upload(ip0), indptr_host=ip0, n_cols=n_cols,
             )
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu().numpy()
         arr = np.asarray(value)
-        num = _numeric(arr)
+        num = numeric(arr)
         if num is None:
-            return _HostField(arr.copy())
-        return _DenseField(self._upload(num))
+            return HostField(arr.copy())
+        return DenseField(self._upload(num))
 
     # -- properties
 
@@ -288,9 +288,9 @@ class DevicePool:
         """Bytes this pool holds on its device (0 once closed)."""
         total = 0 if self._order_dev is None else _tensor_bytes(self._order_dev)
         for f in self._fields.values():
-            if isinstance(f, _CsrField):
+            if isinstance(f, CsrField):
                 total += sum(_tensor_bytes(t) for t in (f.data, f.indices, f.indptr))
-            elif isinstance(f, _DenseField):
+            elif isinstance(f, DenseField):
                 total += _tensor_bytes(f.values)
         return total
 
@@ -301,7 +301,7 @@ class DevicePool:
 
     # -- batches
 
-    def _rows(self, start: int, stop: int) -> _Rows:
+    def _rows(self, start: int, stop: int) -> Rows:
         n = len(self)
         if not (isinstance(start, int | np.integer) and isinstance(stop, int | np.integer)):
             raise TypeError(f"start and stop must be ints, got {start!r} and {stop!r}.")
@@ -309,9 +309,9 @@ class DevicePool:
         if not 0 <= start <= stop <= n:
             raise IndexError(f"batch rows {start}:{stop} are outside the pool's {n} rows.")
         if self._order_host is None:
-            return _Rows(start, stop, None, None)
+            return Rows(start, stop, None, None)
         assert self._order_dev is not None
-        return _Rows(start, stop, self._order_host[start:stop], self._order_dev[start:stop])
+        return Rows(start, stop, self._order_host[start:stop], self._order_dev[start:stop])
 
     def _sync_stream(self) -> None:
         """Make the current stream wait for the upload; keep the pool's memory from being
@@ -330,9 +330,9 @@ class DevicePool:
         if self._order_dev is not None:
             yield self._order_dev
         for f in self._fields.values():
-            if isinstance(f, _CsrField):
+            if isinstance(f, CsrField):
                 yield from (f.data, f.indices, f.indptr)
-            elif isinstance(f, _DenseField):
+            elif isinstance(f, DenseField):
                 yield f.values
 
     def batch(self, start: int, stop: int, densify: bool = True) -> dict[str, Any]:
@@ -364,20 +364,20 @@ class DevicePool:
                 return self._batch(rows, densify)
         return self._batch(rows, densify)
 
-    def _batch(self, rows: _Rows, densify: bool) -> dict[str, Any]:
+    def _batch(self, rows: Rows, densify: bool) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for path, f in self._fields.items():
-            if isinstance(f, _CsrField):
-                s = _slice_csr(f, rows)
+            if isinstance(f, CsrField):
+                s = slice_csr(f, rows)
                 if densify:
                     out[path] = self._backend.densify(f, s)
                 else:
-                    idx = _index_dtype(s.nnz, f.n_cols)
-                    crow, col, vals = _gather_csr(f, s, idx)
+                    idx = index_dtype(s.nnz, f.n_cols)
+                    crow, col, vals = gather_csr(f, s, idx)
                     out[path] = torch.sparse_csr_tensor(
                         crow, col, vals, size=(rows.n, f.n_cols), check_invariants=False
                     )
-            elif isinstance(f, _DenseField):
+            elif isinstance(f, DenseField):
                 v = f.values
                 out[path] = v[rows.start : rows.stop].clone() if rows.dev is None else v[rows.dev]
             else:

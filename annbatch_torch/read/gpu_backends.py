@@ -28,7 +28,7 @@ _INSTALL_HINT = (
 )
 
 
-def _import_cupy() -> Any:
+def import_cupy() -> Any:
     """``import cupy``, or an ImportError that names the fix."""
     try:
         import cupy
@@ -44,7 +44,7 @@ def _import_cupy() -> Any:
 
 
 @dataclass
-class _CsrField:
+class CsrField:
     """A CSR field on the device. ``indptr`` starts at 0 and is int64; ``indices`` is int32
     when every column index fits, else int64; ``data`` is float32."""
 
@@ -56,21 +56,21 @@ class _CsrField:
 
 
 @dataclass
-class _DenseField:
+class DenseField:
     """A numeric array on the device (float32, int64 or bool, as ``convert.to_tensor``)."""
 
     values: torch.Tensor
 
 
 @dataclass
-class _HostField:
+class HostField:
     """A value ``convert.to_tensor`` passes through (strings, objects): kept on the host."""
 
     values: np.ndarray
 
 
 @dataclass
-class _Rows:
+class Rows:
     """The pool rows of one batch: ``start:stop`` when ``host`` is None, else ``host``
     (a numpy array) / ``dev`` (the same rows, an int64 tensor on the device)."""
 
@@ -96,12 +96,12 @@ class _CsrSlice:
     span: tuple[int, int] | None
 
 
-def _index_dtype(nnz: int, n_cols: int) -> torch.dtype:
+def index_dtype(nnz: int, n_cols: int) -> torch.dtype:
     """int32 when every crow / column index of a CSR matrix fits, else int64."""
     return torch.int32 if nnz < _INT32_MAX and n_cols < _INT32_MAX else torch.int64
 
 
-def _numeric(value: np.ndarray) -> np.ndarray | None:
+def numeric(value: np.ndarray) -> np.ndarray | None:
     """``value`` with the dtype ``convert.to_tensor`` gives it (float -> float32, integer ->
     int64, bool kept), C-contiguous; None for kinds it passes through."""
     kind = value.dtype.kind
@@ -114,7 +114,7 @@ def _numeric(value: np.ndarray) -> np.ndarray | None:
     return np.ascontiguousarray(value)
 
 
-def _slice_csr(f: _CsrField, rows: _Rows) -> _CsrSlice:
+def slice_csr(f: CsrField, rows: Rows) -> _CsrSlice:
     if rows.host is None:
         lo, hi = int(f.indptr_host[rows.start]), int(f.indptr_host[rows.stop])
         return _CsrSlice(
@@ -127,8 +127,8 @@ def _slice_csr(f: _CsrField, rows: _Rows) -> _CsrSlice:
     return _CsrSlice(f.indptr[rows.dev], f.indptr[rows.dev + 1], nnz, None)
 
 
-def _gather_csr(
-    f: _CsrField, s: _CsrSlice, index_dtype: torch.dtype
+def gather_csr(
+    f: CsrField, s: _CsrSlice, index_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(crow, col, values)`` of the batch: fresh tensors on the pool's device, crow from 0,
     index tensors of ``index_dtype``. No host synchronisation."""
@@ -154,7 +154,7 @@ def _gather_csr(
 # --------------------------------------------------------------------------- backends
 
 
-class _Backend:
+class Backend:
     """How a CSR batch is densified. All other pool logic is plain torch."""
 
     name = "base"
@@ -163,12 +163,12 @@ class _Backend:
     def check(cls, device: torch.device) -> None:
         """Raise if this backend cannot work on ``device``."""
 
-    def densify(self, f: _CsrField, s: _CsrSlice) -> torch.Tensor:
+    def densify(self, f: CsrField, s: _CsrSlice) -> torch.Tensor:
         """Dense ``(n, n_cols)`` float32 tensor of the batch, on the pool's device."""
         raise NotImplementedError
 
 
-class _NumpyBackend(_Backend):
+class _NumpyBackend(Backend):
     """scipy densifies (CPU pools only): the reference the other backends must equal."""
 
     name = "numpy"
@@ -178,24 +178,24 @@ class _NumpyBackend(_Backend):
         if device.type != "cpu":
             raise ValueError(f"the numpy backend needs device='cpu', got {device}.")
 
-    def densify(self, f: _CsrField, s: _CsrSlice) -> torch.Tensor:
-        crow, col, vals = _gather_csr(f, s, torch.int64)
+    def densify(self, f: CsrField, s: _CsrSlice) -> torch.Tensor:
+        crow, col, vals = gather_csr(f, s, torch.int64)
         n = len(crow) - 1
         m = sp.csr_matrix((vals.numpy(), col.numpy(), crow.numpy()), shape=(n, f.n_cols))
         return torch.from_numpy(np.ascontiguousarray(m.toarray(), dtype=np.float32))
 
 
-class _TorchBackend(_Backend):
+class _TorchBackend(Backend):
     """torch scatter-add (any device; no cupy). Duplicate entries are summed, as scipy."""
 
     name = "torch"
 
-    def densify(self, f: _CsrField, s: _CsrSlice) -> torch.Tensor:
+    def densify(self, f: CsrField, s: _CsrSlice) -> torch.Tensor:
         n = len(s.row_lo)
         out = torch.zeros((n, f.n_cols), dtype=torch.float32, device=f.data.device)
         if s.nnz == 0 or f.n_cols == 0:
             return out
-        crow, col, vals = _gather_csr(f, s, torch.int64)
+        crow, col, vals = gather_csr(f, s, torch.int64)
         rows = torch.repeat_interleave(
             torch.arange(n, device=out.device), crow[1:] - crow[:-1], output_size=s.nnz
         )
@@ -245,13 +245,13 @@ def _kernel(cp: Any, index_dtype: torch.dtype) -> Any:
     return k
 
 
-class _CupyBackend(_Backend):
+class _CupyBackend(Backend):
     """A cupy kernel densifies straight from the pool's buffers (CUDA pools)."""
 
     name = "cupy"
 
     def __init__(self) -> None:
-        self.cp = _import_cupy()
+        self.cp = import_cupy()
         try:  # compile now (cached): without NVRTC this fails here, not in mid-epoch
             for index_dtype in (torch.int32, torch.int64):
                 _kernel(self.cp, index_dtype).compile()
@@ -266,7 +266,7 @@ class _CupyBackend(_Backend):
         if device.type != "cuda":
             raise ValueError(f"the cupy backend needs a CUDA device, got {device}.")
 
-    def densify(self, f: _CsrField, s: _CsrSlice) -> torch.Tensor:
+    def densify(self, f: CsrField, s: _CsrSlice) -> torch.Tensor:
         n = len(s.row_lo)
         dev = f.data.device
         out = torch.zeros((n, f.n_cols), dtype=torch.float32, device=dev)
@@ -286,6 +286,6 @@ class _CupyBackend(_Backend):
         return out
 
 
-_BACKENDS: dict[str, type[_Backend]] = {
+BACKENDS: dict[str, type[Backend]] = {
     "numpy": _NumpyBackend, "torch": _TorchBackend, "cupy": _CupyBackend,
 }

@@ -30,9 +30,9 @@ import scipy.sparse as sp
 
 from ..errors import AnnBatchError, CollectionError, ReadError
 from ..store.checks import bad_column
-from ..store.collection import Source
 from ..store.diskio import CpuSlots, io_gate
 from ..store.elements import CSCElement, CSRElement
+from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
 
@@ -184,7 +184,7 @@ def default_read_threads() -> int:
 
 class PoolReader:
     """Read pools of rows of selected fields from a
-    :class:`~annbatch_torch.store.collection.Source`.
+    :class:`~annbatch_torch.store.source.Source`.
 
     Parameters
     ----------

@@ -1,17 +1,20 @@
 """The epoch plan: pure functions over integers (numpy only; no torch, no I/O).
 
-``sampling/plan.py`` deals an epoch's chunks into pools, ranks and workers;
-``sampling/worklist.py`` holds its complete work items (a pool's ranges,
-row order and batches). The rules are in the docstring of
-``sampling/plan.py``. Sampling mode: ``sampling/samplers.py``
-(which rows an epoch holds) and ``sampling/sampled_plan.py`` (their stream
-dealt like chunked mode's).
+``sampling/plan.py`` deals an epoch's chunks into pools, ranks and workers, and its
+``ChunkPlan`` answers a dataset's planning questions; ``sampling/worklist.py`` holds its
+complete work items (a pool's ranges, row order and batches). The rules are in the
+docstring of ``sampling/plan.py``. Sampling mode: ``sampling/samplers.py`` (which rows an
+epoch holds) and ``sampling/sampled_plan.py`` (their stream dealt like chunked mode's:
+``SamplePlan``). ``sampling/replay.py``: what each worker of each rank has consumed of an
+epoch, and what a resumed epoch still owes (a resumed epoch's deal is the plan).
 """
 
 from .plan import (
     TAG_CHUNKS,
     TAG_SPLIT,
+    ChunkPlan,
     EpochDeal,
+    EpochPlan,
     EvenBatches,
     batch_positions,
     batches_per_rank,
@@ -32,7 +35,20 @@ from .plan import (
     validate_params,
     worker_items,
 )
-from .sampled_plan import SampleRows, sample_batches_per_rank, sample_deal, sample_rank_items
+from .replay import (
+    Segment,
+    consumed_per_worker,
+    dataloader_order,
+    rank_items_after,
+    remaining_batches,
+)
+from .sampled_plan import (
+    SamplePlan,
+    SampleRows,
+    sample_batches_per_rank,
+    sample_deal,
+    sample_rank_items,
+)
 from .samplers import (
     BLOCK,
     TAG_SAMPLE,
@@ -88,6 +104,9 @@ __all__ = [
     "deal_batches",
     "epoch_batches",
     "EpochDeal",
+    "EpochPlan",
+    "ChunkPlan",
+    "SamplePlan",
     "chunk_deal",
     "sample_deal",
     "rank_batches",
@@ -103,4 +122,9 @@ __all__ = [
     "WeightedSampler",
     "ClassBalancedSampler",
     "SubsetSampler",
+    "Segment",
+    "dataloader_order",
+    "consumed_per_worker",
+    "remaining_batches",
+    "rank_items_after",
 ]

@@ -33,18 +33,36 @@ Pure functions over integers (numpy only: no torch, no I/O). Rules, in order:
 
 Work lists are lazy (:class:`WorkList`): planning costs ``O(n_chunks)`` numpy work, and a
 pool's ranges are only computed when its :class:`WorkItem` is taken from the list.
+
+A dataset asks its :class:`EpochPlan` (here :class:`ChunkPlan`; sampling mode's is
+:class:`~annbatch_torch.sampling.sampled_plan.SamplePlan`) instead of planning: the deal of
+an epoch, its batches per rank, the items of one worker of a rank (fresh, or resumed after
+segments run elsewhere: :mod:`~annbatch_torch.sampling.replay`) and the fingerprint a
+resume state records.
 """
 
 from __future__ import annotations
 
-import operator
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from functools import cached_property
+from typing import Any, Literal
 
 import numpy as np
 
-from .worklist import ChunkRows, PoolRows, RowOrder, Stream, WorkItem, WorkList
+from ..errors import check_int
+from .replay import Segment, rank_items_after
+from .worklist import (
+    ChunkRows,
+    PoolRows,
+    RowOrder,
+    Stream,
+    WorkItem,
+    WorkList,
+    global_rows,
+    total_batches,
+)
 
 __all__ = [
     "EvenBatches",
@@ -66,6 +84,8 @@ __all__ = [
     "split_chunks",
     "split_chunks3",
     "EpochDeal",
+    "EpochPlan",
+    "ChunkPlan",
     "chunk_deal",
     "deal_batches",
     "epoch_batches",
@@ -76,18 +96,6 @@ EvenBatches = Literal["drop", "pad"]
 TAG_CHUNKS = 0x43484E4B  # "CHNK"
 #: Seed tag of the train/validation chunk split: ``default_rng([seed, TAG_SPLIT])``.
 TAG_SPLIT = 0x53504C54  # "SPLT"
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool | np.bool_):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    try:
-        out = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
-    if out < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return out
 
 
 def validate_params(
@@ -108,22 +116,22 @@ def validate_params(
 
     ``num_workers=0`` (DataLoader in the main process) counts as one worker.
     """
-    _check_int("n_obs", n_obs, 0)
+    check_int("n_obs", n_obs, 0)
     for name, value in (
         ("chunk_size", chunk_size),
         ("preload_nchunks", preload_nchunks),
         ("batch_size", batch_size),
         ("world_size", world_size),
     ):
-        _check_int(name, value, 1)
-    _check_int("seed", seed, 0)
-    _check_int("epoch", epoch, 0)
-    if not 0 <= _check_int("rank", rank, 0) < world_size:
+        check_int(name, value, 1)
+    check_int("seed", seed, 0)
+    check_int("epoch", epoch, 0)
+    if not 0 <= check_int("rank", rank, 0) < world_size:
         raise ValueError(
             f"rank must be an integer with 0 <= rank < world_size (= {world_size}), got {rank!r}"
         )
-    nw = max(1, _check_int("num_workers", num_workers, 0))
-    if not 0 <= _check_int("worker", worker, 0) < nw:
+    nw = max(1, check_int("num_workers", num_workers, 0))
+    if not 0 <= check_int("worker", worker, 0) < nw:
         raise ValueError(
             f"worker must be an integer with 0 <= worker < num_workers (= {nw}), got {worker!r}"
         )
@@ -463,6 +471,124 @@ class EpochDeal:
         return [worker_items(items, w, nw) for w in range(nw)]
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class EpochPlan:
+    """The epochs of a dataset's settings, whichever mode: the answers to the dataset's
+    planning questions (an epoch's :class:`EpochDeal`, its batches per rank, the items of
+    one worker of a rank, the fingerprint a resume state records). An epoch resumed after
+    ``segments`` run under other topologies is dealt what it still owes
+    (:func:`~annbatch_torch.sampling.replay.rank_items_after`). :class:`ChunkPlan` and
+    :class:`~annbatch_torch.sampling.sampled_plan.SamplePlan` make the deal.
+
+    Parameters
+    ----------
+    n_obs, chunk_size, preload_nchunks, batch_size
+        Rows of the source, rows per chunk, chunks per preload budget, rows per batch.
+    shuffle, seed
+        Shuffle with generators seeded by ``(seed, epoch, ...)``.
+    drop_last, even_batches
+        As in :func:`rank_items`.
+    """
+
+    n_obs: int
+    chunk_size: int
+    preload_nchunks: int
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    even_batches: EvenBatches = "drop"
+
+    @property
+    def pool(self) -> int:
+        """Rows per pool (:func:`pool_rows`)."""
+        return pool_rows(self.batch_size, self.chunk_size, self.preload_nchunks)
+
+    def deal(self, epoch: int) -> EpochDeal:
+        """How ``epoch``'s stream is dealt to ranks and workers."""
+        raise NotImplementedError
+
+    def fresh_batches(self, world_size: int) -> int:
+        """Batches every rank of ``world_size`` yields of a whole epoch."""
+        raise NotImplementedError
+
+    def batches_per_rank(self, epoch: int, world_size: int,
+                         segments: Sequence[Segment] = ()) -> int:
+        """Batches every rank yields of ``epoch`` (the dataset's ``len``): after
+        ``segments``, those every rank yielded in them plus those it still owes."""
+        if not segments:
+            return self.fresh_batches(world_size)
+        return sum(seg.steps for seg in segments) + rank_items_after(
+            self.deal(epoch), segments, 0, world_size).n_batches
+
+    def items(self, epoch: int, *, rank: int, world_size: int, worker: int = 0,
+              num_workers: int = 1, segments: Sequence[Segment] = ()) -> Sequence[WorkItem]:
+        """The work items of ``worker`` of ``num_workers`` (0 count as 1) on ``rank`` of
+        ``world_size`` in ``epoch``, after ``segments`` (none: the fresh epoch)."""
+        deal = self.deal(epoch)
+        return deal.workers(rank_items_after(deal, segments, rank, world_size),
+                            num_workers)[worker]
+
+    def worker_batches(self, epoch: int, *, rank: int, world_size: int, num_workers: int,
+                       segments: Sequence[Segment] = ()) -> list[int]:
+        """Batches each of ``num_workers`` workers of ``rank`` yields of ``epoch`` after
+        ``segments``."""
+        deal = self.deal(epoch)
+        items = rank_items_after(deal, segments, rank, world_size)
+        return [total_batches(w) for w in deal.workers(items, num_workers)]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the epoch's batches depend on besides seed, epoch and world size (JSON
+        scalars): a state saved under other values would skip other batches."""
+        return {
+            "n_obs": int(self.n_obs), "batch_size": self.batch_size,
+            "chunk_size": self.chunk_size, "preload_nchunks": self.preload_nchunks,
+            "shuffle": self.shuffle, "drop_last": self.drop_last,
+            "even_batches": self.even_batches, "chunk_ids": None, "sampler": None,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ChunkPlan(EpochPlan):
+    """Chunked mode's :class:`EpochPlan` (rules 1-6 of this module).
+
+    Parameters
+    ----------
+    chunk_ids
+        The chunks the plan uses (e.g. a training split); default all.
+    """
+
+    chunk_ids: np.ndarray | None = None
+
+    @cached_property
+    def chunk_ids_crc(self) -> int | None:
+        """crc32 of the sorted ``chunk_ids`` (what a resume state records of them; computed
+        once: the state is taken at every batch)."""
+        if self.chunk_ids is None:
+            return None
+        return zlib.crc32(np.sort(np.asarray(self.chunk_ids, dtype=np.int64)).tobytes())
+
+    def deal(self, epoch: int) -> EpochDeal:
+        return chunk_deal(self.n_obs, self.chunk_size, self.preload_nchunks, self.batch_size,
+                          shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                          drop_last=self.drop_last, even_batches=self.even_batches,
+                          chunk_ids=self.chunk_ids)
+
+    def fresh_batches(self, world_size: int) -> int:
+        return batches_per_rank(self.n_obs, self.chunk_size, self.preload_nchunks,
+                                self.batch_size, world_size=world_size,
+                                drop_last=self.drop_last, even_batches=self.even_batches,
+                                chunk_ids=self.chunk_ids)
+
+    def rows(self) -> np.ndarray:
+        """The global row ids of the plan's chunks, in row order (int64)."""
+        return global_rows(chunk_stream(self.n_obs, self.chunk_size, shuffle=False,
+                                        seed=self.seed, epoch=0, chunk_ids=self.chunk_ids))
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "chunk_ids": self.chunk_ids_crc}
+
+
 def epoch_pools(
     n_obs: int,
     chunk_size: int,
@@ -491,8 +617,8 @@ def epoch_pools(
 
 def worker_items(items: Sequence[WorkItem], worker: int, num_workers: int) -> Sequence[WorkItem]:
     """Item ``j`` of a rank's list goes to worker ``j % num_workers`` (0 workers count as 1)."""
-    nw = max(1, _check_int("num_workers", num_workers, 0))
-    if not 0 <= _check_int("worker", worker, 0) < nw:
+    nw = max(1, check_int("num_workers", num_workers, 0))
+    if not 0 <= check_int("worker", worker, 0) < nw:
         raise ValueError(
             f"worker must be an integer with 0 <= worker < num_workers (= {nw}), got {worker!r}"
         )
@@ -531,9 +657,9 @@ def split_chunks3(
     :func:`split_chunks` gives for the same ``val_fraction`` and ``seed``, so adding a test
     split moves chunks out of training only.
     """
-    _check_int("n_obs", n_obs, 0)
-    _check_int("chunk_size", chunk_size, 1)
-    _check_int("seed", seed, 0)
+    check_int("n_obs", n_obs, 0)
+    check_int("chunk_size", chunk_size, 1)
+    check_int("seed", seed, 0)
     for name, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if not 0.0 <= frac < 1.0:
             raise ValueError(f"{name} must be a number in [0, 1), got {frac!r}")

@@ -17,14 +17,18 @@ them give the pool in stream order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from ..errors import SamplerError
-from .plan import EpochDeal, EvenBatches, rank_batches
+from .plan import EpochDeal, EpochPlan, EvenBatches, rank_batches
 from .samplers import Sampler
 from .worklist import WorkList, merge_ranges
 
-__all__ = ["SampleRows", "sample_deal", "sample_rank_items", "sample_batches_per_rank"]
+__all__ = ["SampleRows", "SamplePlan", "sample_deal", "sample_rank_items",
+           "sample_batches_per_rank"]
 
 
 class SampleRows:
@@ -98,3 +102,26 @@ def sample_batches_per_rank(sampler: Sampler, batch_size: int, pool: int, *,
     """Batches every rank yields per epoch in sampling mode (the dataset's ``len``)."""
     return rank_batches(len(sampler), pool, batch_size, world_size=world_size,
                         drop_last=drop_last, even_batches=even_batches)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SamplePlan(EpochPlan):
+    """Sampling mode's :class:`~annbatch_torch.sampling.plan.EpochPlan`: ``sampler``'s
+    stream (bound, :meth:`~annbatch_torch.Sampler.bind`) cut into pools of
+    :attr:`~annbatch_torch.sampling.plan.EpochPlan.pool` rows; ``shuffle=False`` keeps the
+    stream's batch order with several DataLoader workers."""
+
+    sampler: Sampler
+
+    def deal(self, epoch: int) -> EpochDeal:
+        return sample_deal(self.sampler, self.batch_size, self.pool, seed=self.seed,
+                           epoch=epoch, drop_last=self.drop_last,
+                           even_batches=self.even_batches, in_order=not self.shuffle)
+
+    def fresh_batches(self, world_size: int) -> int:
+        return sample_batches_per_rank(self.sampler, self.batch_size, self.pool,
+                                       world_size=world_size, drop_last=self.drop_last,
+                                       even_batches=self.even_batches)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "sampler": self.sampler.signature}

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SamplerError
+from ..errors import SamplerError, check_int
 
 __all__ = [
     "BLOCK",
@@ -60,9 +60,7 @@ class ObsColumn:
 def _count(name: str, value: object, minimum: int = 1) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise SamplerError(f"{name} must be an integer >= {minimum} (or None), got {value!r}.")
-    return int(value)
+    return check_int(name, value, minimum, error=SamplerError, note=" (or None)")
 
 
 class Sampler:

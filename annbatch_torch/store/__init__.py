@@ -1,7 +1,8 @@
 """The collection on disk and AnnData elements; no torch.
 
-Root modules: ``manifest`` (the JSON schema of a collection), ``collection`` (``Source`` /
-``Collection``: shards, fields, lazy per-process handles), ``metadata`` (obs / var frames and
+Root modules: ``manifest`` (the JSON schema of a collection), ``source`` (``Source``: the
+interface the reader pulls rows from, with lazy per-process handles), ``collection``
+(``Collection``, a written collection, and ``open_collection``), ``metadata`` (obs / var frames and
 categories), ``elements`` (row-range readers of one AnnData element), ``checks`` (value and
 structure checks), ``rawzarr`` (the array reader: our uncompressed chunks read with ``preadv``,
 chunk objects from a :class:`~annbatch_torch.store.rawzarr.ChunkSource`), ``diskio`` (``preadv``

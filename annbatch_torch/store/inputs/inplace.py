@@ -26,13 +26,7 @@ import numpy as np
 import pandas as pd
 
 from ...errors import CollectionError, InputError
-from ..collection import (
-    MAX_LABEL_CATEGORIES,
-    Source,
-    field_node,
-    open_collection,
-    too_many_categories,
-)
+from ..collection import MAX_LABEL_CATEGORIES, open_collection, too_many_categories
 from ..elements import (
     CSCElement,
     CSRElement,
@@ -45,6 +39,7 @@ from ..elements import (
     open_element,
 )
 from ..manifest import MANIFEST_NAME, RAW_X, FieldInfo
+from ..source import Source, field_node
 from .legacy import LegacyStore
 from .open import open_store
 from .plan import nonempty, open_inputs, plan_fields, warn_shared_obs_names

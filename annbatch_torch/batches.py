@@ -1,0 +1,128 @@
+"""A pool's rows -> the user's batch: the last steps of a batch's path.
+
+A :class:`BatchAssembler` takes a work item and its pool (a
+:class:`~annbatch_torch.read.host_pool.HostPool` or
+:class:`~annbatch_torch.read.device_pool.DevicePool`) and yields the item's batches as the
+user sees them: each batch cut from the pool (densified where the
+:class:`~annbatch_torch.read.densify.DensifyPolicy` says), every output key in its own
+memory, the per-field transforms, the ``"index"`` and padding-mask keys, then the
+``batch_converter``. A transform or converter that raises becomes a
+:class:`~annbatch_torch.errors.BatchError` naming the key, the field and the rows read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from .convert import batch_dict_converter
+from .errors import BatchError
+from .fields import Field
+from .read.csr import densify_csr
+from .read.densify import DensifyPolicy
+from .read.device_pool import DevicePool
+from .read.host_pool import HostPool
+from .read.reader import describe_ranges
+from .sampling import WorkItem
+from .store.source import Source
+
+__all__ = ["BatchAssembler", "own_copy"]
+
+
+def own_copy(value: Any) -> Any:
+    """A copy of a batch value (numpy, scipy sparse or torch), so that an in-place
+    transform of one key never changes another key's values."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if sp.issparse(value):
+        return value.copy()
+    return np.array(value, copy=True)
+
+
+@dataclass(frozen=True)
+class BatchAssembler:
+    """How one dataset copy turns a pool's rows into the user's batches.
+
+    Parameters
+    ----------
+    source
+        The source the pools were read from (named in a :class:`BatchError`).
+    selector
+        ``{output key: field}``; a field's ``transform`` runs on its key's value.
+    policy
+        Where sparse fields are densified.
+    in_worker
+        Whether this copy runs in a DataLoader worker (dense values go to shared memory).
+    converter
+        The ``batch_converter`` (``None``: :func:`~annbatch_torch.batch_dict_converter`).
+    index
+        Add an ``"index"`` key with the batch's global row ids.
+    mask_key
+        Add this key, the boolean "real row" mask (``False`` in a padding batch); ``None``:
+        no mask.
+    """
+
+    source: Source
+    selector: Mapping[str, Field]
+    policy: DensifyPolicy
+    in_worker: bool = False
+    converter: Callable[[dict[str, Any]], Any] | None = None
+    index: bool = False
+    mask_key: str | None = None
+
+    def batches(self, item: WorkItem, pool: HostPool | DevicePool) -> Iterator[Any]:
+        """The batches of ``item`` cut out of ``pool`` (its rows), converted."""
+        converter = self.converter or batch_dict_converter
+        policy = self.policy
+        on_device = isinstance(pool, DevicePool)
+        dense = {key: policy.pool_densifies(key, self.in_worker) for key in self.selector}
+        # a field is densified in the pool when every key of it wants it dense; a key that
+        # wants dense a field another key takes as CSR densifies its own copy
+        dense_paths = {f.path for f in self.selector.values()} - {
+            f.path for key, f in self.selector.items() if not dense[key]}
+        for b in range(item.batch_start, item.batch_stop):
+            lo, hi = item.bounds(b)  # batches are contiguous in the pool
+            values = (pool.batch(lo, hi, policy.where == "device") if on_device
+                      else pool.batch(lo, hi, dense_paths))
+            batch: dict[str, Any] = {}
+            taken: set[str] = set()
+            for key, f in self.selector.items():  # every key its own memory, then transforms
+                value = values[f.path]
+                if dense[key] and sp.issparse(value):
+                    value = densify_csr(value, shared=self.in_worker)  # fresh
+                elif f.path in taken:  # one field under two keys: never the same memory
+                    value = own_copy(value)
+                else:
+                    taken.add(f.path)
+                batch[key] = value
+            for key, f in self.selector.items():
+                if f.transform is not None:
+                    try:
+                        batch[key] = f.transform(batch[key])
+                    except Exception as e:
+                        what = f"the transform of selector key {key!r} (field {f.path!r})"
+                        raise self.error(what, item, b, e) from e
+            if self.index:
+                batch["index"] = item.rows[lo:hi]
+            if self.mask_key is not None:
+                batch[self.mask_key] = np.full(hi - lo, not item.padding, dtype=bool)
+            try:
+                out = converter(batch)
+            except Exception as e:
+                raise self.error("the batch_converter", item, b, e) from e
+            yield out
+
+    def error(self, what: str, item: WorkItem, batch: int, exc: Exception) -> BatchError:
+        """``what`` raised ``exc`` on ``batch`` of ``item``'s pool, as a :class:`BatchError`:
+        the DataLoader passes only the message to the training loop, so it carries the
+        exception's type and text and the rows read."""
+        return BatchError(
+            f"{self.source.describe()}: {what} raised {type(exc).__name__}: {exc} on batch "
+            f"{batch} of pool {item.pool_index}, read from "
+            f"{describe_ranges(self.source, item.ranges)}."
+        )
