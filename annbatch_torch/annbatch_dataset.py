@@ -346,7 +346,7 @@ class AnnBatchDataset(IterableDataset):
                                    collate_fn: Callable[..., Any] | None = None
                                    ) -> DensifyPolicy:
         """The ``read.densify.DensifyPolicy`` of a loader's workers
-        (:meth:`~annbatch_torch.read.densify.DensifyPolicy.for_workers`): with
+        (``DensifyPolicy.for_workers``): with
         ``densify=True`` and workers, sparse fields without a transform and with the
         default ``batch_converter`` are sent as CSR and densified in the main process."""
         return self.densify_policy.for_workers(

@@ -477,7 +477,7 @@ class EpochPlan:
     planning questions (an epoch's :class:`EpochDeal`, its batches per rank, the items of
     one worker of a rank, the fingerprint a resume state records). An epoch resumed after
     ``segments`` run under other topologies is dealt what it still owes
-    (:func:`~annbatch_torch.sampling.replay.rank_items_after`). :class:`ChunkPlan` and
+    (``sampling.replay.rank_items_after``). :class:`ChunkPlan` and
     :class:`~annbatch_torch.sampling.sampled_plan.SamplePlan` make the deal.
 
     Parameters

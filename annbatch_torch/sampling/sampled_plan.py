@@ -108,7 +108,7 @@ def sample_batches_per_rank(sampler: Sampler, batch_size: int, pool: int, *,
 class SamplePlan(EpochPlan):
     """Sampling mode's :class:`~annbatch_torch.sampling.plan.EpochPlan`: ``sampler``'s
     stream (bound, :meth:`~annbatch_torch.Sampler.bind`) cut into pools of
-    :attr:`~annbatch_torch.sampling.plan.EpochPlan.pool` rows; ``shuffle=False`` keeps the
+    ``EpochPlan.pool`` rows; ``shuffle=False`` keeps the
     stream's batch order with several DataLoader workers."""
 
     sampler: Sampler
