@@ -6,8 +6,8 @@ every input is aligned: genes it lacks are zeros, its other genes dropped), the 
 carry (X, layers, obsm, obs columns) and, for each, what the writer stores: X and layers as
 CSR, obsm dense, string obs columns as categoricals (their distinct values, sorted). Which
 fields, their kinds, dtypes, global categories with each input's local-to-global code table
-and ``ordered`` come from :func:`annbatch_torch.store.inputs.plan_fields`, the rules in-
-place reading follows too (:mod:`annbatch_torch.store.harmonize`): a field named in
+and ``ordered`` come from :func:`annbatch_torch.store.inputs.plan.plan_fields`, the rules in-
+place reading follows too (:mod:`annbatch_torch.store.inputs.harmonize`): a field named in
 ``layers=`` / ``obsm=`` / ``obs_columns=`` (and X) must pass them (else :class:`InputError`,
 before anything is written); any other field that does not is left out with a warning and
 the reason in the manifest's ``unavailable``. Inputs without cells take no part (skipped

@@ -4,7 +4,7 @@ Used by :meth:`AnnBatchDataModule.prepare_data <annbatch_torch.AnnBatchDataModul
 the collection only when it is missing or stale; needs no Lightning. Compares the
 manifest's recorded inputs (resolved path, size, mtime, as :mod:`annbatch_torch.store.inputs`
 records them) and the collection settings passed explicitly. An input whose mtime changed but
-whose size and content fingerprint (:mod:`annbatch_torch.store.fingerprint`) did not is
+whose size and content fingerprint (:mod:`annbatch_torch.store.inputs.fingerprint`) did not is
 unchanged: ``touch`` or a ``cp`` without ``-p`` does not rewrite the collection.
 """
 

@@ -1,10 +1,10 @@
 """The rules that make one field agree across inputs, for the writer and in-place reading.
 
 :func:`~annbatch_torch.create_anndata_collection` (in :mod:`annbatch_torch.write.schema`)
-and :class:`~annbatch_torch.store.inplace.InPlaceSource` describe what each input holds
+and :class:`~annbatch_torch.store.inputs.inplace.InPlaceSource` describe what each input holds
 under a field as an :class:`InputField` (both through
-:meth:`~annbatch_torch.store.inputs.InputSource.describe`, and both select fields with
-:func:`~annbatch_torch.store.inputs.plan_fields`) and call :func:`harmonize_field`, so that
+:meth:`~annbatch_torch.store.inputs.view.InputSource.describe`, and both select fields with
+:func:`~annbatch_torch.store.inputs.plan.plan_fields`) and call :func:`harmonize_field`, so that
 a field gets the same kind, dtype, global categories, local-to-global code tables and
 ``ordered`` flag on both paths, or the same refusal (an
 :class:`~annbatch_torch.errors.InputError` naming the input, the field and the fix;

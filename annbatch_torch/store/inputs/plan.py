@@ -158,7 +158,7 @@ class FieldPlan:
     Attributes
     ----------
     fields
-        Field string -> :class:`~annbatch_torch.store.harmonize.Harmonized`, in the order
+        Field string -> :class:`~annbatch_torch.store.inputs.harmonize.Harmonized`, in the order
         X, layers, obsm, obs columns (each in first-seen order).
     unavailable
         Field string -> why it is not offered.
