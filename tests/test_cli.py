@@ -150,7 +150,7 @@ def h5ad(synthetic_h5ads: list[Path]) -> str:
     (["--max-memory", "100MB"], "is too small: this process already uses"),
     (["--max-memory", "100MB"], "Pass at least --max-memory "),
     (["--shard-size", "0"], "--shard-size 0 must be a positive integer"),
-    (["--chunk-elems", "0"], "--chunk-elems 0 must be an integer >= 1"),
+    (["--chunk-elems", "0"], "--chunk-elems must be an integer >= 1 (default 65536), got 0"),
     (["--var-join", "outer", "--compressor", "foo"], "--compressor 'foo' unknown"),
 ])
 def test_bad_shuffle_flags_are_named_as_flags(h5ad: str, tmp_path: Path, extra: list[str],

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from ..errors import CollectionError, InputError
+from ..errors import CollectionError, InputError, check_int
 from ..store.collection import MAX_LABEL_CATEGORIES, Collection, open_collection
 from ..store.inputs.plan import open_inputs, warn_shared_obs_names
 from ..store.inputs.view import InputSource
@@ -212,8 +212,7 @@ def append_to_collection(
         storage_options = (collection.mirror.location.options if storage_options is None
                            else storage_options)
         collection = collection.url
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise InputError(f"seed={seed!r} must be an integer >= 0.")
+    seed = check_int("seed", seed, 0, error=InputError)
     if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
         adata_paths = [adata_paths]
     if not adata_paths:

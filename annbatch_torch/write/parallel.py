@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import CollectionError, InputError
+from ..errors import CollectionError, InputError, check_int
 from ..store.inputs.view import InputSource, open_input
 from ..store.manifest import ShardInfo
 from .buckets import BucketSegment, BucketWriter, bucket_id, bucket_segments
@@ -109,8 +109,7 @@ def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any,
     if n_workers is None:
         n_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-        raise InputError(f"n_workers={n_workers!r} must be a positive integer.")
+    n_workers = check_int("n_workers", n_workers, 1, error=InputError)
     procs = scheduler == "processes"
     import dask
 

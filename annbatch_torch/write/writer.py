@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, check_int
 from ..store.collection import Collection, open_collection
 from ..store.inputs.plan import open_inputs, warn_shared_obs_names
 from ..store.inputs.view import InputSource
@@ -285,18 +285,17 @@ def create_anndata_collection(
                          "'threads'); without one the writer runs in this process.")
     if zarr_format not in (2, 3):
         raise InputError(f"zarr_format={zarr_format!r} must be 2 or 3.")
-    for name, value, low in (("zarr_chunk_elems", zarr_chunk_elems, 1),
-                             ("seed", 0 if seed is None else seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-            raise InputError(f"{name}={value!r} must be an integer >= {low}"
-                             + (" (or None for a fresh random seed)." if name == "seed"
-                                else f" (default {DEFAULT_CHUNK_ELEMS})."))
+    zarr_chunk_elems = check_int("zarr_chunk_elems", zarr_chunk_elems, 1, error=InputError,
+                                 note=f" (default {DEFAULT_CHUNK_ELEMS})")
+    if seed is not None:
+        seed = check_int("seed", seed, 0, error=InputError,
+                         note=" (or None for a fresh random seed)")
     if isinstance(n_obs_per_shard, bool):
         raise InputError(f"n_obs_per_shard={n_obs_per_shard!r} must be a positive integer.")
-    if zarr_shard_elems is not None and (isinstance(zarr_shard_elems, bool) or not isinstance(
-            zarr_shard_elems, int | np.integer) or zarr_shard_elems < 0):
-        raise InputError(f"zarr_shard_elems={zarr_shard_elems!r} must be an integer >= 0 "
-                         f"(0 or None: one file per chunk; default {DEFAULT_SHARD_ELEMS}).")
+    if zarr_shard_elems is not None:
+        zarr_shard_elems = check_int(
+            "zarr_shard_elems", zarr_shard_elems, 0, error=InputError,
+            note=f" (0 or None: one file per chunk; default {DEFAULT_SHARD_ELEMS})")
     opts = {"zarr_format": zarr_format, "chunk_elems": int(zarr_chunk_elems),
             "shard_elems": int(zarr_shard_elems) if zarr_shard_elems and zarr_format == 3
             else None,

@@ -38,7 +38,7 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
-from ...errors import CollectionError, InputError
+from ...errors import CollectionError, InputError, check_int
 from ..manifest import MANIFEST_NAME, ShardInfo
 from .chunkcache import ChunkCache, cache_token
 from .location import ObjectInfo, RemoteLocation
@@ -111,10 +111,10 @@ class Mirror:
     def __init__(self, location: RemoteLocation, cache_dir: str | os.PathLike[str] | None,
                  cache_size: int | None) -> None:
         self.location = location
-        if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(
-                cache_size, int) or cache_size < 1):
-            raise InputError(f"{location.url}: cache_size={cache_size!r} must be a positive "
-                             "number of bytes.")
+        if cache_size is not None:
+            cache_size = check_int(
+                f"cache_size for {location.url}", cache_size, 1, error=InputError,
+                note=" bytes (or None: a quarter of the free disk space)")
         if cache_dir is None:
             base = Path(tempfile.mkdtemp(prefix="annbatch-remote-"))
             import atexit
