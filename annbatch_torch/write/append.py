@@ -9,9 +9,13 @@ manifest that only adds shards passes their checks); a new open sees all.
 
 The collection's schema is kept: its genes (an ``inner`` collection refuses inputs missing
 any of them; an ``outer`` or reference one writes their absent genes as zeros, and refuses
-genes it does not have, which would need a wider collection), its fields (each new input
-must offer every one, with a dtype that casts safely to the stored one), and its categories,
-which only grow at the end: every stored code keeps its meaning.
+genes it does not have, which would need a wider collection), and raw's genes by the same
+rules when it carries ``raw/X``; its fields (each new input must offer every one, with a
+dtype that casts safely to the stored one; float matrices into an integer one when their
+values are whole numbers that fit, as counts saved as float32 are), and its categories,
+which only grow at the end: every stored code keeps its meaning, and new shards store codes
+of the collection's code dtype. obs_names a new input repeats, or that the collection holds
+already, are a warning (rows are identified by row ids).
 
 Chunked mode draws chunks from every shard, so batches after an append mix old and new cells;
 only within a pool, though: rows of the appended inputs sit in their own shards, where a full
@@ -45,12 +49,21 @@ from ..store.manifest import (
     read_manifest,
     write_manifest,
 )
+from ..store.metadata import shard_obs_names
 from . import budget as _budget
 from .budget import parse_memory
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
-from .writer import DEFAULT_MAX_MEMORY, write_shards
+from .writer import (
+    DEFAULT_MAX_MEMORY,
+    NAMES_FIX,
+    example_names,
+    name_hashes,
+    unique_name_hashes,
+    warn_repeated_obs_names,
+    write_shards,
+)
 
 __all__ = ["append_to_collection"]
 
@@ -65,23 +78,35 @@ def _field_lists(manifest: Manifest) -> dict[str, list[str]]:
 
 
 def _check_genes(sources: list[InputSource], manifest: Manifest, where: str) -> None:
-    genes = pd.Index(manifest.var_names)
-    for s in sources:
-        have = pd.Index(s.var_names)
-        missing = genes.difference(have, sort=False)
-        if manifest.var_join == "inner" and len(missing):
-            raise InputError(
-                f"{s.label}: lacks {len(missing)} of the {len(genes)} genes of {where} (e.g. "
-                f"{list(missing[:3])}), which was written with var_join='inner' (every cell "
-                "has every gene). Fix: add them to the input (as zeros, if it truly has none), "
-                "or rewrite the collection from all inputs with var_join='outer'.")
-        extra = have.difference(genes, sort=False)
-        if manifest.var_join == "outer" and len(extra):
-            raise InputError(
-                f"{s.label}: has {len(extra)} genes {where} lacks (e.g. {list(extra[:3])}); "
-                "an outer collection holds every gene of its inputs, and appending cannot "
-                "widen the stored shards. Fix: rewrite the collection from all inputs "
-                "(create_anndata_collection([...], overwrite=True)), or drop those genes.")
+    """Refuse inputs whose genes (X's, and raw's when the collection carries raw/X) the
+    collection's gene axes cannot take."""
+    axes = [("", manifest.var_names, "", lambda s: s.var_names)]
+    if RAW_X in manifest.fields and manifest.raw_var_names is not None:
+        axes.append(("raw ", manifest.raw_var_names, " (or with raw=False, without raw)",
+                     lambda s: s.raw_var_names))
+    for what, names, or_raw, genes_of in axes:
+        genes = pd.Index(names)
+        for s in sources:
+            if genes_of(s) is None:  # no raw: the field rule refuses it, with its fix
+                continue
+            have = pd.Index(genes_of(s))
+            missing = genes.difference(have, sort=False)
+            if manifest.var_join == "inner" and len(missing):
+                raise InputError(
+                    f"{s.label}: lacks {len(missing)} of the {len(genes)} {what}genes of "
+                    f"{where} (e.g. {list(missing[:3])}), which was written with "
+                    "var_join='inner' (every cell has every gene). Fix: add them to the "
+                    f"input{' (adata.raw)' if what else ''} (as zeros, if it truly has none), "
+                    "or rewrite the collection from all inputs with var_join='outer'"
+                    f"{or_raw}.")
+            extra = have.difference(genes, sort=False)
+            if manifest.var_join == "outer" and len(extra):
+                raise InputError(
+                    f"{s.label}: has {len(extra)} {what}genes {where} lacks (e.g. "
+                    f"{list(extra[:3])}); an outer collection holds every gene of its inputs, "
+                    "and appending cannot widen the stored shards. Fix: rewrite the collection "
+                    f"from all inputs (create_anndata_collection([...], overwrite=True)){or_raw}"
+                    ", or drop those genes.")
 
 
 def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
@@ -92,10 +117,13 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
                          f"{stored.kind!r}. Fix: convert the column in the inputs, or rewrite "
                          "the collection.")
     dtype = np.dtype(stored.dtype)
-    # matrices: the values are checked to fit block by block (FitsStored); obs columns are
-    # not seen by value checks, so their cast must be safe for any value
-    how = "same_kind" if f.kind in ("csr", "dense") else "safe"
-    if f.kind != "categorical" and not np.can_cast(f.dtype, dtype, how):
+    # matrices: the values are checked to fit block by block (FitsStored), floats into an
+    # integer collection to be whole numbers too (counts saved as float32); obs columns
+    # are not seen by value checks, so their cast must be safe for any value
+    matrix = f.kind in ("csr", "dense")
+    counts = matrix and f.dtype.kind == "f" and dtype.kind in "iu"
+    how = "same_kind" if matrix else "safe"
+    if f.kind != "categorical" and not counts and not np.can_cast(f.dtype, dtype, how):
         raise InputError(f"{f.key}: the new inputs hold {f.dtype}, which does not cast to the "
                          f"stored {dtype} of {where} without loss. Fix: convert it in the "
                          f"inputs (e.g. .astype({str(dtype)!r}) where the values fit), or "
@@ -128,20 +156,30 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
     luts = None if f.luts is None else [
         None if lut is None else np.where(lut >= 0, remap[np.maximum(lut, 0)], -1).astype(
             lut.dtype) for lut in f.luts]
-    return dataclasses.replace(f, categories=grown, luts=luts)
+    # the stored code dtype, not the new inputs' (narrower when they have fewer categories)
+    return dataclasses.replace(f, dtype=dtype, categories=grown, luts=luts)
+
+
+#: how an append's user leaves out a field the new inputs cannot offer: only by a rewrite
+_REWRITE = "rewrite the collection from all inputs (create_anndata_collection([...], {}"
+_APPEND_OMIT = {"X": _REWRITE.format("overwrite=True)) from inputs without X"),
+                "layers": _REWRITE.format("layers=[...], overwrite=True)) without it"),
+                "obsm": _REWRITE.format("obsm=[...], overwrite=True)) without it"),
+                "obs": _REWRITE.format("obs_columns=[...], overwrite=True)) without it"),
+                "raw": _REWRITE.format("raw=False, overwrite=True)) without raw")}
 
 
 def _append_schema(sources: list[InputSource], coll: Collection) -> Schema:
     manifest, where = coll.manifest, coll.describe()
-    if RAW_X in manifest.fields:
-        raise InputError(f"{where} carries raw/X: appending to it is not supported yet "
-                         "(raw's own genes would have to be aligned too). Fix: rewrite it from "
-                         "all inputs (create_anndata_collection([...], overwrite=True)).")
     _check_genes(sources, manifest, where)
     lists = _field_lists(manifest)
+    # raw's genes are aligned to the collection's raw genes, as X's to its var_names
+    raw = RAW_X in manifest.fields and manifest.raw_var_names is not None
     try:
         schema = resolve_schema(sources, "inner", lists["obs_columns"], lists["layers"],
-                                lists["obsm"], pd.Index(manifest.var_names), raw=False)
+                                lists["obsm"], pd.Index(manifest.var_names), raw=raw,
+                                raw_reference=pd.Index(manifest.raw_var_names) if raw else None,
+                                omit=_APPEND_OMIT)
     except InputError as e:
         raise InputError(f"{e} (Appending to {where}, which stores {list(manifest.fields)}: "
                          "every new input must offer every one of them.)") from None
@@ -154,6 +192,8 @@ def _append_schema(sources: list[InputSource], coll: Collection) -> Schema:
                          "collection without them.")
     schema.fields = [_merge_field(got[k], manifest.fields[k], where) for k in manifest.fields]
     schema.var = coll.var  # the stored gene metadata, as every old shard has it
+    if raw:
+        schema.raw_var = coll.raw_var
     return schema
 
 
@@ -194,13 +234,22 @@ def append_to_collection(
     Collection
         The collection, opened again: its old shards first, then the new ones.
 
+    Notes
+    -----
+    A collection carrying AnnData's ``raw`` (``raw/X``, carried by default when every input
+    has it) takes inputs with ``raw`` only: their raw genes are aligned to the collection's
+    raw genes as X's are to its genes. To append inputs without ``raw``, the collection must
+    first be rewritten without it (``create_anndata_collection([...], raw=False,
+    overwrite=True)``).
+
     Raises
     ------
     InputError
         For inputs the collection's schema cannot take (missing genes of an ``inner``
-        collection, genes an ``outer`` one lacks, missing fields, dtypes that do not cast,
-        new categories of an ordered categorical), an input already in the collection, and
-        bad arguments. Nothing is written then.
+        collection, genes an ``outer`` one lacks, the same for raw's genes, missing fields
+        (``raw`` included), dtypes that do not cast, floats with fractions for an integer
+        field, new categories of an ordered categorical), an input already in the
+        collection, and bad arguments. Nothing is written then.
     CollectionError
         If ``collection`` is not a finished collection.
     """
@@ -279,9 +328,12 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             _publish(root, root, manifest, [], None, sources, seed)
             return
         schema = _append_schema([s for s in sources if s.n_obs], coll)
-        warn_shared_obs_names([s for s in sources if s.n_obs])
+        with_cells = [s for s in sources if s.n_obs]
+        warn_shared_obs_names(with_cells)
+        warn_repeated_obs_names(with_cells)
+        warn_names_in_collection(with_cells, coll)
         check = FitsStored({f.key: f.dtype for f in schema.fields
-                            if f.kind in ("csr", "dense")}, value_check)
+                            if f.kind in ("csr", "dense")}, value_check, coll.describe())
         shuffle = bool(manifest.shuffle)
         writer = dict(manifest.extra.get("writer") or {})
         opts = _stored_options(writer, coll.describe())
@@ -314,29 +366,72 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def warn_names_in_collection(sources: list[InputSource], coll: Collection) -> int:
+    """Warn, per new input, about obs_names ``coll`` holds already (how many, a few of them);
+    returns the count. Reads every shard's obs index once (not cached), keeping only the
+    new inputs' name hashes and each shard's in turn."""
+    mine = [unique_name_hashes(s)[:2] for s in sources]
+    if not mine:
+        return 0
+    new = np.unique(np.concatenate([u for u, _ in mine]))
+    hits = [np.zeros(0, np.uint64)]
+    for shard, n in enumerate(coll.shard_sizes):
+        names = shard_obs_names(coll.shard_group(shard), n, coll.shard_name(shard))
+        hits.append(np.intersect1d(name_hashes(names), new, assume_unique=False))
+        del names
+    hit = np.unique(np.concatenate(hits))
+    total = 0
+    for s, (u, first) in zip(sources, mine):
+        there = np.isin(u, hit, assume_unique=True)
+        if there.any():
+            total += int(there.sum())
+            logger.warning("%s: %d obs_names are in %s already (e.g. %s). %s", s.label,
+                           int(there.sum()), coll.describe(),
+                           ", ".join(map(repr, example_names(s, first[there]))), NAMES_FIX)
+    return total
+
+
 class FitsStored:
     """A ``value_check`` that refuses matrix values the stored dtype cannot hold (an int
-    beyond its range, a float beyond float32's), then runs the caller's check."""
+    beyond its range, a float beyond float32's, a float that is not a whole number for an
+    integer collection), then runs the caller's check."""
 
-    def __init__(self, dtypes: dict[str, np.dtype], then: Any = None) -> None:
-        self.dtypes, self.then = dtypes, then
+    def __init__(self, dtypes: dict[str, np.dtype], then: Any = None,
+                 where: str = "the collection") -> None:
+        self.dtypes, self.then, self.where = dtypes, then, where
 
     def __call__(self, label: str, field: str, block: Any) -> None:
         dtype = self.dtypes.get(field)
         values = block.data if sp.issparse(block) else np.asarray(block)
         if dtype is not None and dtype.kind in "iuf" and values.size:
+            vmin, vmax = values.min(), values.max()
             if dtype.kind == "f":
                 hi = float(np.finfo(dtype).max)
-                lo = -hi
+                beyond = vmin < -hi or vmax > hi
+            elif values.dtype.kind == "f":  # counts saved as floats, cast when whole
+                self._whole(label, field, values, dtype)
+                # float(max) may round up to 2**bits, which does not fit: compare with it
+                beyond = vmin < np.iinfo(dtype).min or vmax >= float(np.iinfo(dtype).max) + 1
             else:
-                lo, hi = int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
-            vmin, vmax = values.min(), values.max()
-            if vmin < lo or vmax > hi:
+                beyond = vmin < np.iinfo(dtype).min or vmax > np.iinfo(dtype).max
+            if beyond:
                 raise InputError(f"{label}: {field} holds values in [{vmin}, {vmax}], beyond "
-                                 f"the stored {dtype} of the collection. Fix: scale or clip "
+                                 f"the stored {dtype} of {self.where}. Fix: scale or clip "
                                  "them, or rewrite the collection.")
         if self.then is not None:
             self.then(label, field, block)
+
+    def _whole(self, label: str, field: str, values: np.ndarray, dtype: np.dtype) -> None:
+        frac = np.flatnonzero(values != np.trunc(values))
+        if frac.size:
+            raise InputError(
+                f"{label}: {field} holds {values.dtype} values that are not whole numbers "
+                f"({frac.size} in this block, e.g. {values.ravel()[frac[0]]}), and "
+                f"{self.where} stores {field} as {dtype}, which would cut their fractions "
+                "off. Fix: append counts only (e.g. adata.X = adata.layers['counts']), or "
+                "rewrite the collection from all "
+                "inputs (create_anndata_collection([...], overwrite=True)), which stores "
+                f"{dtype} and {values.dtype} together as floats.")
 
 
 def _stored_options(writer: dict[str, Any], where: str) -> dict[str, Any]:

@@ -216,18 +216,25 @@ _OMIT = {"X": "remove X from every input (del adata.X) to write a collection wit
 
 def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[str] | None,
                    layers: list[str] | None, obsm: list[str] | None,
-                   reference: pd.Index | None = None, raw: bool | None = None) -> Schema:
+                   reference: pd.Index | None = None, raw: bool | None = None,
+                   raw_reference: pd.Index | None = None,
+                   omit: dict[str, str] | None = None) -> Schema:
     """The collection's var order (``reference``: that gene list), fields, global
     categories and raw (``raw``: asked for, left out, or carried when every input has it;
-    see module docs)."""
+    its genes joined like X's, or aligned to ``raw_reference`` when given (an append: the
+    collection's raw genes); see module docs). ``omit``: per field group, how the caller's
+    user leaves a field out, ending the fix of a refusal (default: the writer's
+    arguments)."""
     used = nonempty(sources)
     genes = join_genes([(s.label, pd.Index(s.var_names)) for s in used],
                        [pd.Index(s.var_names) for s in sources], var_join, reference)
-    raw_genes, raw_why = _raw_axis(used, sources, var_join, reference, raw)
+    raw_genes, raw_why = _raw_axis(used, sources, var_join,
+                                   reference if raw_reference is None else raw_reference, raw)
     requested = {"X": True, "layers": layers, "obsm": obsm, "obs": obs_columns,
                  "raw": raw if raw_why is None else False}
     # a categorical past the label limit is refused by every reader: not written either
-    plan = plan_fields(used, requested=requested, omit=_OMIT, warn=True,
+    plan = plan_fields(used, requested=requested, omit=_OMIT if omit is None else omit,
+                       warn=True,
                        matrix_width=len(genes.names),
                        raw_width=None if raw_genes is None else len(raw_genes.names),
                        category_limit=MAX_LABEL_CATEGORIES, too_many=too_many_categories)

@@ -311,8 +311,7 @@ class ShardStore:
                 parts = self._obs.pop(f.key)
                 col = np.concatenate(parts) if parts else np.zeros(0, np.int32)
                 if f.kind == "categorical":
-                    col = pd.Categorical.from_codes(col.astype(f.dtype), categories=f.categories,
-                                                    ordered=f.ordered, validate=False)
+                    col = _categorical(col, f, where)
                 else:
                     col = col.astype(f.dtype, copy=False)
                 obs[f.key[4:]] = col
@@ -331,6 +330,19 @@ class ShardStore:
                 dtypes[f.key] = str(node["codes"].dtype if f.kind == "categorical"
                                     else node.dtype)
         return dtypes
+
+
+def _categorical(codes: np.ndarray, f: Any, where: str) -> pd.Categorical:
+    """A categorical obs column from pass 1's global codes (int32), stored with the codes
+    pandas gives ``f.categories`` (never narrowed to ``f.dtype`` first: a code past its
+    range would wrap, to another category or to -1, missing)."""
+    n = len(f.categories or ())
+    if codes.size and (int(codes.min()) < -1 or int(codes.max()) >= n):
+        raise CollectionError(f"{where}: {f.key} has codes in [{int(codes.min())}, "
+                              f"{int(codes.max())}], outside [-1, {n}); internal error.")
+    return pd.Categorical.from_codes(codes.astype(np.int32, copy=False),
+                                     categories=f.categories, ordered=f.ordered,
+                                     validate=False)
 
 
 def compressors_for(compressor: Any, zarr_format: int) -> Any:

@@ -1,0 +1,242 @@
+"""append_to_collection at its edges (issue 29): categorical codes wider than the new
+inputs', raw and its own genes, integral float counts into an integer collection, and
+duplicate obs_names (within an input, and against the collection) warned about."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+
+import annbatch_torch as abt
+from annbatch_torch import A, InputError
+
+N_GENES = 12
+
+
+def _adata(tag: str, n: int, labels: Any, *, x: Any = None, seed: int = 0,
+           names: list[str] | None = None) -> ad.AnnData:
+    rng = np.random.default_rng(seed)
+    if x is None:
+        x = sp.random(n, N_GENES, density=0.3, format="csr", dtype=np.float32,
+                      random_state=rng)
+    obs = pd.DataFrame({"ct": labels},
+                       index=names if names is not None else [f"{tag}{i}" for i in range(n)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anndata's own note on duplicate obs_names
+        return ad.AnnData(x, obs=obs, var=pd.DataFrame(index=[f"g{g}" for g in range(N_GENES)]))
+
+
+def _write(a: ad.AnnData, path: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a.write_h5ad(path)
+    return path
+
+
+def _read(path: Path) -> ad.AnnData:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ad.read_h5ad(path)
+
+
+def _rows_equal(coll: abt.Collection, field: Any, want: dict[str, np.ndarray]) -> None:
+    """Every cell of ``coll`` once, its ``field`` (densified) equal to ``want[obs_name]``."""
+    ds = abt.AnnBatchDataset(coll, selector={"m": field}, batch_size=64, densify=True,
+                             return_index=True)
+    seen = []
+    for b in ds:
+        names = coll.obs_names_at(b["index"].numpy())
+        for name, row in zip(names, b["m"].numpy()):
+            np.testing.assert_array_equal(row, want[name])
+        seen += b["index"].tolist()
+    assert sorted(seen) == list(range(coll.n_obs)) == list(range(len(want)))
+
+
+# -- 1: categorical codes -----------------------------------------------------------------
+CATS = [f"c{k:03d}" for k in range(300)]  # int16 codes in the collection
+
+
+@pytest.fixture
+def wide_labels(tmp_path: Path) -> tuple[Path, Path, ad.AnnData]:
+    """A collection whose ``ct`` has 300 categories, and an input whose ``ct`` has three
+    (int8 codes in the file) that map to global codes 150 (int8: -106), 255 (int8: -1,
+    "missing") and 300 (a new category; int8: 44, another category)."""
+    a0 = _adata("a", 600, pd.Categorical(np.repeat(CATS, 2), categories=CATS))
+    p0 = _write(a0, tmp_path / "in0.h5ad")
+    a1 = _adata("b", 90, pd.Categorical(np.tile(["c150", "c255", "zz_new"], 30)), seed=1)
+    p1 = _write(a1, tmp_path / "in1.h5ad")
+    import h5py
+
+    with h5py.File(p1) as f:  # what the bug needs: narrow codes in the input
+        assert f["obs/ct/codes"].dtype == np.int8
+    return p0, p1, a1
+
+
+def _labels_equal(coll: abt.Collection, adatas: list[ad.AnnData]) -> None:
+    whole = pd.concat([a.obs["ct"].astype(str) for a in adatas])
+    got = coll.obs_at(np.arange(coll.n_obs), "ct")["ct"]
+    assert not got.isna().any()
+    assert list(got.astype(str)) == list(whole[got.index])
+    # the loader decodes the stored codes with the collection's categories
+    ds = abt.AnnBatchDataset(coll, selector={"y": A.obs["ct"]}, batch_size=128,
+                             return_index=True, shuffle=False)
+    cats = np.asarray(coll.categories("ct"), dtype=object)
+    for b in ds:
+        names = coll.obs_names_at(b["index"].numpy())
+        assert list(cats[b["y"].numpy()]) == list(whole[names])
+
+
+@pytest.mark.parametrize("how", ["serial", "threads", "prepare"])
+def test_append_widens_narrow_category_codes(wide_labels: tuple[Path, Path, ad.AnnData],
+                                             tmp_path: Path, how: str) -> None:
+    p0, p1, a1 = wide_labels
+    store = tmp_path / "store"
+    if how == "prepare":
+        abt.prepare_collection([p0], store, seed=0, progress=False)
+        assert abt.prepare_collection([p0, p1], store, seed=0, progress=False)
+        coll = abt.open_collection(store)
+        assert len(coll.manifest.extra["appended"]) == 1  # appended, not rewritten
+    else:
+        abt.create_anndata_collection([p0], store, seed=0, progress=False)
+        kw: dict[str, Any] = ({} if how == "serial" else {"scheduler": "threads",
+                                                          "n_workers": 2})
+        coll = abt.append_to_collection(store, [p1], progress=False, **kw)
+    assert coll.categories("ct") == [*CATS, "zz_new"]
+    assert coll.manifest.fields["obs/ct"].dtype == "int16"
+    _labels_equal(coll, [_read(p0), a1])
+
+
+# -- 2: raw ------------------------------------------------------------------------------
+def _with_raw(tag: str, n: int, raw_genes: list[str], seed: int) -> ad.AnnData:
+    """raw: integer counts of ``raw_genes``; X: the log of its first four genes (g0-g3)."""
+    rng = np.random.default_rng(seed)
+    counts = sp.random(n, len(raw_genes), density=0.4, format="csr", random_state=rng,
+                       dtype=np.float64)
+    counts.data = np.round(counts.data * 20) + 1
+    full = ad.AnnData(counts.astype(np.float32),
+                      obs=pd.DataFrame({"ct": pd.Categorical(rng.choice(["B", "T"], n))},
+                                       index=[f"{tag}{i}" for i in range(n)]),
+                      var=pd.DataFrame({"symbol": [f"sym_{g}" for g in raw_genes]},
+                                       index=raw_genes))
+    a = full[:, ["g0", "g1", "g2", "g3"]].copy()
+    a.X = sp.csr_matrix(np.log1p(a.X.toarray()))
+    a.raw = full
+    return a
+
+
+def _raw_rows(a: ad.AnnData, genes: pd.Index) -> dict[str, np.ndarray]:
+    m = a.raw.X.toarray()
+    out = np.zeros((a.n_obs, len(genes)), dtype=np.float32)
+    cols = a.raw.var_names.get_indexer(genes)
+    out[:, cols >= 0] = m[:, cols[cols >= 0]]
+    return dict(zip(a.obs_names, out))
+
+
+@pytest.mark.parametrize("var_join", ["inner", "outer"])
+def test_append_aligns_raw_genes(tmp_path: Path, var_join: str) -> None:
+    genes = [f"g{k}" for k in range(10)]
+    a0 = _with_raw("a", 300, genes, 1)
+    # the same raw genes in another order (inner: and one the collection lacks, dropped;
+    # outer: two missing, zeros)
+    other = [*genes[::-1], "extra"] if var_join == "inner" else genes[::-1][2:]
+    a1 = _with_raw("b", 200, other, 2)
+    p0, p1 = _write(a0, tmp_path / "in0.h5ad"), _write(a1, tmp_path / "in1.h5ad")
+    store = tmp_path / "store"
+    abt.create_anndata_collection([p0], store, seed=0, var_join=var_join, progress=False)
+    coll = abt.append_to_collection(store, [p1], progress=False)
+    assert "raw/X" in coll.fields
+    assert list(coll.raw_var_names) == genes
+    assert list(coll.raw_var["symbol"]) == [f"sym_{g}" for g in genes]
+    want = {**_raw_rows(a0, pd.Index(genes)), **_raw_rows(a1, pd.Index(genes))}
+    _rows_equal(coll, A.raw.X, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shard = ad.read_zarr(coll.shard_path(len(coll.shards) - 1))  # an appended shard
+    assert list(shard.raw.var_names) == genes
+
+
+def test_append_raw_refusals_name_the_fix(tmp_path: Path) -> None:
+    genes = [f"g{k}" for k in range(10)]
+    p0 = _write(_with_raw("a", 100, genes, 1), tmp_path / "in0.h5ad")
+    store = tmp_path / "store"
+    abt.create_anndata_collection([p0], store, seed=0, progress=False)
+    manifest = (store / "manifest.json").read_bytes()
+    fewer = _write(_with_raw("b", 50, genes[:8], 2), tmp_path / "in1.h5ad")
+    with pytest.raises(InputError, match=r"in1\.h5ad: lacks 2 of the 10 raw genes.*"
+                       r"var_join='inner'.*Fix.*raw=False"):
+        abt.append_to_collection(store, [fewer], progress=False)
+    no_raw = _with_raw("c", 50, genes, 3)
+    del no_raw.raw
+    with pytest.raises(InputError, match=r"in2\.h5ad: has no raw .*Fix.*raw=False"):
+        abt.append_to_collection(store, [_write(no_raw, tmp_path / "in2.h5ad")],
+                                 progress=False)
+    assert (store / "manifest.json").read_bytes() == manifest
+
+
+# -- 3: dtypes ---------------------------------------------------------------------------
+def test_append_casts_integral_floats_into_an_integer_collection(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    ints = sp.random(200, N_GENES, density=0.3, format="csr", random_state=rng)
+    ints.data = np.round(ints.data * 50) + 1
+    p0 = _write(_adata("a", 200, pd.Categorical(["A"] * 200), x=ints.astype(np.int64)),
+                tmp_path / "in0.h5ad")
+    floats = sp.random(150, N_GENES, density=0.3, format="csr", random_state=rng)
+    floats.data = np.round(floats.data * 50) + 1
+    a1 = _adata("b", 150, pd.Categorical(["B"] * 150), x=floats.astype(np.float32))
+    p1 = _write(a1, tmp_path / "in1.h5ad")
+    store = tmp_path / "store"
+    coll = abt.create_anndata_collection([p0], store, seed=0, progress=False)
+    assert coll.manifest.fields["X"].dtype == "int64"
+    half = a1.copy()
+    half.obs_names = [f"h{i}" for i in range(half.n_obs)]
+    half.X.data[3] = 2.5
+    p2 = _write(half, tmp_path / "half.h5ad")
+    with pytest.raises(InputError,
+                       match=r"half\.h5ad: X holds float32 .*2\.5.*stores X as int64"):
+        abt.append_to_collection(store, [p2], progress=False)
+    coll = abt.append_to_collection(store, [p1], progress=False)
+    assert coll.manifest.fields["X"].dtype == "int64"
+    want = {**dict(zip(_read(p0).obs_names, ints.toarray())),
+            **dict(zip(a1.obs_names, floats.toarray()))}
+    _rows_equal(coll, A.X, want)
+
+
+# -- 8: duplicate obs_names ----------------------------------------------------------------
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_duplicate_obs_names_within_an_input_are_warned(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture
+                                                        ) -> None:
+    names = [f"cell{i % 40}" for i in range(100)]  # 40 names, each 2-3 times
+    p0 = _write(_adata("a", 100, pd.Categorical(["A"] * 100), names=names),
+                tmp_path / "dup.h5ad")
+    store = tmp_path / "store"
+    caplog.set_level(logging.WARNING, logger="annbatch_torch")
+    abt.create_anndata_collection([p0], store, seed=0, progress=False)
+    (msg,) = [m for m in _warnings(caplog) if "dup.h5ad" in m and "obs_names" in m]
+    assert "40 obs_names appear more than once" in msg
+    assert "'cell0', 'cell1'" in msg
+    # on append: names the collection has already, and names repeated in one new input
+    caplog.clear()
+    again = [f"cell{i}" for i in range(5)] + [f"new{i % 10}" for i in range(45)]
+    p1 = _write(_adata("b", 50, pd.Categorical(["B"] * 50), names=again),
+                tmp_path / "more.h5ad")
+    abt.append_to_collection(store, [p1], progress=False)
+    found = [m for m in _warnings(caplog) if "more.h5ad" in m and "obs_names" in m]
+    assert any("10 obs_names" in m and "'new0'" in m for m in found), found
+    assert any("5 obs_names" in m and "'cell0'" in m and str(store) in m for m in found), found
+    # unique names: no warning
+    caplog.clear()
+    p2 = _write(_adata("c", 20, pd.Categorical(["C"] * 20)), tmp_path / "clean.h5ad")
+    abt.append_to_collection(store, [p2], progress=False)
+    assert not [m for m in _warnings(caplog) if "obs_names" in m]
