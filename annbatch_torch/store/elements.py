@@ -35,10 +35,22 @@ __all__ = [
     "element_from_memory",
     "encoding_type",
     "read_index",
+    "index_key",
+    "GROUP_MEMBERS",
     "DEFAULT_CSC_LIMIT",
 ]
 
 DEFAULT_CSC_LIMIT = 2 << 30  # bytes; a CSC matrix bigger than this on disk is refused
+
+#: the group encodings :func:`open_element` reads, with the member arrays each must hold
+GROUP_MEMBERS: dict[str, tuple[str, ...]] = {
+    "csr_matrix": ("data", "indices", "indptr"),
+    "csc_matrix": ("data", "indices", "indptr"),
+    "categorical": ("codes", "categories"),
+    "nullable-integer": ("values", "mask"),
+    "nullable-boolean": ("values", "mask"),
+    "nullable-string-array": ("values", "mask"),
+}
 
 
 def encoding_type(node: Any) -> str | None:
@@ -452,21 +464,14 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
     """
     enc = encoding_type(node)
     if is_group(node):
-        members = {
-            "csr_matrix": ("data", "indices", "indptr"),
-            "csc_matrix": ("data", "indices", "indptr"),
-            "categorical": ("codes", "categories"),
-            "nullable-integer": ("values", "mask"),
-            "nullable-boolean": ("values", "mask"),
-            "nullable-string-array": ("values", "mask"),
-        }.get(enc or "", ())
-        missing = [m for m in members if m not in node]
+        missing = [m for m in GROUP_MEMBERS.get(enc or "", ()) if m not in node]
         if enc in ("csr_matrix", "csc_matrix") and "shape" not in node.attrs:
             missing.append("the 'shape' attribute")
         if missing:
             raise InputError(
                 f"{source}: field {name!r} (encoding {enc!r}) lacks {', '.join(missing)}; the "
-                "file is damaged or was written incompletely. Rewrite it."
+                "file is damaged or was written incompletely. Rewrite it (an input: from its "
+                "source; a collection: with create_anndata_collection(..., overwrite=True))."
             )
         if enc == "csr_matrix":
             shape = tuple(int(s) for s in node.attrs["shape"])
@@ -520,9 +525,13 @@ def element_from_memory(value: Any, name: str) -> Element:
     return DenseElement(arr, name=name)
 
 
+def index_key(group: Any) -> str:
+    """The name of the array holding an AnnData dataframe group's index (its ``_index``
+    attribute; ``"_index"`` by default)."""
+    key = group.attrs.get("_index", "_index")
+    return key.decode() if isinstance(key, bytes) else str(key)
+
+
 def read_index(group: Any) -> np.ndarray:
     """Read the index (obs_names / var_names) of an AnnData dataframe group as strings."""
-    index_key = group.attrs.get("_index", "_index")
-    if isinstance(index_key, bytes):
-        index_key = index_key.decode()
-    return _decode_strings(np.asarray(group[index_key][...]))
+    return _decode_strings(np.asarray(group[index_key(group)][...]))

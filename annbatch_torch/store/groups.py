@@ -14,12 +14,46 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .rawzarr import open_raw
+from ..errors import CollectionError
+from .rawzarr import RawZarrArray, open_raw
 
 if TYPE_CHECKING:
     from .remote.mirror import Mirror
 
 __all__ = ["FastGroup", "open_fast_group"]
+
+#: what a damaged shard's message ends with ("Fix:": a reader wrapping it adds no other)
+_DAMAGE_FIX = ("the collection is damaged. Fix: copy it again, or rewrite it with "
+               "create_anndata_collection(..., overwrite=True).")
+
+
+def _read_meta(node: Path, root: Path) -> dict[str, Any]:
+    """The ``zarr.json`` of the zarr v3 node at ``node`` (in the shard at ``root``).
+
+    Raises
+    ------
+    FileNotFoundError, NotADirectoryError
+        If the node has no ``zarr.json`` (it is absent).
+    CollectionError
+        If its ``zarr.json`` is not a JSON object (truncated or corrupted): the message names
+        the shard, the element and the fix.
+    """
+    file = node / "zarr.json"
+    try:
+        with open(file, "rb") as f:
+            meta = json.loads(f.read())
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        why: Exception | None = e
+        what = f"not valid JSON ({type(e).__name__}: {e})"
+    else:
+        if isinstance(meta, dict):
+            return meta
+        why, what = None, f"not a JSON object but {type(meta).__name__} {meta!r:.40}"
+    element = node.relative_to(root).as_posix() if node != root else "."
+    raise CollectionError(
+        f"{root}: the metadata of {element!r} ({file}) is {what}: the file is truncated or "
+        f"corrupted; {_DAMAGE_FIX}"
+    ) from why
 
 
 class FastGroup:
@@ -30,17 +64,22 @@ class FastGroup:
     ``keys()``, ``attrs``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], mirror: Mirror | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], mirror: Mirror | None = None,
+                 root: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path)
         self.mirror = mirror
+        #: the hierarchy's top (the shard folder), for messages
+        self.root = self.path if root is None else Path(root)
         try:
-            with open(self.path / "zarr.json") as f:
-                meta = json.load(f)
+            meta = _read_meta(self.path, self.root)
         except FileNotFoundError:
             raise KeyError(str(self.path)) from None
         if meta.get("node_type") != "group":
             raise ValueError(f"{self.path} is not a zarr v3 group")
         self.attrs: dict[str, Any] = meta.get("attributes", {})
+        # subgroups and raw arrays handed out once: a flag a reader sets on an array
+        # (``require_chunks``) holds for whoever asks for it next
+        self._children: dict[str, Any] = {}
 
     def keys(self) -> list[str]:
         return sorted(p.name for p in self.path.iterdir() if (p / "zarr.json").is_file())
@@ -60,14 +99,21 @@ class FastGroup:
             for part in key.split("/"):
                 node = node[part]
             return node
+        node = self._children.get(key)
+        if node is None:
+            node = self._open(key)
+            if isinstance(node, FastGroup | RawZarrArray):  # a zarr array is opened anew:
+                node = self._children.setdefault(key, node)  # the pipeline is bound then
+        return node
+
+    def _open(self, key: str) -> Any:
         child = self.path / key
         try:
-            with open(child / "zarr.json") as f:
-                meta = json.load(f)
+            meta = _read_meta(child, self.root)
         except (FileNotFoundError, NotADirectoryError):
             raise KeyError(key) from None
         if meta.get("node_type") == "group":
-            return FastGroup(child, self.mirror)
+            return FastGroup(child, self.mirror, self.root)
         raw = open_raw(child, None if self.mirror is None else self.mirror.chunks())
         if raw is not None:
             raw.attrs = meta.get("attributes", {})

@@ -15,13 +15,23 @@ per-process handles are :class:`~annbatch_torch.store.collection.Collection`'s.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from ..errors import CollectionError, InputError, ReadError
-from .elements import CategoricalElement, Element, encoding_type, open_element, read_index
+from ..errors import AnnBatchError, CollectionError, InputError, ReadError
+from .elements import (
+    GROUP_MEMBERS,
+    CategoricalElement,
+    Element,
+    encoding_type,
+    index_key,
+    is_group,
+    open_element,
+    read_index,
+)
 
 __all__ = [
     "MISSING_CATEGORY",
@@ -44,6 +54,14 @@ MISSING_CATEGORY = float("nan")
 
 #: rows of a codes array counted per read (rounded to whole chunks)
 COUNT_BLOCK_ROWS = 1 << 20
+
+#: ``check(element, node)``: a collection's check of a node before it is read, the one its
+#: field reads make (``Collection._check_node`` of the shard: every chunk file present when
+#: the writer wrote every chunk); raises :class:`CollectionError` naming the shard and
+#: ``element`` (``"obs/_index"``, ``"var/gene_symbol"``)
+NodeCheck = Callable[[str, Any], None]
+
+_REWRITE = "rewrite it with create_anndata_collection(..., overwrite=True)."
 
 
 def as_row_ids(rows: Any, n_obs: int, where: str) -> np.ndarray:
@@ -133,23 +151,30 @@ def split_by_shard(
     return out
 
 
-def shard_obs_names(group: Any, n_obs: int, where: str) -> np.ndarray:
+def shard_obs_names(group: Any, n_obs: int, where: str,
+                    check: NodeCheck | None = None) -> np.ndarray:
     """The obs_names of one shard (an object array of str), read from the array its ``obs``
     group's ``_index`` attribute names (``obs/_index`` by default), nothing else.
+
+    ``check``: the collection's check of that array before it is read (:data:`NodeCheck`).
 
     Raises
     ------
     CollectionError
-        If the shard has no obs index or it does not hold ``n_obs`` names.
+        If the shard has no obs index, it does not hold ``n_obs`` names or ``check``
+        refuses it (e.g. a chunk file was deleted).
     """
     try:
         obs = group["obs"]
-        names = read_index(obs)
+        key = index_key(obs)
+        node = obs[key]
     except KeyError as e:
         raise CollectionError(
-            f"{where}: the shard has no obs index ({e}); the collection is damaged, rewrite it "
-            "with create_anndata_collection(..., overwrite=True)."
+            f"{where}: the shard has no obs index ({e}); the collection is damaged, {_REWRITE}"
         ) from None
+    if check is not None:
+        check(f"obs/{key}", node)
+    names = read_index(obs)
     if names.shape != (n_obs,):
         raise CollectionError(
             f"{where}: the obs index holds {names.shape[0] if names.ndim else 0} names but the "
@@ -214,6 +239,8 @@ def _nullable(node: Any, n_rows: int) -> Any:
         return None
     try:
         values, mask = np.asarray(node["values"][...]), np.asarray(node["mask"][...], bool)
+    except AnnBatchError:
+        raise  # damage (a truncated zarr.json): not a column to read another way
     except (KeyError, TypeError, ValueError):
         return None
     if values.shape != (n_rows,) or mask.shape != (n_rows,):
@@ -223,7 +250,8 @@ def _nullable(node: Any, n_rows: int) -> Any:
     return pd.arrays.IntegerArray(values, mask)
 
 
-def read_dataframe(group: Any, n_rows: int, where: str, what: str) -> pd.DataFrame:
+def read_dataframe(group: Any, n_rows: int, where: str, what: str,
+                   check: NodeCheck | None = None) -> pd.DataFrame:
     """An AnnData dataframe group (``var``) as a :class:`pandas.DataFrame`.
 
     Columns are read as :mod:`annbatch_torch.store.elements` reads obs columns
@@ -245,20 +273,34 @@ def read_dataframe(group: Any, n_rows: int, where: str, what: str) -> pd.DataFra
         The store, for messages.
     what
         The group's name, for messages (``"var"``).
+    check
+        A collection's check of each array before it is read (:data:`NodeCheck`). With
+        it a column that is absent or lacks a member array (a categorical's
+        ``categories``) is damage; without it (an input's ``var``) such a column is left
+        out with a logged warning.
 
     Raises
     ------
     CollectionError
-        If the index or a column does not hold ``n_rows`` rows.
+        If the index or a column does not hold ``n_rows`` rows, or (with ``check``) a
+        column is damaged.
     """
+    key = index_key(group)
+    try:
+        node = group[key]
+    except KeyError:
+        raise CollectionError(
+            f"{where}: {what} has no index (no {what}/{key} array); the store is damaged, "
+            "rewrite it."
+        ) from None
+    if check is not None:
+        check(f"{what}/{key}", node)
     names = read_index(group)
     if names.shape != (n_rows,):
         raise CollectionError(
             f"{where}: {what} index holds {names.shape[0] if names.ndim else 0} names, expected "
             f"{n_rows}; the store is damaged, rewrite it."
         )
-    key = group.attrs.get("_index", "_index")
-    key = key.decode() if isinstance(key, bytes) else str(key)
     order = group.attrs.get("column-order")
     if order is None:
         columns = [k for k in group if k != key]
@@ -266,29 +308,51 @@ def read_dataframe(group: Any, n_rows: int, where: str, what: str) -> pd.DataFra
         columns = [c.decode() if isinstance(c, bytes) else str(c) for c in list(order)]
     data: dict[str, Any] = {}
     for col in columns:
-        name = f"{what}/{col}"
-        try:
-            nullable = _nullable(group[col], n_rows)
-        except KeyError:
-            nullable = None
-        if nullable is not None:
-            data[col] = nullable
-            continue
-        try:
-            el = open_element(group[col], name, where)
-        except (InputError, KeyError) as e:
-            logger.warning("%s: %s column %r is left out of %s: %s", where, what, col, what, e)
-            continue
-        if el.n_rows != n_rows or len(getattr(el, "shape", (n_rows,))) > 1:
-            raise CollectionError(
-                f"{where}: {what} column {col!r} has shape {getattr(el, 'shape', el.n_rows)}, "
-                f"expected {n_rows} values; the store is damaged, rewrite it."
-            )
-        values = np.asarray(el.read(0, n_rows))
-        if isinstance(el, CategoricalElement):
-            check_codes(values, len(el.categories), where, name)
-            data[col] = as_categorical(values, el.categories, el.ordered)
-        else:
+        values = _column(group, col, n_rows, where, what, check)
+        if values is not None:
             data[col] = values
     index = pd.Index(names, dtype=object, name=None if key == "_index" else key)
     return pd.DataFrame(data, index=index)
+
+
+def _column(group: Any, col: str, n_rows: int, where: str, what: str,
+            check: NodeCheck | None) -> Any:
+    """Column ``col`` of dataframe group ``group`` as :func:`read_dataframe` returns it,
+    ``None`` when it is left out."""
+    name = f"{what}/{col}"
+
+    def left_out(why: str, error: InputError | None = None) -> None:
+        if check is not None:  # a collection's writer wrote every column whole
+            raise CollectionError(str(error) if error is not None else (
+                f"{where}: {what} column {col!r} {why}; the collection is damaged, {_REWRITE}"
+            )) from error
+        logger.warning("%s: %s column %r is left out of %s: %s", where, what, col, what, why)
+
+    try:
+        node = group[col]
+    except KeyError:
+        return left_out(f"is listed in {what}'s column-order but absent")
+    enc = encoding_type(node)
+    if is_group(node) and enc not in GROUP_MEMBERS:  # an encoding read by none of us
+        logger.warning("%s: %s column %r is left out of %s: its encoding %r cannot be read "
+                       "by rows", where, what, col, what, enc)
+        return None
+    if check is not None:
+        check(name, node)
+    nullable = _nullable(node, n_rows)
+    if nullable is not None:
+        return nullable
+    try:
+        el = open_element(node, name, where)
+    except InputError as e:
+        return left_out(str(e), e)
+    if el.n_rows != n_rows or len(getattr(el, "shape", (n_rows,))) > 1:
+        raise CollectionError(
+            f"{where}: {what} column {col!r} has shape {getattr(el, 'shape', el.n_rows)}, "
+            f"expected {n_rows} values; the store is damaged, rewrite it."
+        )
+    values = np.asarray(el.read(0, n_rows))
+    if isinstance(el, CategoricalElement):
+        check_codes(values, len(el.categories), where, name)
+        return as_categorical(values, el.categories, el.ordered)
+    return values
