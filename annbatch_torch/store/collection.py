@@ -255,7 +255,8 @@ class Collection(Source):
         names = cache.get(shard)
         if names is None:
             names = shard_obs_names(
-                self.shard_group(shard), self.shard_sizes[shard], self.shard_name(shard)
+                self.shard_group(shard), self.shard_sizes[shard], self.shard_name(shard),
+                check=functools.partial(self._check_node, shard),
             )
             names.flags.writeable = False
             cache[shard] = names
@@ -426,7 +427,8 @@ class Collection(Source):
                             "overwrite=True)."
                         )
                     node = node[part]
-                cached = read_dataframe(node, len(names), where, what)
+                cached = read_dataframe(node, len(names), where, what,
+                                        check=functools.partial(self._check_node, 0))
                 if not cached.index.equals(names):
                     raise CollectionError(
                         f"{where}: the {what} index differs from the manifest's "
