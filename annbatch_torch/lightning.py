@@ -208,7 +208,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
                 "pass batch_size to AnnBatchDataModule."
             )
         self.adata_paths = [Path(p).expanduser() for p in (adata_paths or [])]
-        from .store.remote.location import is_url
+        from .store.remote.location import check_url, is_url
 
         if isinstance(store_path, Source) and self.adata_paths:
             raise ValueError(f"store_path is an opened source ({store_path.describe()}): "
@@ -216,7 +216,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         #: a local folder, the URL of a collection on an object store, or an opened Source
         self.store_path: Path | str | Source = (
             store_path if isinstance(store_path, Source)
-            else str(store_path) if is_url(store_path) else Path(store_path))
+            else check_url(store_path, "store_path") if is_url(store_path)
+            else Path(store_path))
         self.storage_options = storage_options
         self.cache_dir = cache_dir
         self.cache_size = cache_size

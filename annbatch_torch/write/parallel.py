@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,6 +57,14 @@ logger = logging.getLogger(__name__)
 SCHEDULERS = ("processes", "threads")
 #: a file in the bucket folder that tells the tasks still to run that the write failed
 ABANDONED = ".abandoned"
+#: seconds between looks at the cluster while no task ends
+POLL_S = 2.0
+#: seconds a cluster started here may have no workers before the write fails
+NO_WORKERS_GRACE_S = 30.0
+#: ... and a caller's cluster (an adaptive one scales up from none)
+NO_WORKERS_GRACE_CLIENT_S = 600.0
+#: seconds the tasks of a failed write get to see the abandon marker and stop
+ABANDON_WAIT_S = 300
 #: pass-1 tasks per worker: enough to balance inputs of unequal size, few enough that the
 #: bucket files (tasks x buckets) stay few
 TASKS_PER_WORKER = 4
@@ -213,44 +222,119 @@ def _describe(task: Pass1Task | int, sources: Sequence[InputSource]) -> str:
     return f"pass 1, rows [{task.start}, {task.stop}) of {sources[task.source].label}"
 
 
-def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Path
-         ) -> list[Any]:
+def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Path,
+         no_workers_grace: float) -> list[Any]:
     """Submit ``(description, fn, args)`` calls, wait for all (the bar moves as each one
     ends), return their results in order; at the first failure the rest are told to stop
-    (the file ``abandon``), waited for, and the failure is raised."""
+    (the file ``abandon``), waited for, and the failure is raised.
+
+    The wait is bounded whatever the cluster does: a cluster left without workers for
+    ``no_workers_grace`` seconds (a LocalCluster's nannies give up restarting workers that
+    die on every try of a task) fails the write, naming the tasks still pending, instead of
+    waiting for workers that never come.
+    """
     import distributed
 
     futures = [client.submit(fn, *args, pure=False, key=f"annbatch-{secrets.token_hex(6)}")
                for _, fn, args in calls]
     index = {f.key: i for i, f in enumerate(futures)}
     results: list[Any] = [None] * len(futures)
+    watch = _WorkerWatch(client, no_workers_grace)
     try:
-        for fut in distributed.as_completed(futures):
-            i = index[fut.key]
-            try:
-                results[i] = fut.result()
-            except (InputError, CollectionError):
-                raise
-            except distributed.KilledWorker as e:
-                raise CollectionError(
-                    f"the parallel write lost its workers running {calls[i][0]} (each worker "
-                    "that ran it died); nothing was published. Rerun it, with more memory "
-                    f"per worker if they were killed for memory ({e}).") from e
-            except Exception as e:  # the task's own error (a value_check's, say), as raised
-                e.add_note(f"(annbatch_torch: raised in the parallel write's {calls[i][0]})")
-                raise
-            bar.update(1)
+        pending = set(futures)
+        while pending:
+            done = _wait_some(distributed, pending, POLL_S)
+            if not done:
+                watch.check([calls[index[f.key]][0] for f in pending])
+                continue
+            pending -= done
+            for fut in sorted(done, key=lambda f: index[f.key]):
+                results[index[fut.key]] = _result(distributed, fut, calls[index[fut.key]][0],
+                                                  watch)
+                bar.update(1)
+    except _NoWorkers as e:
+        client.cancel(futures)  # nothing runs them: no task can write into the folder
+        raise CollectionError(str(e)) from None
     except Exception:
         # a cancelled task that started would run on: the others stop at the marker instead
         # (at their start or their next block), and all are waited for, so that none
         # writes into the temporary folder once the caller removes it
         abandon.touch()
-        distributed.wait(futures)
+        try:
+            distributed.wait(futures, timeout=ABANDON_WAIT_S)
+        except TimeoutError:
+            logger.warning("%d task(s) of the failed parallel write still ran after %d s; "
+                           "cancelled.", sum(not f.done() for f in futures), ABANDON_WAIT_S)
+            client.cancel(futures)
         raise
     except BaseException:
         client.cancel(futures)
         raise
     return results
+
+
+def _wait_some(distributed: Any, pending: set[Any], timeout: float) -> set[Any]:
+    """The futures of ``pending`` that are done within ``timeout`` seconds (maybe none)."""
+    try:
+        return set(distributed.wait(list(pending), timeout=timeout,
+                                    return_when="FIRST_COMPLETED").done)
+    except TimeoutError:
+        return set()
+
+
+def _result(distributed: Any, fut: Any, what: str, watch: _WorkerWatch) -> Any:
+    """``fut``'s result; its failure raised with the task named. A result lost with the
+    worker holding it is computed again, so this waits, watched like the tasks."""
+    try:
+        while True:
+            try:
+                return fut.result(timeout=POLL_S)
+            except TimeoutError:
+                watch.check([what])
+    except (InputError, CollectionError):
+        raise
+    except distributed.KilledWorker as e:
+        raise CollectionError(
+            f"the parallel write lost its workers running {what} (each worker that ran it "
+            "died); nothing was published. Rerun it, with more memory per worker if they "
+            f"were killed for memory ({e}).") from e
+    except Exception as e:  # the task's own error (a value_check's, say), as raised
+        e.add_note(f"(annbatch_torch: raised in the parallel write's {what})")
+        raise
+
+
+class _NoWorkers(CollectionError):
+    """The cluster had no workers for longer than the grace period."""
+
+
+class _WorkerWatch:
+    """How long the cluster behind ``client`` has had no workers; :meth:`check` fails the
+    write once that exceeds ``grace`` seconds."""
+
+    def __init__(self, client: Any, grace: float) -> None:
+        self.client, self.grace = client, grace
+        self.since: float | None = None
+
+    def check(self, pending: Sequence[str]) -> None:
+        try:
+            workers = len(self.client.scheduler_info().get("workers", {}))
+        except Exception:  # the scheduler itself is gone
+            workers = 0
+        if workers:
+            self.since = None
+            return
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        if now - self.since >= self.grace:
+            shown = ", ".join(pending[:3]) + (f" and {len(pending) - 3} more"
+                                              if len(pending) > 3 else "")
+            raise _NoWorkers(
+                f"the parallel write's cluster has had no workers for {now - self.since:.0f} s "
+                f"with {len(pending)} task(s) pending ({shown}): its workers died (a worker "
+                "that dies on every try of a task, e.g. killed for memory, makes the "
+                "LocalCluster give up restarting them); nothing was published. Fix: rerun "
+                "with more memory per worker (max_memory=) or scheduler=None to see the "
+                "failing input's own error in this process.")
 
 
 def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
@@ -272,6 +356,9 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                 "(adata.write_h5ad(path)) and pass the path, or use scheduler='threads'.")
     folder = tmp / ".buckets"
     folder.mkdir(exist_ok=True)
+    # a cluster started here restarts a dead worker within seconds; the caller's may be
+    # adaptive (scaling up from none takes minutes)
+    grace = NO_WORKERS_GRACE_S if isinstance(scheduler, str) else NO_WORKERS_GRACE_CLIENT_S
     with open_scheduler(scheduler, n_workers) as (client, workers):
         tasks = pass1_tasks([s.n_obs for s in sources], workers)
         n_shards = -(-n_total // shard_obs)
@@ -286,14 +373,14 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                 t, objs[t.source], None if dest is None
                 else dest[t.offset + t.start: t.offset + t.stop], schema, layout, work,
                 str(folder), value_check)) for t in tasks]
-            for dropped in _run(client, calls, bar, folder / ABANDONED):
+            for dropped in _run(client, calls, bar, folder / ABANDONED, grace):
                 for key, reason in dropped.items():
                     schema.drop(key, reason)
             task_dirs = [str(folder / f"t{t.task:05d}") for t in tasks]
             calls = [(_describe(s, sources), write_shard, (
                 s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,
                 schema, layout, opts, first_shard)) for s in range(n_shards)]
-            done = _run(client, calls, bar, folder / ABANDONED)
+            done = _run(client, calls, bar, folder / ABANDONED, grace)
     shutil.rmtree(folder, ignore_errors=True)
     dtypes: dict[str, str] = {}
     for _, d in done:

@@ -27,7 +27,7 @@ from ..store.manifest import (
     MANIFEST_NAME,
     looks_like_collection,
 )
-from ..store.remote.location import is_url
+from ..store.remote.location import check_url, is_url
 
 __all__ = [
     "check_output", "lock_path", "refuse_url", "remove_stale_temporaries", "sibling_path",
@@ -168,6 +168,7 @@ def refuse_url(store_path: Any) -> None:
     serialised by a lock file beside the store) needs a local folder."""
 
     if is_url(store_path):
+        check_url(store_path)  # a mangled URL (s3:/bucket) is named as the typo it is
         raise InputError(
             f"{store_path}: prepare_collection keeps a collection current in a local (or "
             "shared) folder, not on an object store. Write it there once with "

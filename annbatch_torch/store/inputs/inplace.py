@@ -41,7 +41,7 @@ from ..elements import (
 from ..manifest import MANIFEST_NAME, RAW_X, FieldInfo
 from ..source import Source, field_node
 from .legacy import LegacyStore
-from .open import open_store
+from .open import open_store, resolve_input
 from .plan import nonempty, open_inputs, plan_fields, warn_shared_obs_names
 from .view import InputSource
 
@@ -268,10 +268,13 @@ def open_source(obj: Any) -> Source:
     if isinstance(obj, Source):
         return obj
     if isinstance(obj, str | os.PathLike):
-        from ..remote.location import is_url
+        from ..remote.location import is_url, url_typo
 
         if is_url(obj):  # a collection on an object store (credentials from the environment)
-            return open_collection(str(obj))
+            text = os.fspath(obj)
+            if url_typo(text) is None and _names_input(text):
+                resolve_input(text, 0)  # an AnnData file by URL: raises the download advice
+            return open_collection(text)  # a mangled URL (s3:/bucket) is refused there
         p = Path(obj).expanduser()
         if p.is_dir() and (p / MANIFEST_NAME).exists():
             return open_collection(p)
@@ -293,3 +296,9 @@ def open_source(obj: Any) -> Source:
         f"source must be a Collection, a collection folder, an AnnData, or a list of .h5ad / "
         f".zarr paths or AnnData objects; got {type(obj).__name__}."
     )
+
+
+def _names_input(url: str) -> bool:
+    """Whether ``url`` names an AnnData input rather than a collection: a ``.h5ad`` object,
+    or anything on a plain HTTP server (which holds no collection)."""
+    return url.lower().startswith(("http:", "https:")) or url.lower().endswith(".h5ad")

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from ...errors import CollectionError, InputError, ReadError
 
-__all__ = ["RemoteLocation", "SCHEMES", "is_url", "check_url", "ObjectInfo"]
+__all__ = ["RemoteLocation", "SCHEMES", "is_url", "url_typo", "check_url", "ObjectInfo"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,14 +61,53 @@ COALESCE_MAX = 16 << 20
 ObjectInfo = tuple[int, str]
 
 
+#: a known scheme followed by one slash: ``s3:/bucket`` typed, or ``Path("s3://bucket")``
+#: (pathlib folds the two slashes into one); never a local folder anyone means
+_MANGLED = re.compile(
+    r"^(" + "|".join((*SCHEMES, "http", "https", "file")) + r"):/+(?=[^/])", re.IGNORECASE)
+
+
+def _as_text(path: Any) -> str | None:
+    """``path`` as text when it is a ``str`` or an ``os.PathLike`` of ``str``."""
+    if isinstance(path, str):
+        return path
+    if isinstance(path, os.PathLike):
+        text = os.fspath(path)
+        return text if isinstance(text, str) else None
+    return None
+
+
 def is_url(path: Any) -> bool:
-    """Whether ``path`` is a URL (``scheme://...``) rather than a local path."""
-    return isinstance(path, str) and _URL.match(path) is not None
+    """Whether ``path`` (a ``str`` or an ``os.PathLike``) names a URL rather than a local
+    path: ``scheme://...``, or a known scheme with its slashes mangled (``s3:/bucket``, as
+    ``pathlib.Path("s3://bucket")`` makes it), which :func:`check_url` then refuses."""
+    text = _as_text(path)
+    return text is not None and (_URL.match(text) is not None
+                                 or _MANGLED.match(text) is not None)
 
 
-def check_url(url: str, what: str = "path") -> str:
+def url_typo(path: Any) -> str | None:
+    """The URL meant by a mangled one (``"s3://bucket/x"`` for ``"s3:/bucket/x"`` or
+    ``Path("s3://bucket/x")``), or None when ``path`` is no such typo."""
+    text = _as_text(path)
+    if text is None or _URL.match(text) is not None:
+        return None
+    m = _MANGLED.match(text)
+    return None if m is None else f"{m.group(1)}://{text[m.end():]}"
+
+
+def check_url(url: Any, what: str = "path") -> str:
     """``url`` without trailing slashes if it names an object-store prefix; else
-    :class:`~annbatch_torch.InputError` naming the scheme and the ones supported."""
+    :class:`~annbatch_torch.InputError` naming the scheme and the ones supported (or, for a
+    mangled URL such as ``s3:/bucket``, the URL meant)."""
+    meant = url_typo(url)
+    if meant is not None:
+        raise InputError(
+            f"{what} {os.fspath(url)!r} is not a URL (one slash after the scheme): did you "
+            f"mean {meant!r}? Pass URLs as str: pathlib.Path('{meant}') folds '//' into '/'. "
+            "Nothing was written or read; for a local folder of that name, give it as an "
+            "absolute path or a str starting with './'.")
+    url = _as_text(url) or str(url)
     scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
     if scheme == "file":
         raise InputError(f"{what} {url!r}: pass a local path as a path, without file://.")
@@ -176,6 +215,8 @@ class RemoteLocation:
         if self._store is None or self._pid != os.getpid():
             try:
                 self._store = _fsspec_filesystem(self.url.split("://", 1)[0], self.options)
+            except InputError as e:  # a missing package (gcsfs, adlfs...) is named first
+                raise InputError(f"{self.url}: {e}") from None
             except (TypeError, ValueError) as e:
                 raise InputError(
                     f"{self.url}: the storage_options {sorted(self.options)} are not valid for "
