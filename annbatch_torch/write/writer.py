@@ -305,7 +305,7 @@ def create_anndata_collection(
         that the inputs cannot
         agree on or that holds bad values (NaN / inf, complex numbers, dates, labels that
         are no strings / numbers / booleans, uint64 above int64; see
-        ``store/harmonize.py``), an unknown ``var_join``, an existing output
+        ``store/inputs/harmonize.py``), an unknown ``var_join``, an existing output
         without ``overwrite``, a ``max_memory`` that leaves under 64 MB once the process'
         RSS is subtracted. Nothing is left behind then. Fields *not* named that fail a rule
         are left out with a warning and the reason in the manifest's ``unavailable``, as

@@ -113,8 +113,8 @@ class Mirror:
         self.location = location
         if cache_size is not None:
             cache_size = check_int(
-                f"cache_size for {location.url}", cache_size, 1, error=InputError,
-                note=" bytes (or None: a quarter of the free disk space)")
+                "cache_size", cache_size, 1, error=InputError,
+                note=f" (bytes; or None for a quarter of the free disk space) for {location.url}")
         if cache_dir is None:
             base = Path(tempfile.mkdtemp(prefix="annbatch-remote-"))
             import atexit
