@@ -19,7 +19,12 @@
 * The validation split holds out whole chunks (``val_fraction``), and so does an optional
   test split (``test_fraction``), chosen by :func:`~annbatch_torch.sampling.split_chunks3`
   from ``seed``; test reads the test split (the whole collection without one), predict
-  the whole collection.
+  the whole collection. Where whole chunks of ``chunk_size`` rows miss a fraction by more
+  than 2x (a collection of a few chunks: 10% of 700 cells is not one 512-row chunk), the
+  split takes chunks of ``chunk_size // 2``, ``// 4``, ... rows, the largest that meet
+  every fraction within 2x (down to single rows), and the split's datasets read chunks of
+  that size (``preload_nchunks`` scaled up to keep the pool's rows); a fraction that even
+  single rows miss by 2x is warned about. Larger collections split exactly as before.
 * Loaders are :class:`~annbatch_torch.loader.AnnBatchDataLoader`: Lightning calls
   ``dataloader.sampler.set_epoch(epoch)`` before every epoch but the first of a run (it
   never calls ``set_epoch`` on an ``IterableDataset``); that sampler forwards it to the
@@ -96,12 +101,12 @@ class AnnBatchDataModule(pl.LightningDataModule):
         store written with another seed is reused, not rewritten: set
         ``collection_kwargs={"seed": ...}`` to demand a particular offline shuffle.
     val_fraction
-        Fraction of whole chunks held out for validation, in ``[0, 1)``; 0 disables
-        validation.
+        Fraction of the rows held out for validation, in whole chunks (of
+        :attr:`split_chunk_size` rows), in ``[0, 1)``; 0 disables validation.
     test_fraction
-        Fraction of whole chunks held out for :meth:`test_dataloader`, in ``[0, 1)``
-        (``val_fraction + test_fraction < 1``). Default 0: no test split, and testing
-        reads the whole collection.
+        Fraction of the rows held out for :meth:`test_dataloader`, in whole chunks, in
+        ``[0, 1)`` (``val_fraction + test_fraction < 1``). Default 0: no test split, and
+        testing reads the whole collection.
     eval_even_batches
         How validation and test give every rank the same number of batches: ``"pad"``
         (default: every row once, padding rows flagged ``False`` under ``"mask"``) or
@@ -138,8 +143,12 @@ class AnnBatchDataModule(pl.LightningDataModule):
         This rank's datasets (after :meth:`setup`); ``val_dataset`` is ``None`` without a
         validation split. Without a test split ``test_dataset`` is ``predict_dataset``.
     train_chunks, val_chunks, test_chunks
-        Chunk ids of the split (after :meth:`setup`; ``test_chunks`` is empty without a
-        test split).
+        Chunk ids of the split, in chunks of :attr:`split_chunk_size` rows (after
+        :meth:`setup`; ``test_chunks`` is empty without a test split).
+    split_chunk_size
+        Rows per chunk of the split (after :meth:`setup`): ``chunk_size``, or a smaller
+        size where whole ``chunk_size`` chunks would miss ``val_fraction`` /
+        ``test_fraction`` by more than 2x. The split's datasets read chunks of this size.
     store_written
         After :meth:`prepare_data`: ``True`` if it wrote the store, ``False`` if the store
         was current (``None`` before).
@@ -248,6 +257,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         self.train_chunks: np.ndarray | None = None
         self.val_chunks: np.ndarray | None = None
         self.test_chunks: np.ndarray | None = None
+        self.split_chunk_size: int = chunk_size
         self.store_written: bool | None = None
         self._epoch = 0
         self._restored_epoch: int | None = None
@@ -316,8 +326,15 @@ class AnnBatchDataModule(pl.LightningDataModule):
         return 0, 1
 
     def _dataset(self, chunk_ids: np.ndarray | None, train: bool) -> AnnBatchDataset:
+        """A dataset of this rank over ``chunk_ids`` (chunks of :attr:`split_chunk_size`
+        rows) or, with ``None``, over the whole collection."""
         assert self.collection is not None
         rank, world = self._rank_world()
+        chunk_size, preload = self.chunk_size, self.preload_nchunks
+        if chunk_ids is not None and self.split_chunk_size != chunk_size:
+            # the split's chunks, and as many rows per pool as chunk_size would give
+            chunk_size = self.split_chunk_size
+            preload = -(-self.chunk_size * self.preload_nchunks // chunk_size)
         kwargs: dict[str, Any] = {"shuffle": True, "even_batches": "drop", "drop_last": False}
         kwargs.update(self.dataset_kwargs)
         if not train:
@@ -327,13 +344,13 @@ class AnnBatchDataModule(pl.LightningDataModule):
             rows = None
             if chunk_ids is not None and (self.val_fraction > 0 or self.test_fraction > 0):
                 rows = sampling.ChunkPlan(
-                    n_obs=self.collection.n_obs, chunk_size=self.chunk_size,
-                    preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
+                    n_obs=self.collection.n_obs, chunk_size=chunk_size,
+                    preload_nchunks=preload, batch_size=self.batch_size,
                     seed=self.seed, chunk_ids=chunk_ids).rows()
             sampler, chunk_ids = bind_sampler(self.collection, self.sampler, rows), None
         return AnnBatchDataset(
             self.collection, selector=self.selector, batch_size=self.batch_size,
-            chunk_size=self.chunk_size, preload_nchunks=self.preload_nchunks, seed=self.seed,
+            chunk_size=chunk_size, preload_nchunks=preload, seed=self.seed,
             densify=self.densify, rank=rank, world_size=world, chunk_ids=chunk_ids,
             sampler=sampler, **kwargs,
         )
@@ -347,10 +364,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
         """
         self._epoch = self.epoch  # a rebuilt training dataset keeps the current epoch
         self.collection = self._open()
-        self.train_chunks, self.val_chunks, self.test_chunks = sampling.split_chunks3(
-            self.collection.n_obs, self.chunk_size, self.val_fraction, self.test_fraction,
-            self.seed,
-        )
+        split = self._split_of(self.collection.n_obs)
+        self.split_chunk_size, self.train_chunks, self.val_chunks, self.test_chunks = split
+        self._warn_split_fractions(self.collection.n_obs)
         rank, world = self._rank_world()
         if stage in (None, "fit", "validate"):
             self.train_dataset = self._dataset(self.train_chunks, train=True)
@@ -365,8 +381,28 @@ class AnnBatchDataModule(pl.LightningDataModule):
         logger.info(
             "setup(%s) on rank %d/%d: %d train, %d validation, %d test chunks of %d rows.",
             stage, rank, world, len(self.train_chunks), len(self.val_chunks),
-            len(self.test_chunks), self.chunk_size,
+            len(self.test_chunks), self.split_chunk_size,
         )
+
+    def _split_of(self, n_obs: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """``(split_chunk_size, train, val, test)`` of ``n_obs`` rows (see :func:`_split`)."""
+        return _split(n_obs, self.chunk_size, self.val_fraction, self.test_fraction,
+                      self.seed)
+
+    def _warn_split_fractions(self, n_obs: int) -> None:
+        """Warn for each held-out part more than 2x off its fraction (after the split)."""
+        for name, frac, ids in (("val_fraction", self.val_fraction, self.val_chunks),
+                                ("test_fraction", self.test_fraction, self.test_chunks)):
+            assert ids is not None
+            rows = sampling.chunk_rows(n_obs, self.split_chunk_size, ids)
+            if frac > 0 and _miss(n_obs, rows, frac) > _SPLIT_TOLERANCE:
+                logger.warning(
+                    "%s: %s=%g asks for %.3g of %d rows; the split holds out %d of %d rows "
+                    "(fraction %.2g), more than %gx off: a held-out part is at least one row "
+                    "and training keeps at least one. Pass a %s that %d rows can meet "
+                    "(e.g. %g) or use more cells.", self._where(), name, frac, frac * n_obs,
+                    n_obs, rows, n_obs, rows / max(n_obs, 1), _SPLIT_TOLERANCE, name, n_obs,
+                    min(0.5, max(frac, 1.0 / max(n_obs, 1))))
 
     def _check_train_drop(self, ds: AnnBatchDataset, world: int) -> None:
         """Refuse a plan that trains on nothing; warn when it leaves out >10% per epoch.
@@ -376,7 +412,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         """
         assert self.collection is not None
         assert self.train_chunks is not None
-        n_obs, cs = self.collection.n_obs, self.chunk_size
+        n_obs, cs = self.collection.n_obs, self.split_chunk_size
         rows = (sampling.chunk_rows(n_obs, cs, self.train_chunks) if ds.sampler is None
                 else len(ds.sampler))  # sampling mode: the rows an epoch draws
         if rows == 0 or ds.even_batches != "drop":
@@ -384,8 +420,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
         kept = min(rows, len(ds) * ds.batch_size * world)
         if kept >= 0.9 * rows:
             return
-        pool = sampling.pool_rows(ds.batch_size, cs, self.preload_nchunks)
-        hint = max(1, rows // (cs * world * 4))
+        pool = sampling.pool_rows(ds.batch_size, ds.chunk_size, ds.preload_nchunks)
+        hint = max(1, rows // (self.chunk_size * world * 4))  # the DataModule's units
         msg = (
             f"{self._where()}: the training split has {rows:,} rows ({rows / pool:.1f} pools "
             f"of {pool:,} rows) for {world} rank(s) at batch_size={ds.batch_size}; with "
@@ -573,3 +609,44 @@ class AnnBatchDataModule(pl.LightningDataModule):
                     self.setup(stage)
         self.set_epoch(epoch)
         self._restored_epoch = epoch
+
+
+#: how far (a factor, either way) a held-out part's rows may miss its fraction of the rows
+#: before the split takes smaller chunks (and, at single rows, warns)
+_SPLIT_TOLERANCE = 2.0
+
+
+def _miss(n_obs: int, rows: int, fraction: float) -> float:
+    """By what factor ``rows`` of ``n_obs`` miss ``fraction`` (1.0: exactly, inf: none)."""
+    if fraction <= 0 or n_obs <= 0:
+        return 1.0
+    got = rows / n_obs
+    return float("inf") if got == 0 else max(got / fraction, fraction / got)
+
+
+def _split(n_obs: int, chunk_size: int, val_fraction: float, test_fraction: float,
+           seed: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """``(split_chunk_size, train_ids, val_ids, test_ids)``: the DataModule's split.
+
+    Whole chunks of ``chunk_size`` rows (:func:`~annbatch_torch.sampling.split_chunks3`)
+    when every held-out part is within :data:`_SPLIT_TOLERANCE` of its fraction of the
+    rows, as for any collection of many chunks; else chunks of ``chunk_size // 2``,
+    ``// 4``, ... rows, the first size that is (at least a quarter of the smallest part's
+    rows, or 1), or the size that misses least. Pure and deterministic: every rank and a
+    resumed run compute the same split from the same ``n_obs``, fractions and ``seed``.
+    """
+    fractions = [f for f in (val_fraction, test_fraction) if f > 0]
+    lowest = max(1, int(min(fractions, default=0.0) * n_obs) // 4)
+    best: tuple[float, int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+    unit = chunk_size
+    while True:
+        parts = sampling.split_chunks3(n_obs, unit, val_fraction, test_fraction, seed)
+        miss = max(_miss(n_obs, sampling.chunk_rows(n_obs, unit, ids), frac)
+                   for frac, ids in ((val_fraction, parts[1]), (test_fraction, parts[2])))
+        if best is None or miss < best[0]:
+            best = (miss, unit, parts)
+        if miss <= _SPLIT_TOLERANCE or unit <= lowest:
+            break
+        unit = max(lowest, unit // 2)
+    _, unit, (train, val, test) = best
+    return unit, train, val, test

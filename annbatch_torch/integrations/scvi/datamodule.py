@@ -33,7 +33,8 @@ _MODULE_ARGS = ("chunk_size", "preload_nchunks")
 
 class SCVIDataModule(abt.AnnBatchDataModule):
     """A :class:`~annbatch_torch.AnnBatchDataModule` in scvi-tools' custom-dataloader
-    protocol: ``SCVI(registry=dm.registry)``, ``model.train(datamodule=dm)``.
+    protocol: ``SCVI(registry=dm.registry)`` (SCANVI also needs the module for its labels:
+    ``SCANVI(registry=dm.registry, datamodule=dm)``), ``model.train(datamodule=dm)``.
 
     Batches carry scvi-tools' keys (``X`` counts, ``batch``, ``labels``, covariates,
     ``size_factor``, ``ind_x``: the global row ids), built in the DataLoader workers;
@@ -66,8 +67,10 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         As :class:`~annbatch_torch.AnnBatchDataModule` takes them (``sampler``: weighted,
         class-balanced or subset training).
     train_size, validation_size
-        Fractions of whole chunks for training and validation (``validation_size``
-        default: ``1 - train_size``); the chunks left over form the test split. The
+        Fractions of the rows for training and validation, in whole chunks
+        (``validation_size`` default: ``1 - train_size``); the chunks left over form the
+        test split (a collection of a few chunks is split in smaller chunks, as
+        :class:`~annbatch_torch.AnnBatchDataModule` describes). The
         default ``train_size=1.0`` has no validation split (scvi-tools' ``early_stopping``
         needs one).
     dataloader_kwargs
@@ -83,7 +86,8 @@ class SCVIDataModule(abt.AnnBatchDataModule):
     Attributes
     ----------
     registry
-        The registry dict for ``registry=`` (``setup_method_name="setup_datamodule"``).
+        The registry dict for ``registry=`` (``setup_method_name="setup_datamodule"``):
+        ``SCVI(registry=dm.registry)``, ``SCANVI(registry=dm.registry, datamodule=dm)``.
     n_obs, n_vars, n_batch, n_labels, n_continuous_cov, n_cats_per_cov
         The data sizes scvi-tools reads.
 
@@ -165,7 +169,12 @@ class SCVIDataModule(abt.AnnBatchDataModule):
     # -- the protocol scvi-tools reads -----------------------------------------------------
     @property
     def registry(self) -> dict[str, Any]:
-        """The registry for ``SCVI(registry=...)`` / ``SCANVI(registry=...)``."""
+        """The registry for ``SCVI(registry=...)`` / ``SCANVI(registry=..., datamodule=dm)``.
+
+        SCANVI reads its labels from the DataModule when it is built: without
+        ``datamodule=dm`` scvi-tools 1.4 fails inside ``SCANVI.__init__``
+        (``'NoneType' object has no attribute 'data_registry'``).
+        """
         return self.setup_fields.registry(scvi.__version__)
 
     @property
@@ -241,9 +250,8 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         return self._split_rows()[1]
 
     def _split_rows(self) -> tuple[int, int]:
-        n, cs = self.n_obs, self.chunk_size
-        train, val, _ = abt.sampling.split_chunks3(n, cs, self.val_fraction,
-                                                   self.test_fraction, self.seed)
+        n = self.n_obs
+        cs, train, val, _ = self._split_of(n)  # the split setup() makes
         return abt.sampling.chunk_rows(n, cs, train), abt.sampling.chunk_rows(n, cs, val)
 
     # -- batches on the device -------------------------------------------------------------
