@@ -133,6 +133,8 @@ class Feed:
         The value's placeholder in messages (``MAX_MEMORY``).
     words
         How the command line spells some Python values (``{"False": "false"}``).
+    absent_is_none
+        Whether leaving the argument out passes ``None`` (its default is ``None``).
     """
 
     param: str
@@ -141,6 +143,7 @@ class Feed:
     kind: str
     metavar: str = ""
     words: tuple[tuple[str, str], ...] = ()
+    absent_is_none: bool = False
 
     def value(self, args: argparse.Namespace) -> Any:
         """The parameter's value from parsed arguments."""
@@ -220,7 +223,8 @@ class CliParser(argparse.ArgumentParser):
             kind = ("negated" if flag.startswith("--no-") else "flag") if store_true \
                 else "value"
         metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
-        self.feeds[param] = Feed(param, action.dest, flag, kind, metavar, words)
+        self.feeds[param] = Feed(param, action.dest, flag, kind, metavar, words,
+                                 absent_is_none=kind == "value" and action.default is None)
         return action
 
     def api_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
@@ -252,7 +256,12 @@ def speak_cli(message: str, parser: CliParser) -> str:
     ``overwrite=True`` becomes ``--overwrite``, ``max_memory='415MB'`` becomes
     ``--max-memory 415MB``, a bare ``n_obs_per_shard`` becomes ``--shard-size``,
     ``create_anndata_collection(..., overwrite=True)`` becomes
-    ``annbatch-torch shuffle ... --overwrite``. The table is the parsers' feeds
+    ``annbatch-torch shuffle ... --overwrite``. A value parameter of any spelling is its
+    flag where it opens a ``NAME must be ...`` sentence (the form of
+    :func:`~annbatch_torch.errors.check_int`): ``seed must be an integer >= 0 (or None for
+    a fresh random seed), got -1.`` becomes ``--seed must be an integer >= 0, got -1.``, as
+    the command line cannot pass None; where leaving the flag out passes None, the note
+    says so (``(or leave --n-workers out ...)``). The table is the parsers' feeds
     (:meth:`CliParser.feed`); parameters no flag feeds are left as they are.
     """
     feeds: dict[str, Feed] = {}
@@ -305,7 +314,33 @@ def speak_cli(message: str, parser: CliParser) -> str:
         if valued:  # "compressor 'foo' unknown"
             message = re.sub(rf"{_START}({alts(valued)}) (?=['\"])",
                              lambda m: feeds[m.group(1)].flag + " ", message)
+            # "seed must be ...": a check's sentence about the parameter, wherever it is
+            # (a bare word elsewhere may be no parameter: "raw holds one matrix")
+            message = re.sub(rf"{_START}({alts(valued)})(?= must be )",
+                             lambda m: feeds[m.group(1)].flag, message)
+        flags = {f.flag: f for f in feeds.values() if f.kind == "value"}
+        if flags:  # check_int's note: "(or None ...)" as the command line can say it
+            message = re.sub(
+                rf"(?<![\w-])({alts(flags)})( must be an integer [^(,]*?) \(([^()]*)\)"
+                r"(?=, got )",
+                lambda m: m.group(1) + m.group(2) + _cli_note(m.group(3), flags[m.group(1)]),
+                message)
     return message
+
+
+def _cli_note(note: str, feed: Feed) -> str:
+    """A check_int note (the text in parentheses) in the command line's terms: "None" is
+    leaving ``feed``'s flag out, or, where that passes another default, no option at all."""
+    clauses = []
+    for clause in note.split("; "):
+        if feed.absent_is_none:
+            clause = re.sub(r"\bor None\b", f"or leave {feed.flag} out", clause)
+        elif clause.startswith("or None"):
+            continue
+        else:
+            clause = re.sub(r" or None\b", "", clause)
+        clauses.append(clause)
+    return f" ({'; '.join(clauses)})" if clauses else ""
 
 
 def one_line(text: str) -> str:

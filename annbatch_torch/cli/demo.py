@@ -53,7 +53,8 @@ def run(
           f"in {t2 - t1:.1f} s "
           f"({n_obs / (t2 - t1):,.0f} cells/s)")
 
-    chunk_size = 256
+    # chunks of 256 rows, smaller for a small demo: 10% held out needs >= 2 chunks (ten here)
+    chunk_size = max(1, min(256, coll.n_obs // 10))
     train_ids, val_ids = sampling.split_chunks(coll.n_obs, chunk_size, 0.1, seed)
     sel = {"x": A.X.with_transform(_log1p), "y": A.obs["cell_type"]}
     common = dict(selector=sel, batch_size=batch_size, chunk_size=chunk_size, densify=True)
@@ -145,3 +146,12 @@ def command(argv: list[str] | None = None) -> int:
             run(Path(d), **kw)
     return 0
 
+
+if __name__ == "__main__":  # python -m annbatch_torch.cli.demo [options]
+    import runpy
+    import sys
+
+    # the command's own entry point (one-line errors), as `annbatch-torch demo ...`; run,
+    # not imported: cli.main imports this module, and the module graph stays acyclic
+    sys.argv = [sys.argv[0], "demo", *sys.argv[1:]]
+    runpy.run_module("annbatch_torch.cli", run_name="__main__", alter_sys=True)

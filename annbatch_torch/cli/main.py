@@ -61,7 +61,8 @@ Examples:
     annbatch-torch bench --small
 
 Also runnable as "python -m annbatch_torch". A user error prints one line and exits with
-status 2; --debug (anywhere on the line) shows the traceback instead.
+status 2; --debug (anywhere on the line) shows the traceback instead; -q (also anywhere)
+logs warnings only.
 """
 
 
@@ -160,6 +161,8 @@ def _bench(rest: list[str]) -> int:
 
 
 _PASSTHROUGH: dict[str, Callable[[list[str]], int]] = {"demo": _demo, "bench": _bench}
+#: the spellings of the quiet flag, taken from anywhere on the line (see main)
+_QUIET = frozenset({"-q", "--quiet"})
 
 
 # -- the parser ----------------------------------------------------------------------------
@@ -185,7 +188,8 @@ def build_parser() -> CliParser:
         prog=PROG, description="Shuffle AnnData into chunked collections for PyTorch data "
         "loading, and inspect them.", epilog=_EXAMPLES,
     )
-    p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="log warnings only (may be given anywhere)")
     p.add_argument("--debug", action="store_true",
                    help="show the traceback of an error (may be given anywhere)")
     p.add_argument("--version", action="version", version=f"{PROG} {version()}")
@@ -368,12 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     end = argv.index("--") if "--" in argv else len(argv)
     debug = "--debug" in argv[:end]
-    argv = [a for i, a in enumerate(argv) if i >= end or a != "--debug"]
+    # --debug and -q / --quiet may be given anywhere before "--" (after the command too)
+    quiet = bool(_QUIET & set(argv[:end]))
+    argv = [a for i, a in enumerate(argv) if i >= end or a not in {"--debug", *_QUIET}]
     parser = build_parser()
     cmd = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     rest = None
     if cmd is not None and argv[cmd] in _PASSTHROUGH:
         argv, rest = argv[: cmd + 1], argv[cmd + 1 :]
+        if quiet and argv[cmd] == "bench":
+            rest = ["--quiet", *rest]  # bench's own flag: no progress lines
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error (already reported)
@@ -382,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest is not None:
             status = _PASSTHROUGH[args.command](rest)
         else:
-            with _logging(args.quiet):
+            with _logging(quiet):
                 status = int(args.func(args, parser.commands[args.command]) or 0)
         sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
         return status
