@@ -17,11 +17,14 @@ with a warning).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components
 
 from ..errors import InputError
 from ..store.collection import MAX_LABEL_CATEGORIES, too_many_categories
@@ -30,9 +33,16 @@ from ..store.inputs.view import InputSource
 from ..store.manifest import RAW_X
 from .varmeta import merge_var
 
-__all__ = ["GeneAxis", "OutField", "Schema", "check_reference", "join_genes", "resolve_schema"]
+__all__ = ["LOW_GENE_OVERLAP", "GeneAxis", "OutField", "Schema", "check_reference",
+           "join_genes", "resolve_schema"]
 
 logger = logging.getLogger(__name__)
+
+#: an input sharing fewer genes with the other inputs than this fraction of the smaller gene
+#: list (its own, or the others' together) is warned about: mismatched identifiers, mostly
+LOW_GENE_OVERLAP = 0.10
+#: what an Ensembl gene ID looks like (ENSG00000111640, ENSMUSG00000057666.15)
+_ENSEMBL = r"^ENS[A-Z]*G\d{6,}(\.\d+)?$"
 
 
 @dataclass
@@ -157,12 +167,17 @@ def join_genes(used: list[tuple[str, pd.Index]], every: list[pd.Index | None], v
             other = next((u for u in used[1:] if not set(first) & set(u[1])), used[-1])
             raise InputError(
                 f"{used[0][0]} and {other[0]}: var_join='inner' leaves no "
-                f"{'genes' if what == 'var' else what + ' genes'} "
-                f"(e.g. {list(first[:3])} vs {list(other[1][:3])}). Fix: make the "
-                "inputs use the same gene identifiers (symbols vs Ensembl IDs), or pass "
-                "var_join='outer'."
+                f"{_genes(what)} (e.g. {list(first[:3])} vs {list(other[1][:3])}): no gene "
+                "identifier is in every input. "
+                f"{_identifier_hints(used[0][0], first, other[0], pd.Index(other[1]))}"
+                "Fix: make the inputs use the same gene identifiers (map symbols to Ensembl "
+                "IDs or back, e.g. adata.var_names = adata.var['gene_ids']), or align every "
+                "input to a reference gene list with var_names=[...] (genes an input lacks "
+                "are written as zeros)."
             )
+        _check_overlap(used, var_join, what, kept=len(names))
     else:
+        _check_overlap(used, var_join, what)
         names = pd.Index(list(dict.fromkeys(v for _, g in used for v in g)), dtype=object)
     maps: list[np.ndarray | None] = []
     is_sorted = []
@@ -180,6 +195,124 @@ def join_genes(used: list[tuple[str, pd.Index]], every: list[pd.Index | None], v
             maps.append(m)
             is_sorted.append(bool(np.all(np.diff(kept) > 0)))
     return GeneAxis(names, maps, is_sorted)
+
+
+def _genes(what: str) -> str:
+    return "genes" if what == "var" else f"{what} genes"
+
+
+def _examples(genes: pd.Index, leave_out: pd.Index, k: int = 3) -> list[Any]:
+    """The first ``k`` of ``genes`` not in ``leave_out`` (else the first ``k``)."""
+    only = genes[~genes.isin(leave_out)]
+    return list((only if len(only) else genes)[:k])
+
+
+def _identifier_hints(a_label: str, a: pd.Index, b_label: str, b: pd.Index) -> str:
+    """Why gene lists ``a`` and ``b`` may not meet, as sentences ending in a space (or
+    ``""``): genes that match when case is ignored, Ensembl IDs in one and symbols in the
+    other, Ensembl IDs whose version suffixes differ."""
+    a, b = pd.Index(a.astype(str)), pd.Index(b.astype(str))
+    hints = []
+    exact = a.isin(b)
+    lower_b = pd.Index(b.str.lower())
+    folded = pd.Index(a.str.lower()).isin(lower_b) & ~exact
+    if folded.any():
+        g = a[folded][0]
+        h = b[lower_b.get_loc(g.lower()) if lower_b.is_unique else
+              int(np.flatnonzero(lower_b == g.lower())[0])]
+        hints.append(f"{int(folded.sum())} genes match when case is ignored (e.g. {g!r} vs "
+                     f"{h!r}): human symbols are upper case (GAPDH), mouse ones capitalised "
+                     "(Gapdh); for one species, make the case agree (e.g. adata.var_names = "
+                     "adata.var_names.str.upper()).")
+    ens_a, ens_b = a.str.match(_ENSEMBL), b.str.match(_ENSEMBL)
+    if (ens_a.mean() > 0.5) != (ens_b.mean() > 0.5):
+        (el, eg), (sl, sg) = ((a_label, a), (b_label, b)) if ens_a.mean() > 0.5 else (
+            (b_label, b), (a_label, a))
+        hints.append(f"{el} names genes by Ensembl IDs (e.g. {eg[0]!r}) and {sl} by gene "
+                     f"symbols (e.g. {sg[0]!r}): map one kind to the other (e.g. from a var "
+                     "column holding both: adata.var_names = adata.var['gene_ids'] or "
+                     "adata.var['gene_symbols']).")
+    elif ens_a.mean() > 0.5:
+        strip = r"\.\d+$"
+        bare_a = pd.Index(a.str.replace(strip, "", regex=True))
+        bare_b = pd.Index(b.str.replace(strip, "", regex=True))
+        versioned = bare_a.isin(bare_b) & ~exact
+        if versioned.any():
+            g = a[versioned][0]
+            h = b[int(np.flatnonzero(bare_b == bare_a[versioned][0])[0])]
+            hints.append(f"{int(versioned.sum())} Ensembl IDs match once their version "
+                         f"suffixes are dropped (e.g. {g!r} vs {h!r}): drop them (adata."
+                         "var_names = adata.var_names.str.replace(r'\\.\\d+$', '', "
+                         "regex=True)).")
+    return "".join(h + " " for h in hints)
+
+
+def _check_overlap(used: Sequence[tuple[str, pd.Index]], var_join: str, what: str,
+                   kept: int | None = None) -> None:
+    """Refuse an outer join of inputs that fall into groups sharing no gene (a block
+    matrix); warn, for either join, when an input shares under :data:`LOW_GENE_OVERLAP` of
+    the smaller gene list (its own or the other inputs') with the others. ``kept``: the
+    genes an inner join keeps.
+
+    One pass over every input's genes (factorised together); the inputs and their genes
+    as the nodes of one graph, whose connected components are the groups.
+    """
+    inputs = [(label, pd.Index(g)) for label, g in used if len(g)]
+    if len(inputs) < 2 or all(g.equals(inputs[0][1]) for _, g in inputs[1:]):
+        return
+    sizes = np.array([len(g) for _, g in inputs], dtype=np.int64)
+    codes, uniques = pd.factorize(np.concatenate([np.asarray(g, dtype=object)
+                                                  for _, g in inputs]))
+    n_in, n_genes = len(inputs), len(uniques)
+    owner = np.repeat(np.arange(n_in), sizes)
+    graph = sp.csr_matrix((np.ones(codes.size, dtype=np.int8), (owner, n_in + codes)),
+                          shape=(n_in + n_genes, n_in + n_genes))
+    _, group = connected_components(graph, directed=False)
+    apart = np.flatnonzero(group[:n_in] != group[0])
+    if apart.size and var_join == "outer":
+        (la, a), (lb, b) = inputs[0], inputs[int(apart[0])]
+        also = " (nor with any input that shares genes with it)" if n_in > 2 else ""
+        raise InputError(
+            f"{la} and {lb} share no {_genes(what)}{also} (e.g. {list(a[:3])} vs "
+            f"{list(b[:3])}): var_join='outer' would write a block matrix, each input's "
+            "cells zero on the other's genes, which is what gene identifiers of different "
+            f"kinds look like (gene symbols vs Ensembl IDs, or letter case). "
+            f"{_identifier_hints(la, a, lb, b)}Fix: map the inputs' var_names to one kind "
+            "of identifier before writing (e.g. adata.var_names = adata.var['gene_ids']); if "
+            "they do measure different genes, name every gene to keep with var_names=[...] "
+            "(e.g. var_names=list(dict.fromkeys([*a.var_names, *b.var_names])))."
+        )
+    if apart.size:
+        return  # an inner join of groups keeps no gene: refused by join_genes
+    counts = np.bincount(codes, minlength=n_genes)
+    starts = np.r_[0, np.cumsum(sizes)[:-1]]
+    shared = np.add.reduceat((counts[codes] >= 2).astype(np.int64), starts)
+    smaller = np.minimum(sizes, n_genes - sizes + shared)
+    low = np.flatnonzero(shared < LOW_GENE_OVERLAP * smaller)
+    if not low.size:
+        return
+    i = int(low[0])
+    label, genes = inputs[i]
+    mine = codes[starts[i] : starts[i] + sizes[i]]
+    with_i = [-1 if k == i else int(np.isin(codes[starts[k] : starts[k] + sizes[k]], mine).sum())
+              for k in range(n_in)]
+    j = int(np.argmax(with_i))
+    other_label, other = inputs[j]
+    more = [inputs[int(k)][0] for k in low if int(k) not in (i, j)]
+    result = (f"var_join='inner' keeps only {kept} {_genes(what)}." if kept is not None else
+              "the collection is mostly a block matrix, each input's cells zero on the genes "
+              "only the others have.")
+    logger.warning(
+        "var_join=%r: %s has %d %s in common with the other inputs (%s%s), %.1f%% of the "
+        "smaller gene list (%d genes; e.g. %s in %s vs %s in %s): %s %s%sIf the identifiers "
+        "differ, map them to one kind before writing; if the inputs do measure different "
+        "genes, pass the genes to keep as var_names=[...] to say so.",
+        var_join, label, int(shared[i]), _genes(what), other_label,
+        f" and {n_in - 2} more" if n_in > 2 else "", 100 * shared[i] / smaller[i],
+        int(smaller[i]), _examples(genes, other), label, _examples(other, genes), other_label,
+        result, _identifier_hints(label, genes, other_label, other),
+        f"Also under {LOW_GENE_OVERLAP:.0%}: {more[:3]}{' ...' if len(more) > 3 else ''}. "
+        if more else "")
 
 
 def _raw_axis(used: list[InputSource], sources: list[InputSource], var_join: str,
