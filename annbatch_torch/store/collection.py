@@ -12,28 +12,16 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from ..errors import CollectionError, SchemaError
-from .elements import CategoricalElement
+from ..errors import CollectionError
 from .manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, read_manifest
-from .metadata import (
-    MISSING_CATEGORY,
-    as_categorical,
-    as_row_ids,
-    check_codes,
-    count_codes,
-    gather,
-    read_dataframe,
-    shard_obs_names,
-    split_by_shard,
-)
-from .source import Source
+from .metadata import read_dataframe, shard_obs_names
+from .source import Source, reads_metadata
 
 if TYPE_CHECKING:
     from .remote.mirror import Mirror
@@ -51,32 +39,6 @@ logger = logging.getLogger(__name__)
 MAX_LABEL_CATEGORIES = 100_000
 
 
-T = TypeVar("T")
-
-
-def _damage_is_collection_error(method: Callable[..., T]) -> Callable[..., T]:
-    """``method`` of a collection that reads its shards: from the collection as it was
-    opened (:meth:`Source.check_current` before and after, as batch reads do), and whose
-    failures to read bytes (a truncated or corrupted chunk) raise :class:`CollectionError`
-    with the rewrite fix."""
-
-    @functools.wraps(method)
-    def wrapped(self: Source, *args: Any, **kwargs: Any) -> T:
-        self.check_current()
-        try:
-            out = method(self, *args, **kwargs)
-        except CollectionError:
-            raise
-        except (OSError, RuntimeError) as e:  # e.g. rawzarr's ChunkError, a codec's error
-            self.check_current()  # a rewrite explains it
-            raise CollectionError(f"{self.describe()}: {type(e).__name__}: {e}. "
-                                  f"{self.DAMAGE_FIX}") from e
-        self.check_current()
-        return out
-
-    return wrapped
-
-
 def too_many_categories(where: str, field: str, n: int) -> str:
     col = field.partition("/")[2]
     return (
@@ -91,10 +53,11 @@ class Collection(Source):
     """A finished collection on disk (see ``store/manifest.py``).
 
     Use :func:`open_collection` to get one. Besides the rows the reader pulls, it answers
-    questions about cells and genes without reading any matrix: :meth:`obs_names_at` (cell
-    names of global row ids, the way back to an AnnData's order), :meth:`obs_at` (obs
-    columns of rows), :meth:`category_counts` (cells per category) and :attr:`var` (gene
-    metadata).
+    questions about cells and genes without reading any matrix, as every
+    :class:`~annbatch_torch.Source` does (inputs read in place too): :attr:`obs_names`,
+    :meth:`obs_names_at` (cell names of global row ids, the way back to an AnnData's
+    order), :meth:`obs_at` (obs columns of rows), :meth:`category_counts` (cells per
+    category); and :attr:`var` (gene metadata).
 
     Attributes
     ----------
@@ -187,199 +150,15 @@ class Collection(Source):
         return str(self.shard_path(shard))
 
     # -- cell and gene metadata (never X; see store/metadata.py) ---------------------
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_obs_names"] = {}  # per process: a spawned worker reads its own when asked
-        return state
-
-    @_damage_is_collection_error
-    def obs_names_at(self, rows: Any) -> pd.Index:
-        """The obs_names (cell names) of global row ids ``rows``.
-
-        Global row ids are positions in the collection (shard 0's rows first, see
-        :attr:`~annbatch_torch.Source.shard_offsets`); they are what
-        ``AnnBatchDataset(..., return_index=True)`` yields as ``batch["index"]``. Only each
-        shard's obs index is read (the array the ``obs`` group's ``_index`` attribute
-        names), never ``X``; a shard's names are read
-        once and cached in this object (in this process: a pickled collection, e.g. one
-        sent to a spawned DataLoader worker, carries none and reads its own when asked).
-        The cache holds Python str objects, roughly 70-100 bytes per cell of the shards
-        asked about.
-
-        Parameters
-        ----------
-        rows
-            Integer array-like of global row ids (list, numpy array, CPU torch tensor), in
-            any order, duplicates allowed.
-
-        Returns
-        -------
-        pandas.Index
-            ``len(rows)`` names (object dtype, str), in the order of ``rows``.
-
-        Raises
-        ------
-        IndexError
-            If an id lies outside ``[0, n_obs)`` (the message gives the range).
-        TypeError
-            If ``rows`` is not integer.
-
-        Notes
-        -----
-        Writing predictions or embeddings back to an AnnData in its original order: collect
-        each batch's ``batch["index"]`` with its output, map the ids to names and reorder by
-        the AnnData's obs_names::
-
-            ids = np.concatenate([b["index"].numpy() for b in batches])
-            emb = np.concatenate(outputs)              # row i belongs to ids[i]
-            names = coll.obs_names_at(ids)
-            adata.obsm["emb"] = emb[pd.Index(names).get_indexer(adata.obs_names)]
-
-        This needs unique obs_names across the collection's inputs (``get_indexer``
-        refuses duplicates; make them unique before writing, e.g.
-        ``anndata.concat(..., index_unique="-")`` or ``adata.obs_names_make_unique()``) and
-        every cell of ``adata`` among ``ids`` (``get_indexer`` returns -1 for a missing
-        one, which would silently take the last row: check ``(indexer >= 0).all()``, or
-        iterate with ``drop_last=False``). With ``even_batches="pad"`` some ids repeat:
-        keep only the rows whose ``batch["mask"]`` is true first (``get_indexer`` refuses
-        repeated names too).
-        """
-        ids = as_row_ids(rows, self.n_obs, self.describe())
-        out = np.empty(ids.size, dtype=object)
-        for shard, positions, local in split_by_shard(ids, self.shard_offsets):
-            out[positions] = self._shard_obs_names(shard)[local]
-        return pd.Index(out, dtype=object)
-
-    def _shard_obs_names(self, shard: int) -> np.ndarray:
-        cache: dict[int, np.ndarray] = self.__dict__.setdefault("_obs_names", {})
-        names = cache.get(shard)
-        if names is None:
-            names = shard_obs_names(
-                self.shard_group(shard), self.shard_sizes[shard], self.shard_name(shard),
-                check=functools.partial(self._check_node, shard),
-            )
-            names.flags.writeable = False
-            cache[shard] = names
-        return names
-
-    def _obs_column(self, column: str, categorical: bool = False) -> tuple[str, FieldInfo]:
-        """``(field, schema)`` of obs column ``column`` (``"cell_type"`` or
-        ``"obs/cell_type"``) as the manifest records it (a categorical with too many
-        categories to be a field included), or a :class:`SchemaError` listing the columns."""
-        if not isinstance(column, str):
-            raise SchemaError(f"{self.describe()}: obs column names are strings, got {column!r}.")
-        key = column if column.startswith("obs/") else f"obs/{column}"
-        info = self.manifest.fields.get(key)
-        if info is not None and (info.kind == "categorical" or not categorical):
-            return key, info
-        cols = [k[4:] for k, v in self.manifest.fields.items()
-                if k.startswith("obs/") and (v.kind == "categorical" or not categorical)]
-        what = "categorical obs column" if categorical else "obs column"
-        why = (f" ({self.unavailable[key]})" if key in self.unavailable else
-               f" (it is {info.kind!r})" if info is not None else "")
-        raise SchemaError(
-            f"{self.describe()}: {column!r} is not a {what} of the collection{why}; "
-            f"{what}s are {cols}."
+    def _read_obs_names(self, shard: int) -> np.ndarray:
+        return shard_obs_names(
+            self.shard_group(shard), self.shard_sizes[shard], self.shard_name(shard),
+            check=functools.partial(self._check_node, shard),
         )
 
-    @_damage_is_collection_error
-    def obs_at(self, rows: Any, columns: str | Sequence[str] | None = None) -> pd.DataFrame:
-        """obs columns of global row ids ``rows``, without reading ``X``.
-
-        Parameters
-        ----------
-        rows
-            Integer array-like of global row ids, any order, duplicates allowed (see
-            :meth:`obs_names_at`).
-        columns
-            obs column names (``"cell_type"`` or ``"obs/cell_type"``); one name or a list.
-            ``None``: every obs column the collection stores, in the manifest's order.
-
-        Returns
-        -------
-        pandas.DataFrame
-            One row per id, in the order of ``rows``, indexed by the cells' obs_names;
-            categorical columns as :class:`pandas.Categorical` with the collection's global
-            categories (and its ``ordered``; missing values NaN), numeric and bool columns
-            with the stored dtype.
-
-        Raises
-        ------
-        SchemaError
-            If a column is not an obs column of the collection (the message lists them).
-        IndexError
-            If an id lies outside ``[0, n_obs)``.
-        """
-        ids = as_row_ids(rows, self.n_obs, self.describe())
-        if columns is None:
-            keys = [k for k in self.manifest.fields if k.startswith("obs/")]
-        else:
-            names = [columns] if isinstance(columns, str) else list(columns)
-            keys = [self._obs_column(c)[0] for c in names]
-        parts = split_by_shard(ids, self.shard_offsets)
-        data: dict[str, Any] = {}
-        for key in keys:
-            info = self.manifest.fields[key]
-            pieces = []
-            for shard, positions, local in parts:
-                values = gather(self.element(shard, key), local)
-                if info.kind == "categorical":
-                    check_codes(values, len(info.categories or ()), self.shard_name(shard), key)
-                pieces.append((positions, values))
-            dtype = (np.result_type(*(v.dtype for _, v in pieces)) if pieces
-                     else np.dtype(info.dtype))
-            out = np.empty(ids.size, dtype=dtype)
-            for positions, values in pieces:
-                out[positions] = values
-            data[key[4:]] = (as_categorical(out, info.categories or (), info.ordered)
-                             if info.kind == "categorical" else out)
-        return pd.DataFrame(data, index=self.obs_names_at(ids))
-
-    @_damage_is_collection_error
-    def category_counts(self, column: str) -> pd.Series:
-        """Cells per category of categorical obs ``column``, counted from the shards' codes.
-
-        Reads the codes arrays only, a block of whole chunks at a time, never ``X``; the
-        result is cached in this object (a copy is returned).
-
-        Parameters
-        ----------
-        column
-            A categorical obs column (``"cell_type"`` or ``"obs/cell_type"``).
-
-        Returns
-        -------
-        pandas.Series
-            int64 counts named ``"count"``, indexed by the collection's global categories in
-            their order (:meth:`~annbatch_torch.Source.categories`), categories without
-            cells included (0). Cells with a missing value (code -1) are counted under one
-            more entry, ``NaN``, last, present only when there are any (as
-            ``value_counts(dropna=False)`` counts them).
-
-        Raises
-        ------
-        SchemaError
-            If ``column`` is not a categorical obs column (the message lists them).
-        """
-        key, info = self._obs_column(column, categorical=True)
-        cache: dict[str, pd.Series] = self.__dict__.setdefault("_counts", {})
-        if key not in cache:
-            cats = list(info.categories or ())
-            counts = np.zeros(len(cats) + 1, dtype=np.int64)
-            for shard in range(len(self.shard_sizes)):
-                el = self.element(shard, key)
-                if not isinstance(el, CategoricalElement):
-                    raise CollectionError(
-                        f"{self.shard_name(shard)}: {key!r} is not stored as a categorical; "
-                        "the collection is damaged, rewrite it."
-                    )
-                counts += count_codes(el, len(cats), self.shard_name(shard), key)
-            labels, values = cats, counts[1:]
-            if counts[0]:
-                labels, values = [*cats, MISSING_CATEGORY], np.r_[counts[1:], counts[0]]
-            cache[key] = pd.Series(values, index=pd.Index(labels, name=key[4:]), name="count")
-            logger.debug("%s: counted %d cells of %r", self.describe(), counts.sum(), key)
-        return cache[key].copy()
+    def _obs_fields(self) -> dict[str, FieldInfo]:
+        # the manifest's: a categorical with too many categories to be a field included
+        return {k: v for k, v in self.manifest.fields.items() if k.startswith("obs/")}
 
     @property
     def var(self) -> pd.DataFrame:
@@ -409,7 +188,7 @@ class Collection(Source):
             return None
         return self._gene_frame("raw/var", self.raw_var_names)
 
-    @_damage_is_collection_error
+    @reads_metadata
     def _gene_frame(self, what: str, names: pd.Index) -> pd.DataFrame:
         frames: dict[str, pd.DataFrame] = self.__dict__.setdefault("_gene_frames", {})
         cached = frames.get(what)

@@ -3,7 +3,9 @@
 A *source* is an ordered list of "shards" (each a group of AnnData elements with ``n_obs``
 rows) plus a schema (``fields``). :class:`~annbatch_torch.store.collection.Collection` is the
 on-disk kind; :mod:`annbatch_torch.store.inputs.inplace` builds the same interface over AnnData
-inputs read in place.
+inputs read in place. Both answer the same questions about cells without reading a matrix
+(:attr:`Source.obs_names`, :meth:`Source.obs_names_at`, :meth:`Source.obs_at`,
+:meth:`Source.category_counts`, built on :mod:`annbatch_torch.store.metadata`).
 
 Handles are opened lazily and per process: a source pickles without any open handle
 and reopens in whichever process reads it (safe under ``fork`` and ``spawn``).
@@ -12,17 +14,56 @@ and reopens in whichever process reads it (safe under ``fork`` and ``spawn``).
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
 
 from ..errors import CollectionError, SchemaError
-from .elements import Element, open_element
+from .elements import CategoricalElement, Element, open_element
 from .manifest import FieldInfo
+from .metadata import (
+    MISSING_CATEGORY,
+    as_categorical,
+    as_row_ids,
+    check_codes,
+    count_codes,
+    gather,
+    split_by_shard,
+)
 
-__all__ = ["Source", "field_node"]
+__all__ = ["Source", "field_node", "reads_metadata"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def reads_metadata(method: Callable[..., T]) -> Callable[..., T]:
+    """``method`` of a source that reads its shards' metadata: from the source as it was
+    opened (:meth:`Source.check_current` before and after, as batch reads do), and whose
+    failures to read bytes (a truncated or corrupted chunk) raise :class:`CollectionError`
+    with the source's fix (``Source.DAMAGE_FIX``)."""
+
+    @functools.wraps(method)
+    def wrapped(self: Source, *args: Any, **kwargs: Any) -> T:
+        self.check_current()
+        try:
+            out = method(self, *args, **kwargs)
+        except CollectionError:
+            raise
+        except (OSError, RuntimeError) as e:  # e.g. rawzarr's ChunkError, a codec's error
+            self.check_current()  # a rewrite explains it
+            raise CollectionError(f"{self.describe()}: {type(e).__name__}: {e}. "
+                                  f"{self.DAMAGE_FIX}") from e
+        self.check_current()
+        return out
+
+    return wrapped
 
 
 def field_node(group: Any, field: str, where: str) -> Any:
@@ -75,6 +116,7 @@ class Source:
         state["_pid"] = None
         state["_handles"] = {}
         state["_elements"] = {}
+        state["_obs_names"] = {}  # per process: a spawned worker reads its own when asked
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -229,3 +271,231 @@ class Source:
     def unavailable(self) -> dict[str, str]:
         """Fields present in the inputs but not offered, with the reason (see check_field)."""
         return dict(self.__dict__.get("_unavailable", {}))
+
+    # -- cell metadata (never X; see store/metadata.py) --------------------------------
+    @property
+    def obs_names(self) -> pd.Index:
+        """The obs_names (cell names) of every row, in global row order.
+
+        The same as ``obs_names_at(numpy.arange(n_obs))`` (see :meth:`obs_names_at`): a
+        collection's rows in its shuffled order, inputs read in place in the inputs'
+        order (input 0's cells first). Built anew on each access from the cached names.
+        """
+        return self.obs_names_at(np.arange(self.n_obs))
+
+    @reads_metadata
+    def obs_names_at(self, rows: Any) -> pd.Index:
+        """The obs_names (cell names) of global row ids ``rows``.
+
+        Global row ids are positions in the source (shard 0's rows first, see
+        :attr:`~annbatch_torch.Source.shard_offsets`; read in place, a "shard" is an
+        input); they are what ``AnnBatchDataset(..., return_index=True)`` yields as
+        ``batch["index"]``. Only each shard's obs index is read (the array the ``obs``
+        group's ``_index`` attribute names; an in-memory AnnData's ``obs_names``), never
+        ``X``; a shard's names are read once and cached in this object (in this process:
+        a pickled source, e.g. one sent to a spawned DataLoader worker, carries none and
+        reads its own when asked). The cache holds Python str objects, roughly 70-100
+        bytes per cell of the shards asked about.
+
+        Duplicate obs_names are returned as they are stored: a name that repeats (within
+        an input, or across inputs; the writer and in-place reading warn about both but
+        keep the names) comes back once per row id that holds it, so different row ids can
+        give the same name. A row id always names one cell; a name may not. A collection
+        and the inputs read in place answer alike.
+
+        Parameters
+        ----------
+        rows
+            Integer array-like of global row ids (list, numpy array, CPU torch tensor), in
+            any order, duplicates allowed.
+
+        Returns
+        -------
+        pandas.Index
+            ``len(rows)`` names (object dtype, str), in the order of ``rows``.
+
+        Raises
+        ------
+        IndexError
+            If an id lies outside ``[0, n_obs)`` (the message gives the range).
+        TypeError
+            If ``rows`` is not integer.
+
+        Notes
+        -----
+        Writing predictions or embeddings back to an AnnData in its original order: collect
+        each batch's ``batch["index"]`` with its output, map the ids to names and reorder by
+        the AnnData's obs_names::
+
+            ids = np.concatenate([b["index"].numpy() for b in batches])
+            emb = np.concatenate(outputs)              # row i belongs to ids[i]
+            names = coll.obs_names_at(ids)
+            adata.obsm["emb"] = emb[pd.Index(names).get_indexer(adata.obs_names)]
+
+        This needs unique obs_names across the inputs (``get_indexer`` refuses the
+        repeated names described above; make them unique before writing, e.g.
+        ``anndata.concat(..., index_unique="-")`` or ``adata.obs_names_make_unique()``) and
+        every cell of ``adata`` among ``ids`` (``get_indexer`` returns -1 for a missing
+        one, which would silently take the last row: check ``(indexer >= 0).all()``, or
+        iterate with ``drop_last=False``). With ``even_batches="pad"`` some ids repeat:
+        keep only the rows whose ``batch["mask"]`` is true first (``get_indexer`` refuses
+        repeated names too). Read in place, a row id is already the position in the
+        inputs' concatenation (``anndata.concat(inputs)``), no name needed.
+        """
+        ids = as_row_ids(rows, self.n_obs, self.describe())
+        out = np.empty(ids.size, dtype=object)
+        for shard, positions, local in split_by_shard(ids, self.shard_offsets):
+            out[positions] = self._shard_obs_names(shard)[local]
+        return pd.Index(out, dtype=object)
+
+    def _shard_obs_names(self, shard: int) -> np.ndarray:
+        cache: dict[int, np.ndarray] = self.__dict__.setdefault("_obs_names", {})
+        names = cache.get(shard)
+        if names is None:
+            names = self._read_obs_names(shard)
+            names.flags.writeable = False
+            cache[shard] = names
+        return names
+
+    def _read_obs_names(self, shard: int) -> np.ndarray:
+        """The obs_names of ``shard``, an object array of str (read once, then cached)."""
+        raise NotImplementedError
+
+    def _obs_fields(self) -> dict[str, FieldInfo]:
+        """Every obs column's schema, in order (a collection's manifest may record more
+        than it offers as fields)."""
+        return {k: v for k, v in self.fields.items() if k.startswith("obs/")}
+
+    def _obs_column(self, column: str, categorical: bool = False) -> tuple[str, FieldInfo]:
+        """``(field, schema)`` of obs column ``column`` (``"cell_type"`` or
+        ``"obs/cell_type"``), or a :class:`SchemaError` listing the columns."""
+        if not isinstance(column, str):
+            raise SchemaError(f"{self.describe()}: obs column names are strings, got {column!r}.")
+        key = column if column.startswith("obs/") else f"obs/{column}"
+        known = self._obs_fields()
+        info = known.get(key)
+        if info is not None and (info.kind == "categorical" or not categorical):
+            return key, info
+        cols = [k[4:] for k, v in known.items() if v.kind == "categorical" or not categorical]
+        what = "categorical obs column" if categorical else "obs column"
+        why = (f" ({self.unavailable[key]})" if key in self.unavailable else
+               f" (it is {info.kind!r})" if info is not None else "")
+        whose = "the collection" if self.PART == "shard" else "the inputs"
+        raise SchemaError(
+            f"{self.describe()}: {column!r} is not a {what} of {whose}{why}; "
+            f"{what}s are {cols}."
+        )
+
+    def _global_codes(self, shard: int, key: str, codes: np.ndarray, n_categories: int,
+                      start: int = 0) -> np.ndarray:
+        """Codes of categorical ``key`` read from ``shard``, checked, as global codes (an
+        input read in place stores its own: :meth:`code_map` maps them)."""
+        table = self.code_map(shard, key)
+        n_local = n_categories if table is None else len(table) - 1
+        check_codes(codes, n_local, self.shard_name(shard), key, start)
+        return codes if table is None else table[codes.astype(np.int64, copy=False)]
+
+    @reads_metadata
+    def obs_at(self, rows: Any, columns: str | Sequence[str] | None = None) -> pd.DataFrame:
+        """obs columns of global row ids ``rows``, without reading ``X``.
+
+        Parameters
+        ----------
+        rows
+            Integer array-like of global row ids, any order, duplicates allowed (see
+            :meth:`obs_names_at`).
+        columns
+            obs column names (``"cell_type"`` or ``"obs/cell_type"``); one name or a list.
+            ``None``: every obs column the source offers, in its order (a collection's
+            manifest order; in place, the first input's column order).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per id, in the order of ``rows``, indexed by the cells' obs_names
+            (repeated names included, see :meth:`obs_names_at`); categorical columns as
+            :class:`pandas.Categorical` with the source's global categories (and its
+            ``ordered``; missing values NaN), numeric and bool columns with the field's
+            dtype. A collection and the inputs it was written from give equal frames for
+            the same cells.
+
+        Raises
+        ------
+        SchemaError
+            If a column is not an obs column of the source (the message lists them).
+        IndexError
+            If an id lies outside ``[0, n_obs)``.
+        """
+        ids = as_row_ids(rows, self.n_obs, self.describe())
+        if columns is None:
+            keys = list(self._obs_fields())
+        else:
+            names = [columns] if isinstance(columns, str) else list(columns)
+            keys = [self._obs_column(c)[0] for c in names]
+        parts = split_by_shard(ids, self.shard_offsets)
+        infos = self._obs_fields()
+        data: dict[str, Any] = {}
+        for key in keys:
+            info = infos[key]
+            n_cats = len(info.categories or ())
+            dtype = np.dtype(np.int64) if info.kind == "categorical" else np.dtype(info.dtype)
+            out = np.empty(ids.size, dtype=dtype)
+            for shard, positions, local in parts:
+                values = gather(self.element(shard, key), local)
+                if info.kind == "categorical":
+                    values = self._global_codes(shard, key, values, n_cats)
+                out[positions] = values
+            data[key[4:]] = (as_categorical(out, info.categories or (), info.ordered)
+                             if info.kind == "categorical" else out)
+        return pd.DataFrame(data, index=self.obs_names_at(ids))
+
+    @reads_metadata
+    def category_counts(self, column: str) -> pd.Series:
+        """Cells per category of categorical obs ``column``, counted from the shards' codes.
+
+        Reads the codes arrays only (in place, a string column's values), a block of whole
+        chunks at a time, never ``X``; the result is cached in this object (a copy is
+        returned).
+
+        Parameters
+        ----------
+        column
+            A categorical obs column (``"cell_type"`` or ``"obs/cell_type"``).
+
+        Returns
+        -------
+        pandas.Series
+            int64 counts named ``"count"``, indexed by the source's global categories in
+            their order (:meth:`~annbatch_torch.Source.categories`), categories without
+            cells included (0). Cells with a missing value (code -1) are counted under one
+            more entry, ``NaN``, last, present only when there are any (as
+            ``value_counts(dropna=False)`` counts them).
+
+        Raises
+        ------
+        SchemaError
+            If ``column`` is not a categorical obs column (the message lists them).
+        """
+        key, info = self._obs_column(column, categorical=True)
+        cache: dict[str, pd.Series] = self.__dict__.setdefault("_counts", {})
+        if key not in cache:
+            cats = list(info.categories or ())
+            counts = np.zeros(len(cats) + 1, dtype=np.int64)
+            for shard in range(len(self.shard_sizes)):
+                el = self.element(shard, key)
+                where = self.shard_name(shard)
+                if not isinstance(el, CategoricalElement):
+                    raise CollectionError(
+                        f"{where}: {key!r} is not stored as a categorical; {self.DAMAGE_FIX}")
+                table = self.code_map(shard, key)
+                if table is None:
+                    counts += count_codes(el, len(cats), where, key)
+                else:  # local codes: entry 0 the missing ones, 1 + c local category c
+                    local = count_codes(el, len(table) - 1, where, key)
+                    np.add.at(counts, np.r_[0, table[:-1].astype(np.int64) + 1], local)
+            labels, values = cats, counts[1:]
+            if counts[0]:
+                labels, values = [*cats, MISSING_CATEGORY], np.r_[counts[1:], counts[0]]
+            cache[key] = pd.Series(values, index=pd.Index(labels, name=key[4:]), name="count")
+            logger.debug("%s: counted %d cells of %r", self.describe(), counts.sum(), key)
+        return cache[key].copy()

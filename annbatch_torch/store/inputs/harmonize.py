@@ -31,7 +31,9 @@ Values
     has no uint64): an obs column holding a value of 2**63 or more (it would wrap to a
     negative number) is refused with the fix (float64, exact up to 2**53, or labels). The
     values of a uint64 *matrix* are checked by the writer (it reads every block); in place
-    they are not scanned and pass through, like NaN.
+    they are not scanned and pass through. NaN and inf in a matrix (X, layers, raw/X, obsm)
+    are refused on both paths: by the writer in each block it reads, in place in each block
+    a pool reads (naming the input, the row and the column).
 
 Shapes
     One row shape in every input; an obsm entry is 2-D (cells x columns): a 1-D or 3-D one

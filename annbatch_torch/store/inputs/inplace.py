@@ -7,7 +7,11 @@ zarr, and in-memory ``AnnData`` objects, opened, probed and named as the writer 
 (:func:`~.inputs.plan_fields`, :mod:`.harmonize`), so a field has the kind, dtype and
 categories it has in a collection written from the same inputs: X and layers are CSR
 (a dense one is read as CSR storing every entry), obsm entries dense, string obs columns
-categoricals. No offline shuffle is needed, but chunk reads hit the inputs' own layout:
+categoricals; and every matrix block read (X, layers, raw/X, obsm) is checked finite as
+the writer checks its inputs (NaN or inf refused, naming the input, the row and the column).
+Cell metadata (``obs_names``, ``obs_names_at``, ``obs_at``, ``category_counts``) is read as
+a collection's is (:class:`~annbatch_torch.store.source.Source`), with the same answers for
+the same cells. No offline shuffle is needed, but chunk reads hit the inputs' own layout:
 h5ad datasets are usually stored contiguously or in large compressed chunks, so each
 random chunk read decompresses more than it uses, and an input sorted by cell type needs
 small chunks and large pools to mix well. Expect several times lower throughput than a
@@ -17,7 +21,7 @@ collection (see ``benchmarks/README.md``).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,7 @@ from ..elements import (
     open_element,
 )
 from ..manifest import MANIFEST_NAME, RAW_X, FieldInfo
+from ..metadata import shard_obs_names
 from ..source import Source, field_node
 from .legacy import LegacyStore
 from .open import open_store, resolve_input
@@ -146,12 +151,25 @@ class InPlaceSource(Source):
             return StringCodesElement(el, list(self._local[(shard, field)]), field)
         return el
 
+    def _read_obs_names(self, shard: int) -> np.ndarray:
+        adata = self._memory[shard]
+        if adata is not None:  # as the writer takes them (InputSource.names)
+            return np.asarray(adata.obs_names, dtype=object)
+        return shard_obs_names(self.shard_group(shard), self.shard_sizes[shard],
+                               self.shard_name(shard))
+
     def element(self, shard: int, field: str) -> Element:
         self._check_pid()
         key = (shard, field)
         el = self._elements.get(key)
         if el is None:
-            el = self._present(shard, field, self._raw_element(shard, field))
+            el = self._raw_element(shard, field)
+            if isinstance(el, CSCElement):  # loaded whole: rows are read from its CSR copy
+                el = el.as_csr_element()
+            el = self._present(shard, field, el)
+            info = self._planned.get(field)
+            if info is not None and info.kind in ("csr", "dense"):
+                el = _finite(el, field, self.shard_name(shard))
             sizes = self.__dict__.get("shard_sizes")
             if sizes is not None and el.n_rows != sizes[shard]:
                 raise CollectionError(
@@ -217,6 +235,67 @@ class InPlaceSource(Source):
 
     def __repr__(self) -> str:
         return f"InPlaceSource({self.describe()}, n_obs={self.n_obs}, fields={list(self.fields)})"
+
+
+class _FiniteValues:
+    """The values of a matrix field read in place (a CSR matrix's ``data``, a dense
+    array's rows), checked finite on every read as the writer checks its inputs'
+    blocks (:func:`~annbatch_torch.store.checks.check_finite`): one vectorised
+    ``numpy.isfinite`` over the values read; integer and bool values pass unscanned.
+
+    ``locate(start, pos)``: the input row and column of entry ``pos`` of a read that
+    began at ``start`` (what ``__getitem__``'s slice starts at).
+    """
+
+    def __init__(self, values: Any, field: str, where: str,
+                 locate: Callable[[int, int], tuple[int, int]]) -> None:
+        self.values, self.field, self.where, self.locate = values, field, where, locate
+        self.shape = tuple(int(s) for s in values.shape)
+        self.dtype = np.dtype(values.dtype)
+        self._scan = self.dtype.kind in "fc"
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        out = np.asarray(self.values[key])
+        if self._scan and not np.isfinite(out).all():
+            start = int(key.start or 0) if isinstance(key, slice) else 0
+            self._refuse(start, out)
+        return out
+
+    def _refuse(self, start: int, out: np.ndarray) -> None:
+        flat = out.reshape(-1)
+        bad = ~np.isfinite(flat)
+        pos = int(np.flatnonzero(bad)[0])
+        row, col = self.locate(start, pos)
+        raise InputError(
+            f"{self.where}: field {self.field!r} holds {int(bad.sum())} non-finite value(s) "
+            f"(NaN or inf) in the rows read, the first ({flat[pos]}) at row {row}, column "
+            f"{col}. Matrices must be finite; create_anndata_collection refuses this input "
+            "too. Fix: replace them in the input (e.g. `m.data = np.nan_to_num(m.data)` for a "
+            f"sparse matrix, or drop the affected cells) and save it again, or {_OMIT}."
+        )
+
+
+def _finite(el: Element, field: str, where: str) -> Element:
+    """``el`` (a matrix field as :meth:`InPlaceSource._present` gives it) reading its values
+    through :class:`_FiniteValues`."""
+    sparse = el.sparse if isinstance(el, SparseAsDenseElement) else el
+    if isinstance(sparse, CSRElement):
+        csr = sparse
+
+        def locate_entry(start: int, pos: int) -> tuple[int, int]:
+            entry = start + pos
+            row = int(np.searchsorted(csr.indptr, entry, side="right")) - 1
+            lo, hi = int(csr.indptr[row]), int(csr.indptr[row + 1])  # read by whole rows
+            return row, int(np.asarray(csr.indices[lo:hi])[entry - lo])
+
+        csr.data = _FiniteValues(csr.data, field, where, locate_entry)
+        return el
+    if isinstance(el, DenseElement) and len(el.shape) > 1:
+        width = int(np.prod(el.shape[1:])) or 1
+        return DenseElement(_FiniteValues(
+            el.array, field, where,
+            lambda start, pos: (start + pos // width, pos % width)), name=el.name)
+    return el
 
 
 def _raw_var_names(sources: list[InputSource]) -> tuple[pd.Index | None, str | None]:
