@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import logging
 import os
 import pickle
@@ -38,8 +40,9 @@ from .read.device_pool import check_device
 from .read.genes import GeneSelection
 from .read.pool_stream import PoolStream
 from .read.reader import PoolReader, default_read_threads
-from .resume import Resumer
+from .resume import MAX_EPOCH, Resumer
 from .sampling import ChunkPlan, EpochPlan, SamplePlan, Sampler, Segment
+from .store.collection import Collection
 from .store.inputs.inplace import open_source
 from .store.manifest import RAW_X
 from .store.source import Source
@@ -56,6 +59,34 @@ DEFAULT_CHUNK_SIZE = 512
 #: Chunks per pool: 32 x 512 = 16,384 rows shuffled together (~250 MB of CSR at 20k genes
 #: and ~1.8k non-zeros per cell; two pools are alive with background prefetch).
 DEFAULT_PRELOAD_NCHUNKS = 32
+
+
+def _collection_identity(source: Source) -> str | None:
+    """What identifies a collection's rows, which a resume state records (the plan's
+    ``source_id``): a digest of its manifest (seed, shards, inputs, fields, genes), less
+    what a rewrite of the same inputs with the same settings changes (each write's random
+    ``generation`` id, the writing version), so the same collection copied or opened
+    again resumes. ``None`` for inputs read in place."""
+    if not isinstance(source, Collection):
+        return None
+
+    def stable(obj: Any) -> Any:
+        if isinstance(obj, Mapping):
+            return {k: stable(v) for k, v in obj.items() if k != "generation"}
+        if isinstance(obj, list | tuple):
+            return [stable(v) for v in obj]
+        return obj
+
+    doc = stable(source.manifest.to_json())
+    doc.pop("created_by", None)
+    text = json.dumps(doc, sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters (a resume state, taken at every batch, names
+    its source; many inputs read in place make a long name)."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _int_array(name: str, values: Any) -> np.ndarray:
@@ -240,11 +271,16 @@ class AnnBatchDataset(IterableDataset):
         settings = dict(n_obs=self.source.n_obs, chunk_size=self.chunk_size,
                         preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
                         shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
-                        even_batches=self.even_batches)
+                        even_batches=self.even_batches,
+                        source_id=_collection_identity(self.source),
+                        source_name=_short(self.source.describe()))
         #: the epochs' plan, asked what they hold (chunked or sampling mode)
-        self._epoch_plan: EpochPlan = (
-            ChunkPlan(**settings, chunk_ids=self.chunk_ids) if self.sampler is None
-            else SamplePlan(**settings, sampler=self.sampler))
+        try:
+            self._epoch_plan: EpochPlan = (
+                ChunkPlan(**settings, chunk_ids=self.chunk_ids) if self.sampler is None
+                else SamplePlan(**settings, sampler=self.sampler))
+        except ValueError as e:  # chunk_ids that are not chunks of this source
+            raise ValueError(f"AnnBatchDataset on {self.source.describe()}: {e}") from None
         # set_epoch in the main process reaches (persistent) workers
         self._epoch = SharedEpoch()
         #: Where sparse fields are densified (AnnBatchDataLoader installs its own in its
@@ -298,7 +334,8 @@ class AnnBatchDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch used by the next iteration (reaches persistent workers too)."""
-        self._epoch.set(check_int("epoch", epoch, 0))
+        self._epoch.set(check_int("epoch", epoch, 0, maximum=MAX_EPOCH,
+                                  maximum_text="2**63 - 1 (an int64)"))
 
     @property
     def epoch_plan(self) -> EpochPlan:
@@ -362,8 +399,8 @@ class AnnBatchDataset(IterableDataset):
         :meth:`set_epoch` moved to another epoch than the last one iterated, the state is
         the start of that epoch.
         """
-        return self._resumer.state_dict(seed=self.seed, world_size=self.world_size,
-                                        epoch=self.epoch, plan=self._epoch_plan.fingerprint())
+        return self._resumer.state_dict(plan=self._epoch_plan, world_size=self.world_size,
+                                        epoch=self.epoch)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration skips the batches done.
@@ -372,8 +409,8 @@ class AnnBatchDataset(IterableDataset):
         then the state is stale and that epoch runs from its start. A state saved after an
         epoch's last batch resumes that epoch with nothing left.
         """
-        epoch = self._resumer.load(state_dict, seed=self.seed, world_size=self.world_size,
-                                   epoch=self.epoch, plan=self._epoch_plan.fingerprint())
+        epoch = self._resumer.load(state_dict, plan=self._epoch_plan,
+                                   world_size=self.world_size, epoch=self.epoch)
         if epoch is not None:
             self.set_epoch(epoch)
             self._epoch.forget_start()  # resuming the same epoch is intended

@@ -18,8 +18,10 @@ __all__ = [
 
 
 def check_int(name: str, value: object, minimum: int, *,
-              error: type[Exception] = ValueError, note: str = "") -> int:
-    """``value`` as an ``int`` when it is an integer ``>= minimum``, else ``error``.
+              error: type[Exception] = ValueError, note: str = "",
+              maximum: int | None = None, maximum_text: str | None = None) -> int:
+    """``value`` as an ``int`` when it is an integer ``>= minimum`` (and ``<= maximum``),
+    else ``error``.
 
     Parameters
     ----------
@@ -34,11 +36,17 @@ def check_int(name: str, value: object, minimum: int, *,
         The exception class raised (``ValueError``; e.g. :class:`SamplerError`).
     note
         Text after the bound in the message (e.g. ``" (or None)"``).
+    maximum
+        The largest value allowed (``None``: no upper bound).
+    maximum_text
+        How the message writes ``maximum`` and why it bounds (e.g. ``"2**62 (an int64
+        position)"``; default its digits); ``note`` follows it.
 
     Raises
     ------
     Exception
-        ``error("{name} must be an integer >= {minimum}{note}, got {value!r}.")``.
+        ``error("{name} must be an integer >= {minimum}{note}, got {value!r}.")``; above a
+        ``maximum``, ``"{name} must be an integer <= {maximum}{note}, got {value!r}."``.
     """
     out = None
     if not isinstance(value, bool | np.bool_):
@@ -46,6 +54,9 @@ def check_int(name: str, value: object, minimum: int, *,
             out = operator.index(value)  # type: ignore[arg-type]
     if out is None or out < minimum:
         raise error(f"{name} must be an integer >= {minimum}{note}, got {value!r}.")
+    if maximum is not None and out > maximum:
+        raise error(f"{name} must be an integer <= {maximum_text or maximum}{note}, got "
+                    f"{value!r}.")
     return out
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from .errors import check_int
 from .sampling import EpochPlan, Segment, consumed_per_worker, dataloader_order
 from .world import World
 
@@ -40,10 +41,13 @@ __all__ = [
     "loader_progress",
     "for_rank",
     "is_mid_epoch",
+    "torchdata_problem",
     "state_ints",
     "Restore",
     "restore",
     "EPOCH_KEY",
+    "STATE_VERSION",
+    "MAX_EPOCH",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,16 +57,42 @@ logger = logging.getLogger(__name__)
 EPOCH_KEY = "annbatch_torch_epoch"
 
 
-def state_ints(state: Mapping[str, Any], keys: Sequence[str], saved_by: str) -> dict[str, int]:
-    """``{key: int(state[key])}`` of a saved resume state, or a ``ValueError`` naming what is
-    missing and where a valid state comes from (``saved_by``)."""
-    try:
-        return {k: int(state[k]) for k in keys}
-    except (KeyError, TypeError, ValueError) as e:
+#: The newest state format :meth:`Resumer.state_dict` writes (1: before elastic resume;
+#: states of 0.1.0 carry no version).
+STATE_VERSION = 2
+#: Where a valid dataset state comes from, as messages say it.
+DATASET_STATE = "AnnBatchDataset.state_dict()"
+#: The largest epoch (the dataset keeps it in an int64).
+MAX_EPOCH = 2**63 - 1
+
+
+def state_ints(state: Mapping[str, Any], keys: Sequence[str], saved_by: str, *,
+               minimum: Mapping[str, int] | None = None,
+               maximum: Mapping[str, int] | None = None) -> dict[str, int]:
+    """``{key: state[key]}`` of a saved resume state, each an integer ``>= minimum[key]``
+    (default 0) and ``<= maximum[key]`` (default unbounded), or a ``ValueError`` naming the
+    key that is missing or wrong and where a valid state comes from (``saved_by``)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"load_state_dict: the state must be a dict saved by {saved_by}, "
+                         f"got {type(state).__name__} {state!r}.")
+    missing = [k for k in keys if k not in state]
+    if missing:
         raise ValueError(
-            f"load_state_dict: state {dict(state)!r} lacks {e}; pass a state saved by "
-            f"{saved_by}."
-        ) from e
+            f"load_state_dict: state {dict(state)!r} lacks {missing[0]!r}; pass a state saved "
+            f"by {saved_by}."
+        )
+    return {k: check_int(f"load_state_dict: state key {k!r}", state[k],
+                         (minimum or {}).get(k, 0), maximum=(maximum or {}).get(k),
+                         note=f" (pass a state saved by {saved_by})")
+            for k in keys}
+
+
+def _optional_int(state: Mapping[str, Any], key: str, minimum: int,
+                  saved_by: str = DATASET_STATE) -> int | None:
+    """``state[key]`` checked as by :func:`state_ints`, ``None`` when absent or null."""
+    if state.get(key) is None:
+        return None
+    return state_ints(state, (key,), saved_by, minimum={key: minimum})[key]
 
 
 # --------------------------------------------------------------------------- per copy
@@ -79,14 +109,18 @@ class Progress:
 
 
 def segment_from_json(value: Any) -> Segment:
-    """A :class:`~annbatch_torch.sampling.Segment` of a saved state, or a ``ValueError``
-    naming what is wrong."""
-    got = state_ints(value if isinstance(value, Mapping) else {},
-                     ("world_size", "num_workers", "steps"), "AnnBatchDataset.state_dict()")
-    if got["world_size"] < 1 or got["num_workers"] < 1 or got["steps"] < 0:
-        raise ValueError(f"load_state_dict: segment {dict(value)!r} needs world_size >= 1, "
-                         "num_workers >= 1 and steps >= 0; pass a state saved by "
-                         "AnnBatchDataset.state_dict().")
+    """A :class:`~annbatch_torch.sampling.Segment` of a saved state (an item of its
+    ``segments``), or a ``ValueError`` naming what is wrong."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"load_state_dict: state key 'segments' holds {value!r}, not a "
+                         "segment {world_size, num_workers, steps}; pass a state saved by "
+                         f"{DATASET_STATE}.")
+    try:
+        got = state_ints(value, ("world_size", "num_workers", "steps"), DATASET_STATE,
+                         minimum={"world_size": 1, "num_workers": 1})
+    except ValueError as e:
+        raise ValueError(f"load_state_dict: state key 'segments', segment {dict(value)!r}: "
+                         f"{str(e).removeprefix('load_state_dict: ')}") from None
     return Segment(**got)
 
 
@@ -128,42 +162,42 @@ class LoadedState:
         return Segment(self.world_size, self.num_workers, self.steps)
 
 
-def parse_state(state: Mapping[str, Any], *, seed: int, world_size: int,
-                plan: Mapping[str, Any] | None = None) -> LoadedState:
-    """A dataset copy's saved state, checked against this dataset (``seed``, ``plan``: its
-    fingerprint) and ``world_size``, or a ``ValueError`` that says what differs and how to
-    resume (pure: :meth:`Resumer.load` keeps what it returns)."""
+def parse_state(state: Mapping[str, Any], *, plan: EpochPlan, world_size: int
+                ) -> LoadedState:
+    """A dataset copy's saved state, every key checked, and checked against ``plan`` (the
+    dataset's: its seed, fingerprint and batches per rank) and ``world_size``, or a
+    ``ValueError`` that names the key and says what differs and how to resume (pure:
+    :meth:`Resumer.load` keeps what it returns)."""
     got = state_ints(state, ("seed", "epoch", "worker", "num_workers", "batches"),
-                     "AnnBatchDataset.state_dict()")
-    if got["seed"] != seed:
+                     DATASET_STATE, minimum={"num_workers": 1},
+                     maximum={"epoch": MAX_EPOCH})
+    version = state.get("version")  # absent from states of 0.1.0
+    if version is not None:
+        check_int("load_state_dict: state key 'version'", version, 1, maximum=STATE_VERSION,
+                  note=f" (the state formats this annbatch_torch reads; pass a state saved by "
+                       f"{DATASET_STATE} of this version)")
+    if got["seed"] != plan.seed:
         raise ValueError(
-            f"load_state_dict: the state was saved with seed={got['seed']} but this "
-            f"dataset has seed={seed}; construct the dataset with seed={got['seed']} to "
-            "resume."
+            f"load_state_dict: the state was saved with seed={got['seed']} (state key "
+            f"'seed') but this dataset has seed={plan.seed}; construct the dataset with "
+            f"seed={got['seed']} to resume."
         )
-    saved_plan = state.get("plan")  # absent from states saved before it was recorded
-    if isinstance(saved_plan, Mapping) and plan is not None:
-        differ = [k for k in sorted(set(saved_plan) | set(plan))
-                  if saved_plan.get(k) != plan.get(k)]
-        if differ:
-            what = ", ".join(f"{k}={saved_plan.get(k)!r} (now {plan.get(k)!r})"
-                             for k in differ)
-            raise ValueError(
-                f"load_state_dict: the state was saved by a dataset with {what}: its "
-                "epochs hold other batches, so the batches done cannot be skipped. "
-                "Construct the dataset as it was saved (or start the epoch afresh "
-                "without the state).")
-    saved_world = state.get("world_size")  # absent from states of 0.1.0
+    if got["worker"] >= got["num_workers"]:
+        raise ValueError(
+            f"load_state_dict: state key 'worker' must be < num_workers (= "
+            f"{got['num_workers']}), got {got['worker']}; pass a state saved by "
+            f"{DATASET_STATE}.")
+    _check_plan(state, plan)
+    saved_world = _optional_int(state, "world_size", 1)  # absent from states of 0.1.0
     segments = state.get("segments") or []  # absent before elastic resume (version 1)
     if not isinstance(segments, Sequence) or isinstance(segments, str):
-        raise ValueError(f"load_state_dict: segments must be a list, got {segments!r}.")
-    steps = state.get("steps")
-    loaded = LoadedState(
-        got["epoch"], None if saved_world is None else int(saved_world), got["worker"],
-        max(1, got["num_workers"]), got["batches"],
-        tuple(segment_from_json(seg) for seg in segments),
-        None if steps is None else state_ints(state, ("steps",), "AnnBatchDataLoader")[
-            "steps"])
+        raise ValueError(f"load_state_dict: state key 'segments' must be a list, got "
+                         f"{segments!r}; pass a state saved by {DATASET_STATE}.")
+    steps = _optional_int(state, "steps", 0, "AnnBatchDataLoader")
+    loaded = LoadedState(got["epoch"], saved_world, got["worker"], got["num_workers"],
+                         got["batches"], tuple(segment_from_json(seg) for seg in segments),
+                         steps)
+    _check_counts(loaded, state, plan, world_size)
     if loaded.steps is None and loaded.num_workers == 1:  # the copy's count is the rank's
         loaded = replace(loaded, steps=loaded.batches)
     if (loaded.world_size is not None and loaded.world_size != world_size
@@ -174,6 +208,64 @@ def parse_state(state: Mapping[str, Any], *, seed: int, world_size: int,
             f"{world_size} ranks the whole loader's progress is needed: save and load "
             "AnnBatchDataLoader.state_dict() (or resume on the same number of ranks).")
     return loaded
+
+
+def _check_plan(state: Mapping[str, Any], plan: EpochPlan) -> None:
+    """Refuse a state whose recorded plan (key ``plan``) deals other batches than
+    ``plan``; states saved before the plan (or its ``source``) was recorded are not
+    checked for it."""
+    saved_plan = state.get("plan")  # absent from states saved before it was recorded
+    if saved_plan is None:
+        return
+    if not isinstance(saved_plan, Mapping):
+        raise ValueError(f"load_state_dict: state key 'plan' must be a dict (the plan's "
+                         f"fingerprint), got {saved_plan!r}; pass a state saved by "
+                         f"{DATASET_STATE}.")
+    now = plan.fingerprint()
+    if "source" in saved_plan and saved_plan["source"] != now.get("source"):
+        saved_name = state.get("source_name") or "another source"
+        raise ValueError(
+            f"load_state_dict: the state was saved reading {saved_name} (collection "
+            f"{saved_plan['source']!r}: state key 'plan', its 'source'), but this dataset reads "
+            f"{plan.source_name or 'another source'} (collection {now.get('source')!r}): "
+            "other rows in another order (e.g. written with another seed), so the batches "
+            "done cannot be skipped. Resume on the collection the state was saved on (or "
+            "start the epoch afresh without the state).")
+    differ = [k for k in sorted((set(saved_plan) | set(now)) - {"source"})
+              if saved_plan.get(k) != now.get(k)]
+    if differ:
+        what = ", ".join(f"{k}={saved_plan.get(k)!r} (now {now.get(k)!r})" for k in differ)
+        raise ValueError(
+            f"load_state_dict: the state (key 'plan') was saved by a dataset with {what}: "
+            "its epochs hold other batches, so the batches done cannot be skipped. "
+            "Construct the dataset as it was saved (or start the epoch afresh without the "
+            "state).")
+
+
+def _check_counts(loaded: LoadedState, state: Mapping[str, Any], plan: EpochPlan,
+                  world_size: int) -> None:
+    """Refuse counts beyond the epoch: the segments must fit the plan's epoch, and this
+    copy's ``batches`` (and the loader's ``steps``) what a rank still yields after them."""
+    world = world_size if loaded.world_size is None else loaded.world_size
+    try:
+        total = plan.batches_per_rank(loaded.epoch, world, loaded.segments)
+    except ValueError as e:
+        raise ValueError(
+            f"load_state_dict: state key 'segments' ({list(state.get('segments') or [])!r}) "
+            f"does not fit epoch {loaded.epoch} of this dataset: "
+            f"{str(e).removeprefix('load_state_dict: ')}") from None
+    own_before = sum(seg.steps for seg in loaded.segments)
+    own = total - own_before
+    for key in ("batches", "steps"):
+        value = getattr(loaded, key)
+        if value is not None and value > own:
+            raise ValueError(
+                f"load_state_dict: state key {key!r} must be <= {own} (the batches a rank "
+                f"yields of epoch {loaded.epoch} on {world} ranks, its 'world_size'"
+                + (f" after the {own_before} batches of its 'segments'"
+                   if loaded.segments else "")
+                + f"), got {value}: the state is not one of this dataset's epoch; pass a "
+                f"state saved by {DATASET_STATE} of this dataset.")
 
 
 class Resumer:
@@ -187,12 +279,13 @@ class Resumer:
         self.segments: tuple[Segment, ...] = ()
         self._pending: LoadedState | None = None
 
-    def state_dict(self, *, seed: int, world_size: int, epoch: int,
-                   plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def state_dict(self, *, plan: EpochPlan, world_size: int, epoch: int
+                   ) -> dict[str, Any]:
         """``{version, seed, world_size, epoch, worker, num_workers, batches, segments,
-        plan}``; after ``set_epoch`` moved to another epoch (``epoch``) than the last one
-        iterated, the start of that epoch. ``plan``: what the epoch's batches depend on
-        besides the seed (JSON scalars), checked by :meth:`load`."""
+        plan, source_name}``; after ``set_epoch`` moved to another epoch (``epoch``) than
+        the last one iterated, the start of that epoch. ``plan``: the dataset's; its
+        fingerprint (what the epoch's batches depend on besides the seed, JSON scalars) is
+        checked by :meth:`load`, ``source_name`` names the source in that message."""
         pending = self._pending
         if pending is not None and pending.epoch == epoch:  # loaded, not yet iterated
             progress = Progress(epoch, pending.worker, pending.num_workers, pending.batches)
@@ -203,23 +296,24 @@ class Resumer:
         else:
             progress = Progress(epoch, self.progress.worker, self.progress.num_workers, 0)
             segments, steps = (), None
-        state = {"version": 2, "seed": seed, "world_size": world_size, **asdict(progress),
-                 "segments": [asdict(seg) for seg in segments]}
+        state = {"version": STATE_VERSION, "seed": plan.seed, "world_size": world_size,
+                 **asdict(progress), "segments": [asdict(seg) for seg in segments]}
         if steps is not None and steps != progress.batches:
             state["steps"] = steps
-        if plan is not None:
-            state["plan"] = dict(plan)
+        state["plan"] = plan.fingerprint()
+        if plan.source_name:
+            state["source_name"] = plan.source_name
         return state
 
-    def load(self, state: Mapping[str, Any], *, seed: int, world_size: int,
-             epoch: int, plan: Mapping[str, Any] | None = None) -> int | None:
+    def load(self, state: Mapping[str, Any], *, plan: EpochPlan, world_size: int,
+             epoch: int) -> int | None:
         """Check a saved state (:func:`parse_state`) and keep it for the next :meth:`start`.
 
         Returns the epoch to set, or ``None`` when a later epoch (``epoch``) is set already:
         then the state is stale and that epoch runs from its start. A state of another
         ``world_size`` or ``num_workers`` resumes elastically at :meth:`start`.
         """
-        loaded = parse_state(state, seed=seed, world_size=world_size, plan=plan)
+        loaded = parse_state(state, plan=plan, world_size=world_size)
         self._pending = None
         if epoch > loaded.epoch:
             logger.info("AnnBatchDataset: epoch %d is set, later than the loaded state's "
@@ -367,6 +461,42 @@ def for_rank(snap: dict[str, Any], counts: Sequence[int]) -> dict[str, Any]:
     return out
 
 
+def torchdata_problem(state: Mapping[str, Any], num_workers: int) -> str | None:
+    """What keeps torchdata's ``StatefulDataLoader`` with ``num_workers`` from restoring
+    ``state`` (the key missing or wrong), or ``None`` (also for ``{}``, which restores
+    nothing). torchdata itself checks only when the next iterator starts, with an
+    ``AssertionError``."""
+    if not state:
+        return None
+
+    def count(where: Mapping[str, Any], key: str, name: str) -> str | None:
+        value = where.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{name} must be an integer >= 0, got {value!r}"
+        return None
+
+    if num_workers == 0:
+        if "_num_yielded" not in state:
+            return ("the state lacks '_num_yielded' (the key of a loader without workers"
+                    + (", but it holds '_snapshot', a loader's with workers)" if "_snapshot"
+                       in state else ")"))
+        return count(state, "_num_yielded", "'_num_yielded'")
+    snap = state.get("_snapshot")
+    if snap is None:
+        return ("the state lacks '_snapshot' (the key of a loader with workers"
+                + (", but it holds '_num_yielded', a loader's without workers)"
+                   if "_num_yielded" in state else ")"))
+    if not isinstance(snap, Mapping):
+        return f"'_snapshot' must be a dict, got {snap!r}"
+    for key in ("_main_snapshot", "_worker_snapshots"):
+        if not isinstance(snap.get(key), Mapping):
+            return f"'_snapshot' key {key!r} must be a dict, got {snap.get(key)!r}"
+    return (count(snap, "_snapshot_step", "'_snapshot' key '_snapshot_step'")
+            or count(snap, "_last_yielded_worker_id",
+                     "'_snapshot' key '_last_yielded_worker_id'")
+            or count(state, "_steps_since_snapshot", "'_steps_since_snapshot'"))
+
+
 def is_mid_epoch(state: Mapping[str, Any], n_batches: int) -> bool:
     """Whether a ``StatefulDataLoader`` state was taken inside an epoch of ``n_batches``
     (neither before its first batch nor after its last)."""
@@ -447,6 +577,12 @@ def restore(state_dict: Mapping[str, Any], *, plan: EpochPlan, epoch: int, rank:
         set_to = epoch = int(saved_epoch)  # a later epoch than the snapshots' wins
     saved = loader_progress(state)
     if saved is None:
+        problem = torchdata_problem(state, num_workers)
+        if problem is not None:
+            raise ValueError(
+                f"AnnBatchDataLoader.load_state_dict: {problem}; this is not a state that "
+                f"AnnBatchDataLoader.state_dict() (or a StatefulDataLoader with "
+                f"num_workers={num_workers}) saved: pass the state the loader saved.")
         return Restore("torchdata", state, set_to)
     ds_state = saved.dataset_state
     workers = max(1, num_workers)
@@ -476,8 +612,7 @@ def restore(state_dict: Mapping[str, Any], *, plan: EpochPlan, epoch: int, rank:
     # the same topology: torchdata restores each copy, its batch count recomputed for this
     # rank; the dataset (which knows the epoch's segments, its len, until the workers take
     # theirs) checks the state first
-    loaded = parse_state(ds_state, seed=plan.seed, world_size=world_size,
-                         plan=plan.fingerprint())
+    loaded = parse_state(ds_state, plan=plan, world_size=world_size)
     snap = state.get("_snapshot")
     if isinstance(snap, dict) and snap.get("_worker_snapshots"):
         counts = plan.worker_batches(saved.epoch, rank=rank, world_size=world_size,

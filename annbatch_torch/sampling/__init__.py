@@ -10,6 +10,7 @@ epoch, and what a resumed epoch still owes (a resumed epoch's deal is the plan).
 """
 
 from .plan import (
+    MAX_ROWS,
     TAG_CHUNKS,
     TAG_SPLIT,
     ChunkPlan,
@@ -75,6 +76,7 @@ from .worklist import (
 
 __all__ = [
     "EvenBatches",
+    "MAX_ROWS",
     "TAG_CHUNKS",
     "TAG_ROWS",
     "TAG_SPLIT",

@@ -66,6 +66,7 @@ from .worklist import (
 
 __all__ = [
     "EvenBatches",
+    "MAX_ROWS",
     "TAG_CHUNKS",
     "TAG_SPLIT",
     "validate_params",
@@ -92,6 +93,11 @@ __all__ = [
 ]
 
 EvenBatches = Literal["drop", "pad"]
+#: The most rows one size of a plan may count (a batch, a chunk, a pool's preload budget):
+#: the plan's row positions are int64, and a position plus a size must not overflow.
+MAX_ROWS = 2**62
+#: Why a size is bounded, as the messages say it.
+_ROWS_NOTE = " (the plan's row positions are int64)"
 #: Seed tag of an epoch's chunk order: ``default_rng([seed, epoch, TAG_CHUNKS])``.
 TAG_CHUNKS = 0x43484E4B  # "CHNK"
 #: Seed tag of the train/validation chunk split: ``default_rng([seed, TAG_SPLIT])``.
@@ -121,9 +127,13 @@ def validate_params(
         ("chunk_size", chunk_size),
         ("preload_nchunks", preload_nchunks),
         ("batch_size", batch_size),
-        ("world_size", world_size),
     ):
-        check_int(name, value, 1)
+        check_int(name, value, 1, maximum=MAX_ROWS, maximum_text="2**62" + _ROWS_NOTE)
+    check_int("world_size", world_size, 1)
+    if chunk_size * preload_nchunks > MAX_ROWS:
+        raise ValueError(
+            f"chunk_size * preload_nchunks (the rows of a pool) must be <= 2**62{_ROWS_NOTE}, "
+            f"got {chunk_size} * {preload_nchunks}; lower preload_nchunks or chunk_size.")
     check_int("seed", seed, 0)
     check_int("epoch", epoch, 0)
     if not 0 <= check_int("rank", rank, 0) < world_size:
@@ -167,14 +177,25 @@ def _chunk_ids(n_obs: int, chunk_size: int, chunk_ids: np.ndarray | None) -> np.
             f"chunk_ids must be a 1-D integer array, got shape {ids.shape} and dtype {ids.dtype}"
         )
     ids = np.sort(ids.astype(np.int64))
-    if ids.size and (ids[0] < 0 or ids[-1] >= n):
+    bad = ids[(ids < 0) | (ids >= n)]
+    if bad.size:
         raise ValueError(
-            f"chunk_ids must lie in [0, {n}) (n_chunks for n_obs={n_obs}, "
-            f"chunk_size={chunk_size}), got values in [{ids[0]}, {ids[-1]}]"
+            f"chunk_ids must lie in [0, {n}) (the chunks of n_obs={n_obs} rows in chunks of "
+            f"chunk_size={chunk_size}), got {_some(bad)} ({bad.size} of {ids.size} ids "
+            "outside); pass chunk ids of this source and chunk_size (e.g. from "
+            "sampling.split_chunks(n_obs, chunk_size, ...))"
         )
-    if ids.size > 1 and not np.all(ids[1:] != ids[:-1]):
-        raise ValueError("chunk_ids must not contain duplicates")
+    twice = np.unique(ids[1:][ids[1:] == ids[:-1]])
+    if twice.size:
+        raise ValueError(f"chunk_ids must not contain duplicates, got {_some(twice)} more "
+                         "than once; pass each chunk id once")
     return ids
+
+
+def _some(ids: np.ndarray, k: int = 5) -> str:
+    """The first ``k`` of ``ids`` for a message (``"3, 7, ..."``)."""
+    head = ", ".join(str(int(i)) for i in ids[:k])
+    return head + (", ..." if len(ids) > k else "")
 
 
 def chunk_order(
@@ -488,6 +509,13 @@ class EpochPlan:
         Shuffle with generators seeded by ``(seed, epoch, ...)``.
     drop_last, even_batches
         As in :func:`rank_items`.
+    source_id
+        What identifies the source's rows (a collection's manifest digest; ``None``: not
+        known), recorded by the fingerprint: a state of another collection of as many rows
+        would skip other rows.
+    source_name
+        What the source is called in messages (a path or URL), not part of the
+        fingerprint.
     """
 
     n_obs: int
@@ -498,6 +526,8 @@ class EpochPlan:
     seed: int = 0
     drop_last: bool = False
     even_batches: EvenBatches = "drop"
+    source_id: str | None = None
+    source_name: str = ""
 
     @property
     def pool(self) -> int:
@@ -539,12 +569,14 @@ class EpochPlan:
 
     def fingerprint(self) -> dict[str, Any]:
         """What the epoch's batches depend on besides seed, epoch and world size (JSON
-        scalars): a state saved under other values would skip other batches."""
+        scalars; ``source``: :attr:`source_id`): a state saved under other values would
+        skip other batches."""
         return {
             "n_obs": int(self.n_obs), "batch_size": self.batch_size,
             "chunk_size": self.chunk_size, "preload_nchunks": self.preload_nchunks,
             "shuffle": self.shuffle, "drop_last": self.drop_last,
             "even_batches": self.even_batches, "chunk_ids": None, "sampler": None,
+            "source": self.source_id,
         }
 
 
@@ -559,6 +591,10 @@ class ChunkPlan(EpochPlan):
     """
 
     chunk_ids: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_ids is not None:  # refused here, not when an epoch is first dealt
+            _chunk_ids(self.n_obs, self.chunk_size, self.chunk_ids)
 
     @cached_property
     def chunk_ids_crc(self) -> int | None:

@@ -111,6 +111,8 @@ def remaining_batches(deal: Deal, segments: Sequence[Segment]) -> np.ndarray:
     """
     left = np.arange(deal.n_batches, dtype=np.int64)
     for k, seg in enumerate(segments):
+        if seg.steps == 0:  # nothing yielded (whatever its ranks, which are not dealt)
+            continue
         done = []
         for rank in range(seg.world_size):
             items = (deal.fresh(rank, seg.world_size) if k == 0

@@ -335,7 +335,9 @@ def pool_order(perm: np.ndarray, batch_size: int) -> np.ndarray:
     perm = np.asarray(perm, dtype=np.int64)
     n_full = len(perm) // batch_size * batch_size
     out = np.empty_like(perm)
-    out[:n_full] = np.sort(perm[:n_full].reshape(-1, batch_size), axis=1).reshape(-1)
+    if n_full:  # (a shape of one batch_size row, not -1: batch_size may exceed memory)
+        out[:n_full] = np.sort(perm[:n_full].reshape(n_full // batch_size, batch_size),
+                               axis=1).reshape(-1)
     out[n_full:] = np.sort(perm[n_full:])
     return out
 
