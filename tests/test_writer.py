@@ -398,9 +398,13 @@ def test_inner_join_without_genes(tmp_path: Path) -> None:
     path = tmp_path / "b.h5ad"
     b.write_h5ad(path)
     _assert_refused([a, path], tmp_path / "out",
-                    rf"<AnnData #0> and {path}: var_join='inner' leaves no genes.*'outer'")
-    coll = create_anndata_collection([a, path], tmp_path / "outer", var_join="outer",
-                                     progress=False)
+                    rf"<AnnData #0> and {path}: var_join='inner' leaves no genes.*var_names=")
+    # an outer join of inputs sharing no gene would be a block matrix: refused, unless meant
+    with pytest.raises(InputError, match="share no genes"):
+        create_anndata_collection([a, path], tmp_path / "outer", var_join="outer",
+                                  progress=False)
+    coll = create_anndata_collection([a, path], tmp_path / "outer",
+                                     var_names=[*a.var_names, *b.var_names], progress=False)
     assert coll.n_vars == 20
 
 

@@ -29,7 +29,7 @@ def _human(n: float) -> str:
 
 def _categories(cats: list[Any], limit: int, ordered: bool = False,
                 counts: Any = None) -> str:
-    """``counts``: a pandas Series of cells per category (``Collection.category_counts``)."""
+    """``counts``: a pandas Series of cells per category (``Source.category_counts``)."""
     if counts is not None:
         missing = int(counts.iloc[len(cats):].sum()) if len(counts) > len(cats) else 0
         shown = ", ".join(f"{c} ({int(n):,})" for c, n in zip(cats[:limit], counts.iloc[:limit]))

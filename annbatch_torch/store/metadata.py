@@ -1,8 +1,7 @@
 """Cell and gene metadata of a collection, read without the matrices.
 
-The pieces behind :meth:`Collection.obs_names_at <annbatch_torch.store.collection.Collection.
-obs_names_at>`, :meth:`~annbatch_torch.store.collection.Collection.obs_at`,
-:meth:`~annbatch_torch.store.collection.Collection.category_counts` and
+The pieces behind a collection's answers to :meth:`~annbatch_torch.Source.obs_names_at`,
+:meth:`~annbatch_torch.Source.obs_at`, :meth:`~annbatch_torch.Source.category_counts` and
 :attr:`~annbatch_torch.store.collection.Collection.var`: global row ids checked and split by
 shard, a shard's obs index, category codes counted chunk by chunk, an AnnData ``var``
 dataframe group read column by column. Each reads only the arrays it names (``obs/_index``,
@@ -47,7 +46,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: the index label under which :meth:`Collection.category_counts` counts missing values
+#: the index label under which :meth:`Source.category_counts` counts missing values
 #: (code -1), present only when some cell has one: ``NaN``, as in
 #: ``pandas.Series.value_counts(dropna=False)``.
 MISSING_CATEGORY = float("nan")
