@@ -53,6 +53,11 @@ __all__ = ["AnnBatchDataset", "DEFAULT_CHUNK_SIZE", "DEFAULT_PRELOAD_NCHUNKS"]
 
 logger = logging.getLogger(__name__)
 
+#: The settings the epoch plan is made of: read-only once the dataset is built (a change
+#: would not reach the plan, its length or its resume fingerprint)
+PLAN_SETTINGS = frozenset({"batch_size", "chunk_size", "preload_nchunks", "seed", "shuffle",
+                           "drop_last", "even_batches", "chunk_ids", "sampler", "source"})
+
 #: Rows per contiguous read. 512 rows of ~2k non-zeros are ~8 MB of CSR: big enough for
 #: sequential-speed reads, small enough that a pool mixes many distant chunks.
 DEFAULT_CHUNK_SIZE = 512
@@ -291,6 +296,14 @@ class AnnBatchDataset(IterableDataset):
         self._resumer = Resumer()
         self._iterations = 0  # iter() calls on this copy: only the newest iterator runs
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PLAN_SETTINGS and "_epoch_plan" in self.__dict__:
+            raise AttributeError(
+                f"AnnBatchDataset.{name} is fixed when the dataset is built: the epoch plan, "
+                "len() and resume states are made from it. Build a new AnnBatchDataset with "
+                f"{name}={value!r} (the source is opened lazily, so this is cheap).")
+        super().__setattr__(name, value)
+
     # -- configuration ---------------------------------------------------------------
     def _bind_sampler(self, sampler: Any) -> Sampler:
         if self.chunk_ids is not None:
@@ -351,9 +364,6 @@ class AnnBatchDataset(IterableDataset):
         world = self._resolve_dist()[1]
         return self._epoch_plan.batches_per_rank(self.epoch, world,
                                                  self._resumer.planned(self.epoch, world))
-
-    def _pool_rows(self) -> int:
-        return self._epoch_plan.pool
 
     def plan(
         self, epoch: int | None = None, worker: int = 0, num_workers: int = 1, *,

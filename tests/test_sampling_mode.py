@@ -63,7 +63,7 @@ def _labels(source: Any, codes: np.ndarray) -> np.ndarray:
 def _stream(ds: AnnBatchDataset, epoch: int, rank: int = 0, world_size: int = 1
             ) -> list[np.ndarray]:
     """The plan's batches of ``rank`` (one worker), as row ids."""
-    items = sampling.sample_rank_items(ds.sampler, ds.batch_size, ds._pool_rows(),
+    items = sampling.sample_rank_items(ds.sampler, ds.batch_size, ds.epoch_plan.pool,
                                        seed=ds.seed, epoch=epoch, rank=rank,
                                        world_size=world_size)
     return [it.rows[slice(*it.bounds(b))] for it in items

@@ -6,6 +6,7 @@ with torchdata's ``AssertionError``)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -300,3 +301,19 @@ def _error(fn: Any, *args: Any) -> str | None:
 
 def _same(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_plan_settings_are_read_only_once_built(small_collection: Any) -> None:
+    """A change after construction would not reach the plan, len() or the resume
+    fingerprint: refused, naming the setting and the fix."""
+    ds = AnnBatchDataset(small_collection, batch_size=64, seed=3)
+    n = len(ds)
+    for name, value in [("shuffle", False), ("batch_size", 50), ("seed", 4),
+                        ("drop_last", True), ("chunk_ids", [0]), ("even_batches", "pad")]:
+        with pytest.raises(AttributeError, match=rf"AnnBatchDataset\.{name} is fixed"):
+            setattr(ds, name, value)
+    assert len(ds) == n
+    assert ds.batch_size == 64
+    assert ds.shuffle
+    ds.densify_policy = ds.densify_policy  # other attributes stay settable
+    assert copy.deepcopy(ds).batch_size == 64  # copies and pickles still build

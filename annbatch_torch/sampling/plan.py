@@ -44,6 +44,7 @@ resume state records.
 from __future__ import annotations
 
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -493,7 +494,7 @@ class EpochDeal:
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class EpochPlan:
+class EpochPlan(ABC):
     """The epochs of a dataset's settings, whichever mode: the answers to the dataset's
     planning questions (an epoch's :class:`EpochDeal`, its batches per rank, the items of
     one worker of a rank, the fingerprint a resume state records). An epoch resumed after
@@ -534,13 +535,13 @@ class EpochPlan:
         """Rows per pool (:func:`pool_rows`)."""
         return pool_rows(self.batch_size, self.chunk_size, self.preload_nchunks)
 
+    @abstractmethod
     def deal(self, epoch: int) -> EpochDeal:
         """How ``epoch``'s stream is dealt to ranks and workers."""
-        raise NotImplementedError
 
+    @abstractmethod
     def fresh_batches(self, world_size: int) -> int:
         """Batches every rank of ``world_size`` yields of a whole epoch."""
-        raise NotImplementedError
 
     def batches_per_rank(self, epoch: int, world_size: int,
                          segments: Sequence[Segment] = ()) -> int:
