@@ -102,7 +102,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         ``collection_kwargs={"seed": ...}`` to demand a particular offline shuffle.
     val_fraction
         Fraction of the rows held out for validation, in whole chunks (of
-        :attr:`split_chunk_size` rows), in ``[0, 1)``; 0 disables validation.
+        ``split_chunk_size`` rows), in ``[0, 1)``; 0 disables validation.
     test_fraction
         Fraction of the rows held out for :meth:`test_dataloader`, in whole chunks, in
         ``[0, 1)`` (``val_fraction + test_fraction < 1``). Default 0: no test split, and
@@ -143,7 +143,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         This rank's datasets (after :meth:`setup`); ``val_dataset`` is ``None`` without a
         validation split. Without a test split ``test_dataset`` is ``predict_dataset``.
     train_chunks, val_chunks, test_chunks
-        Chunk ids of the split, in chunks of :attr:`split_chunk_size` rows (after
+        Chunk ids of the split, in chunks of ``split_chunk_size`` rows (after
         :meth:`setup`; ``test_chunks`` is empty without a test split).
     split_chunk_size
         Rows per chunk of the split (after :meth:`setup`): ``chunk_size``, or a smaller
@@ -326,7 +326,7 @@ class AnnBatchDataModule(pl.LightningDataModule):
         return 0, 1
 
     def _dataset(self, chunk_ids: np.ndarray | None, train: bool) -> AnnBatchDataset:
-        """A dataset of this rank over ``chunk_ids`` (chunks of :attr:`split_chunk_size`
+        """A dataset of this rank over ``chunk_ids`` (chunks of ``split_chunk_size``
         rows) or, with ``None``, over the whole collection."""
         assert self.collection is not None
         rank, world = self._rank_world()

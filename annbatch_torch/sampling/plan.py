@@ -570,7 +570,7 @@ class EpochPlan(ABC):
 
     def fingerprint(self) -> dict[str, Any]:
         """What the epoch's batches depend on besides seed, epoch and world size (JSON
-        scalars; ``source``: :attr:`source_id`): a state saved under other values would
+        scalars; ``source``: ``source_id``): a state saved under other values would
         skip other batches."""
         return {
             "n_obs": int(self.n_obs), "batch_size": self.batch_size,

@@ -54,10 +54,12 @@ class Collection(Source):
 
     Use :func:`open_collection` to get one. Besides the rows the reader pulls, it answers
     questions about cells and genes without reading any matrix, as every
-    :class:`~annbatch_torch.Source` does (inputs read in place too): :attr:`obs_names`,
-    :meth:`obs_names_at` (cell names of global row ids, the way back to an AnnData's
-    order), :meth:`obs_at` (obs columns of rows), :meth:`category_counts` (cells per
-    category); and :attr:`var` (gene metadata).
+    :class:`~annbatch_torch.Source` does (inputs read in place too):
+    :attr:`~annbatch_torch.Source.obs_names`, :meth:`~annbatch_torch.Source.obs_names_at`
+    (cell names of global row ids, the way back to an AnnData's order),
+    :meth:`~annbatch_torch.Source.obs_at` (obs columns of rows),
+    :meth:`~annbatch_torch.Source.category_counts` (cells per category); and :attr:`var`
+    (gene metadata).
 
     Attributes
     ----------
