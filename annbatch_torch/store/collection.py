@@ -61,6 +61,17 @@ class Collection(Source):
     :meth:`~annbatch_torch.Source.category_counts` (cells per category); and :attr:`var`
     (gene metadata).
 
+    Parameters
+    ----------
+    path
+        The collection folder (what :func:`open_collection` resolved).
+    manifest
+        Its parsed ``manifest.json``, when the caller read it already (else read here,
+        again if the file was replaced while it was read).
+    mirror
+        The local mirror of a collection on an object store (:func:`open_collection` makes
+        it from the URL); ``None`` for a local collection.
+
     Attributes
     ----------
     path
