@@ -44,7 +44,7 @@ from .resume import MAX_EPOCH, Resumer
 from .sampling import ChunkPlan, EpochPlan, SamplePlan, Sampler, Segment
 from .store.collection import Collection
 from .store.inputs.inplace import open_source
-from .store.manifest import RAW_X
+from .store.manifest import RAW_X, var_names_digest
 from .store.source import Source
 from .torch_sampler import bind_sampler
 from .world import SharedEpoch, World, distributed_rank_world
@@ -68,22 +68,24 @@ DEFAULT_PRELOAD_NCHUNKS = 32
 
 def _collection_identity(source: Source) -> str | None:
     """What identifies a collection's rows, which a resume state records (the plan's
-    ``source_id``): a digest of its manifest (seed, shards, inputs, fields, genes), less
-    what a rewrite of the same inputs with the same settings changes (each write's random
-    ``generation`` id, the writing version), so the same collection copied or opened
-    again resumes. ``None`` for inputs read in place."""
+    ``source_id``): a digest of what decides which cell is at which row id (the writer's
+    seed and shuffle, the inputs with cells, in order, by row count and size, each
+    append's seed and row count, the gene axes), nothing else: the same collection
+    copied, opened again, rewritten with other shard sizes or memory, or after an append
+    of no cells resumes. ``None`` for inputs read in place."""
     if not isinstance(source, Collection):
         return None
-
-    def stable(obj: Any) -> Any:
-        if isinstance(obj, Mapping):
-            return {k: stable(v) for k, v in obj.items() if k != "generation"}
-        if isinstance(obj, list | tuple):
-            return [stable(v) for v in obj]
-        return obj
-
-    doc = stable(source.manifest.to_json())
-    doc.pop("created_by", None)
+    m = source.manifest
+    doc = {
+        "identity": 1,  # the version of this digest's contents
+        "n_obs": m.n_obs, "seed": m.seed, "shuffle": m.shuffle, "var_join": m.var_join,
+        "var_names": var_names_digest(m.var_names),
+        "raw_var_names": None if m.raw_var_names is None else var_names_digest(m.raw_var_names),
+        "inputs": [[int(i.get("n_obs") or 0), int(i.get("size") or 0)] for i in m.inputs
+                   if i.get("n_obs")],
+        "appended": [[a.get("seed"), int(a.get("n_obs") or 0)]
+                     for a in m.extra.get("appended") or [] if a.get("n_obs")],
+    }
     text = json.dumps(doc, sort_keys=True, default=str)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -24,7 +24,9 @@
   split takes chunks of ``chunk_size // 2``, ``// 4``, ... rows, the largest that meet
   every fraction within 2x (down to single rows), and the split's datasets read chunks of
   that size (``preload_nchunks`` scaled up to keep the pool's rows); a fraction that even
-  single rows miss by 2x is warned about. Larger collections split exactly as before.
+  single rows miss by 2x is warned about. Collections of more than 64 chunks (32,768 cells
+  at the default ``chunk_size``) split whole chunks exactly as before, with the same
+  warning when a part misses its fraction by more than 2x (a tiny fraction of many cells).
 * Loaders are :class:`~annbatch_torch.loader.AnnBatchDataLoader`: Lightning calls
   ``dataloader.sampler.set_epoch(epoch)`` before every epoch but the first of a run (it
   never calls ``set_epoch`` on an ``IterableDataset``); that sampler forwards it to the
@@ -614,6 +616,9 @@ class AnnBatchDataModule(pl.LightningDataModule):
 #: how far (a factor, either way) a held-out part's rows may miss its fraction of the rows
 #: before the split takes smaller chunks (and, at single rows, warns)
 _SPLIT_TOLERANCE = 2.0
+#: collections of at most this many chunks may be split in smaller chunks than
+#: ``chunk_size`` (few chunks cannot meet a fraction); larger ones always split whole chunks
+FEW_CHUNKS = 64
 
 
 def _miss(n_obs: int, rows: int, fraction: float) -> float:
@@ -629,12 +634,17 @@ def _split(n_obs: int, chunk_size: int, val_fraction: float, test_fraction: floa
     """``(split_chunk_size, train_ids, val_ids, test_ids)``: the DataModule's split.
 
     Whole chunks of ``chunk_size`` rows (:func:`~annbatch_torch.sampling.split_chunks3`)
-    when every held-out part is within :data:`_SPLIT_TOLERANCE` of its fraction of the
-    rows, as for any collection of many chunks; else chunks of ``chunk_size // 2``,
+    for a collection of more than :data:`FEW_CHUNKS` chunks (so its split, and the
+    checkpoints of runs on it, never change; a part more than 2x off its fraction is
+    warned about), or when every held-out part is within :data:`_SPLIT_TOLERANCE` of its
+    fraction of the rows; else chunks of ``chunk_size // 2``,
     ``// 4``, ... rows, the first size that is (at least a quarter of the smallest part's
     rows, or 1), or the size that misses least. Pure and deterministic: every rank and a
     resumed run compute the same split from the same ``n_obs``, fractions and ``seed``.
     """
+    if -(-n_obs // chunk_size) > FEW_CHUNKS:  # many chunks: whole ones, as always
+        return (chunk_size, *sampling.split_chunks3(n_obs, chunk_size, val_fraction,
+                                                    test_fraction, seed))
     fractions = [f for f in (val_fraction, test_fraction) if f > 0]
     lowest = max(1, int(min(fractions, default=0.0) * n_obs) // 4)
     best: tuple[float, int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None

@@ -183,6 +183,23 @@ def test_a_large_collection_splits_whole_chunks_as_before(
         assert (dm.train_dataset.chunk_size, dm.train_dataset.preload_nchunks) == (512, 32)
 
 
+def test_many_chunks_keep_whole_chunks_and_warn_a_missed_fraction(
+        store_20k: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """More than FEW_CHUNKS chunks (here 20,000 rows in 157 chunks of 128): a fraction whole
+    chunks miss by more than 2x keeps the whole-chunk split (checkpoints of runs on it stay
+    valid) and is warned about, naming the fraction and the rows held out."""
+    with caplog.at_level(logging.WARNING, logger="annbatch_torch"):
+        dm = _dm(store_20k, chunk_size=128, val_fraction=0.001, seed=2)
+        dm.setup("fit")
+    assert dm.split_chunk_size == 128
+    old = sampling.split_chunks3(20_000, 128, 0.001, 0.0, 2)
+    assert np.array_equal(dm.val_chunks, old[1])
+    assert np.array_equal(dm.train_chunks, old[0])
+    [rec] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "val_fraction=0.001" in rec.getMessage()
+    assert "128 of 20000 rows" in rec.getMessage()
+
+
 def test_scvi_split_sizes_follow_the_small_split(store_700: Path) -> None:
     pytest.importorskip("scvi")
     from annbatch_torch.integrations.scvi import SCVIDataModule
@@ -293,6 +310,9 @@ def test_a_none_note_reads_as_leaving_the_flag_out() -> None:
     assert speak_cli("a.h5ad: seed must be an integer >= 0, got -1.", p) == (
         "a.h5ad: --seed must be an integer >= 0, got -1.")
     assert speak_cli("the seed of a.h5ad is kept.", p) == "the seed of a.h5ad is kept."
+    # a word that only happens to be a parameter's name, inside a sentence, stays
+    assert speak_cli("obs column seed must be categorical.", p) == (
+        "obs column seed must be categorical.")
     from annbatch_torch.cli.main import build_parser
 
     real = build_parser()  # --raw feeds raw; a sentence that is no check stays

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anndata as ad
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from annbatch_torch import AnnBatchDataLoader, AnnBatchDataset
 from annbatch_torch.store.collection import Collection
+from annbatch_torch.write.append import append_to_collection
 from annbatch_torch.write.writer import create_anndata_collection
 
 BATCH = 64
@@ -171,6 +173,29 @@ def test_the_same_collection_opened_again_resumes(small_collection: Collection) 
     ds = _ds(str(small_collection.path))
     ds.load_state_dict(state)
     assert all(np.array_equal(a, b) for a, b in zip(_rows(ds), full[4:], strict=True))
+
+
+def test_the_same_rows_rewritten_resume_and_a_rewrite_with_another_seed_is_named(
+        synthetic_h5ads: list[Path], small_collection: Collection, tmp_path: Path) -> None:
+    """The digest covers what decides which cell is at which row id, nothing else: the
+    same inputs and seed in other shard sizes (or after appending no cells) resume; the
+    same folder rewritten with another seed is refused as rewritten."""
+    full = _rows(_ds(small_collection))
+    state = _state_after(small_collection, 4)
+    same = create_anndata_collection(synthetic_h5ads, tmp_path / "same", seed=0,
+                                     n_obs_per_shard=700, progress=False)
+    empty = tmp_path / "empty.h5ad"
+    ad.AnnData(np.zeros((0, same.n_vars), np.float32),
+               var=ad.read_h5ad(synthetic_h5ads[0], backed="r").var).write_h5ad(empty)
+    same = append_to_collection(same, [empty], progress=False)
+    ds = _ds(same)
+    ds.load_state_dict(state)
+    assert all(np.array_equal(a, b) for a, b in zip(_rows(ds), full[4:], strict=True))
+    saved_there = _state_after(same, 2)
+    create_anndata_collection(synthetic_h5ads, tmp_path / "same", seed=5, overwrite=True,
+                              progress=False)
+    with pytest.raises(ValueError, match="holds other rows than when the state was saved"):
+        _ds(str(tmp_path / "same")).load_state_dict(saved_there)
 
 
 # ----------------------------------------------------------------- item 12f: sizes

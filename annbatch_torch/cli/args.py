@@ -314,9 +314,10 @@ def speak_cli(message: str, parser: CliParser) -> str:
         if valued:  # "compressor 'foo' unknown"
             message = re.sub(rf"{_START}({alts(valued)}) (?=['\"])",
                              lambda m: feeds[m.group(1)].flag + " ", message)
-            # "seed must be ...": a check's sentence about the parameter, wherever it is
-            # (a bare word elsewhere may be no parameter: "raw holds one matrix")
-            message = re.sub(rf"{_START}({alts(valued)})(?= must be )",
+            # "seed must be ...": a check's sentence about the parameter, where a sentence
+            # or a clause starts (elsewhere a bare word may be no parameter: "obs column
+            # seed must be categorical", "raw holds one matrix")
+            message = re.sub(rf"(?:^|(?<=: )|(?<=\. )|(?<=; ))({alts(valued)})(?= must be )",
                              lambda m: feeds[m.group(1)].flag, message)
         flags = {f.flag: f for f in feeds.values() if f.kind == "value"}
         if flags:  # check_int's note: "(or None ...)" as the command line can say it

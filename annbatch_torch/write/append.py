@@ -366,10 +366,23 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: collections up to this many cells have their obs_names compared with an append's (every
+#: shard's obs index is read: ~1 s per 400k cells); larger ones, and remote ones, are not
+NAME_CHECK_MAX_CELLS = 2_000_000
+
+
 def warn_names_in_collection(sources: list[InputSource], coll: Collection) -> int:
     """Warn, per new input, about obs_names ``coll`` holds already (how many, a few of them);
     returns the count. Reads every shard's obs index once (not cached), keeping only the
-    new inputs' name hashes and each shard's in turn."""
+    new inputs' name hashes and each shard's in turn; skipped (logged at INFO) for a
+    collection on an object store or above :data:`NAME_CHECK_MAX_CELLS` cells."""
+    if coll.url is not None or coll.n_obs > NAME_CHECK_MAX_CELLS:
+        logger.info("%s: obs_names of the new inputs are not compared with the collection's "
+                    "(%s); rows are row ids, names are metadata: compare them yourself with "
+                    "Source.obs_names if they must be unique.", coll.describe(),
+                    "on an object store" if coll.url is not None
+                    else f"{coll.n_obs:,} cells, above {NAME_CHECK_MAX_CELLS:,}")
+        return 0
     mine = [unique_name_hashes(s)[:2] for s in sources]
     if not mine:
         return 0

@@ -59,6 +59,8 @@ SCHEDULERS = ("processes", "threads")
 ABANDONED = ".abandoned"
 #: seconds between looks at the cluster while no task ends
 POLL_S = 2.0
+#: seconds slept between checks for ended tasks (a done task waits at most this long)
+IDLE_SLEEP_S = 0.02
 #: seconds a cluster started here may have no workers before the write fails
 NO_WORKERS_GRACE_S = 30.0
 #: ... and a caller's cluster (an adaptive one scales up from none)
@@ -241,18 +243,23 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Pa
     results: list[Any] = [None] * len(futures)
     watch = _WorkerWatch(client, no_workers_grace)
     try:
-        pending = set(futures)
-        while pending:
-            done = _wait_some(distributed, pending, POLL_S)
-            if not done:
-                watch.check([calls[index[f.key]][0] for f in pending])
+        ended = distributed.as_completed(futures)
+        idle_since = time.monotonic()
+        while not ended.is_empty():
+            done = ended.next_batch(block=False)
+            if not done:  # nothing ended: look at the cluster every POLL_S seconds
+                if time.monotonic() - idle_since >= POLL_S:
+                    watch.check([calls[index[f.key]][0] for f in futures if not f.done()])
+                    idle_since = time.monotonic()
+                time.sleep(IDLE_SLEEP_S)
                 continue
-            pending -= done
+            idle_since = time.monotonic()
             for fut in sorted(done, key=lambda f: index[f.key]):
                 results[index[fut.key]] = _result(distributed, fut, calls[index[fut.key]][0],
                                                   watch)
                 bar.update(1)
     except _NoWorkers as e:
+        abandon.touch()  # a task that still starts somewhere stops at once
         client.cancel(futures)  # nothing runs them: no task can write into the folder
         raise CollectionError(str(e)) from None
     except Exception:
@@ -271,15 +278,6 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Pa
         client.cancel(futures)
         raise
     return results
-
-
-def _wait_some(distributed: Any, pending: set[Any], timeout: float) -> set[Any]:
-    """The futures of ``pending`` that are done within ``timeout`` seconds (maybe none)."""
-    try:
-        return set(distributed.wait(list(pending), timeout=timeout,
-                                    return_when="FIRST_COMPLETED").done)
-    except TimeoutError:
-        return set()
 
 
 def _result(distributed: Any, fut: Any, what: str, watch: _WorkerWatch) -> Any:
@@ -314,6 +312,7 @@ class _WorkerWatch:
     def __init__(self, client: Any, grace: float) -> None:
         self.client, self.grace = client, grace
         self.since: float | None = None
+        self.seen = False  # whether any worker was there at a look
 
     def check(self, pending: Sequence[str]) -> None:
         try:
@@ -321,20 +320,23 @@ class _WorkerWatch:
         except Exception:  # the scheduler itself is gone
             workers = 0
         if workers:
-            self.since = None
+            self.since, self.seen = None, True
             return
         now = time.monotonic()
         self.since = now if self.since is None else self.since
         if now - self.since >= self.grace:
             shown = ", ".join(pending[:3]) + (f" and {len(pending) - 3} more"
                                               if len(pending) > 3 else "")
+            why = ("its workers died (a worker that dies on every try of a task, e.g. killed "
+                   "for memory, makes a LocalCluster give up restarting them)" if self.seen
+                   else "no worker joined it (an adaptive cluster still waiting for its "
+                   "machines?)")
             raise _NoWorkers(
                 f"the parallel write's cluster has had no workers for {now - self.since:.0f} s "
-                f"with {len(pending)} task(s) pending ({shown}): its workers died (a worker "
-                "that dies on every try of a task, e.g. killed for memory, makes the "
-                "LocalCluster give up restarting them); nothing was published. Fix: rerun "
-                "with more memory per worker (max_memory=) or scheduler=None to see the "
-                "failing input's own error in this process.")
+                f"with {len(pending)} task(s) pending ({shown}): {why}; nothing was "
+                "published. Fix: rerun with more memory per worker (max_memory=), on a "
+                "cluster with workers up, or with scheduler=None to see a failing input's "
+                "own error in this process.")
 
 
 def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,

@@ -101,6 +101,9 @@ def check_url(url: Any, what: str = "path") -> str:
     :class:`~annbatch_torch.InputError` naming the scheme and the ones supported (or, for a
     mangled URL such as ``s3:/bucket``, the URL meant)."""
     meant = url_typo(url)
+    if meant is not None and meant.lower().startswith("file:"):
+        raise InputError(f"{what} {os.fspath(url)!r}: pass a local path as a path, without "
+                         "file:.")
     if meant is not None:
         raise InputError(
             f"{what} {os.fspath(url)!r} is not a URL (one slash after the scheme): did you "
