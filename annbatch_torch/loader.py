@@ -161,6 +161,10 @@ class AnnBatchDataLoader(StatefulDataLoader):
         if decision.kind == "fresh":
             logger.info("AnnBatchDataLoader: epoch %d is set, later than the loaded state's "
                         "(%d); it runs from its start.", ds.epoch, decision.saved_epoch)
+        elif decision.kind == "ended":
+            logger.info("AnnBatchDataLoader: the loaded state was taken after the last batch "
+                        "of epoch %d; epoch %d runs from its start (call set_epoch for the "
+                        "next one).", decision.saved_epoch, ds.epoch)
         if decision.dataset_state is not None:
             ds.load_state_dict(decision.dataset_state)
         self.resumed_elsewhere = decision.resumed_elsewhere

@@ -516,7 +516,7 @@ def is_mid_epoch(state: Mapping[str, Any], n_batches: int) -> bool:
 # --------------------------------------------------------------------------- restore
 
 #: What :class:`~annbatch_torch.AnnBatchDataLoader` does with a loaded state.
-RestoreKind = Literal["torchdata", "fresh", "next epoch", "dataset only", "same"]
+RestoreKind = Literal["torchdata", "fresh", "ended", "next epoch", "dataset only", "same"]
 
 
 @dataclass(frozen=True)
@@ -527,7 +527,8 @@ class Restore:
     ----------
     kind
         ``"torchdata"``: not a state of this dataset, torchdata loads it (and says why
-        not); ``"fresh"``: a later epoch is set, it runs from its start; ``"next epoch"``:
+        not); ``"fresh"``: a later epoch is set, it runs from its start; ``"ended"``: the
+        saved iterator had run to its end, the dataset's epoch runs whole; ``"next epoch"``:
         the state's epoch was finished, the next one starts afresh; ``"dataset only"``: the
         dataset resumes from ``dataset_state`` and torchdata's iterator starts afresh
         (a state taken between epochs without workers, or an epoch resumed on another
@@ -605,6 +606,10 @@ def restore(state_dict: Mapping[str, Any], *, plan: EpochPlan, epoch: int, rank:
         # without workers the dataset's state is taken with the loader's: set_epoch moved on
         # after the last batch (a checkpoint between epochs), the next one is whole
         return Restore("dataset only", {}, set_to, ds_state, saved_epoch=saved.epoch)
+    if state.get("_iterator_finished"):
+        # the saved iterator had ended (a state taken after the epoch's last batch): nothing
+        # of it carries over, in particular no worker's progress into the other workers
+        return Restore("ended", {}, set_to, saved_epoch=saved.epoch)
     if saved.epoch < epoch:
         # stale: that epoch runs from its start, nothing of the old epoch's iterator carries
         # over

@@ -342,3 +342,27 @@ def test_plan_settings_are_read_only_once_built(small_collection: Any) -> None:
     assert ds.shuffle
     ds.densify_policy = ds.densify_policy  # other attributes stay settable
     assert copy.deepcopy(ds).batch_size == 64  # copies and pickles still build
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("set_next", [False, True])
+def test_a_state_taken_after_the_epochs_end_resumes_a_whole_epoch(
+        small_collection: Collection, num_workers: int, set_next: bool) -> None:
+    """A loader state saved after the last batch (the iterator ended), loaded into a fresh
+    loader: the dataset's epoch runs whole, every worker from its own start (worker 0's
+    progress reached worker 1 and failed it: "the saved state comes from worker 0")."""
+    ds = _ds(small_collection)
+    loader = AnnBatchDataLoader(ds, num_workers=num_workers)
+    assert sum(1 for _ in loader) == len(ds)
+    if set_next:
+        ds.set_epoch(1)
+    state = loader.state_dict()
+    fresh = _ds(small_collection)
+    resumed = AnnBatchDataLoader(fresh, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    got = _rows(resumed)
+    want_ds = _ds(small_collection)
+    want_ds.set_epoch(1 if set_next else 0)
+    want = _rows(AnnBatchDataLoader(want_ds, num_workers=num_workers))
+    assert len(got) == len(want) == len(ds)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
