@@ -10,8 +10,10 @@ collection, as the plan draws them) is read into one CSR pool two ways, alternat
   contiguous buffer, one CRC-32C call per chunk), then scipy's C++ row gather puts them in
   the pool's order (``csr[order]``).
 
-Both give the same pool (checked). The page cache is warmed first; the figures are per pool,
-median of ``--repeats``, with the load average beside them::
+Both give the same pool (checked). Beside them, the in-memory step that follows an in-order
+read is timed for today's float32 / int32 pool and for a uint16 / uint16 one widened to
+float32 / int32 after the gather (:func:`permute_steps`). The page cache is warmed first;
+the figures are per pool, median of ``--repeats``, with the load average beside them::
 
     python benchmarks/pool_read_micro.py /tmp/inplace_regimes/30000x2000/collection.zarr
 """
@@ -70,6 +72,27 @@ def gather(el: object, runs: list[tuple[int, int]], order: np.ndarray) -> sp.csr
     return canon[order]
 
 
+def permute_steps(canon: sp.csr_matrix, order: np.ndarray) -> dict[str, float]:
+    """Seconds of the in-memory step after an in-order read, per layout: the row gather
+    of today's float32 / int32 pool, and of a uint16 / uint16 pool (the narrow layout of
+    counts below 65,536 over at most 65,536 genes) followed by widening to float32 / int32
+    (what users receive)."""
+    narrow = sp.csr_matrix((canon.data.astype(np.uint16), canon.indices.astype(np.uint16),
+                            canon.indptr), shape=canon.shape)
+    out = {}
+    t0 = time.perf_counter()
+    canon[order]
+    out["gather_wide"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    g = narrow[order]
+    out["gather_narrow"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    g.data.astype(np.float32)
+    g.indices.astype(np.int32)
+    out["widen"] = time.perf_counter() - t0
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("collection")
@@ -83,6 +106,7 @@ def main() -> None:
     n_chunks = el.n_rows // a.chunk_size
     load0 = os.getloadavg()
     times: dict[str, list[float]] = {"scatter": [], "gather": []}
+    steps: dict[str, list[float]] = {}
     for r in range(a.repeats + 1):
         starts = rng.choice(n_chunks, size=min(a.chunks, n_chunks), replace=False) * a.chunk_size
         runs, n = _pool(el, starts, a.chunk_size)
@@ -95,6 +119,10 @@ def main() -> None:
             dt = time.perf_counter() - t0
             if r:  # the first round warms the page cache and the checks
                 times[name].append(dt)
+        if r:
+            canon = gather(el, runs, np.arange(n))
+            for k, v in permute_steps(canon, order).items():
+                steps.setdefault(k, []).append(v)
         s, g = got["scatter"], got["gather"]
         if not ((s.indptr == g.indptr).all() and (s.indices == g.indices).all()
                 and (s.data == g.data).all()):
@@ -110,6 +138,8 @@ def main() -> None:
               f"{med / rows * 1e6:.2f} us per row")
     ratio = statistics.median(times["gather"]) / statistics.median(times["scatter"])
     print(f"  gather / scatter time: {ratio:.2f}")
+    print("  the step after an in-order read, in memory (ms per pool): " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in steps.items()))
 
 
 if __name__ == "__main__":
