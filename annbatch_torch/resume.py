@@ -224,21 +224,16 @@ def _check_plan(state: Mapping[str, Any], plan: EpochPlan) -> None:
     now = plan.fingerprint()
     if "source" in saved_plan and saved_plan["source"] != now.get("source"):
         saved_name = state.get("source_name") or "another source"
-        if saved_name == plan.source_name:
-            raise ValueError(
-                f"load_state_dict: {saved_name} holds other rows than when the state was "
-                f"saved (collection {saved_plan['source']!r} then, {now.get('source')!r} now: "
-                "state key 'plan', its 'source'): it was rewritten from other inputs or "
-                "with another seed, so the batches done cannot be skipped. Resume on the "
-                "collection the state was saved on (or start the epoch afresh without the "
-                "state).")
+        where = (f"{saved_name} holds other rows than when the state was saved"
+                 if saved_name == plan.source_name else
+                 f"the state was saved reading {saved_name}, but this dataset reads "
+                 f"{plan.source_name or 'another source'}")
         raise ValueError(
-            f"load_state_dict: the state was saved reading {saved_name} (collection "
-            f"{saved_plan['source']!r}: state key 'plan', its 'source'), but this dataset reads "
-            f"{plan.source_name or 'another source'} (collection {now.get('source')!r}): "
-            "other rows in another order (e.g. written with another seed), so the batches "
-            "done cannot be skipped. Resume on the collection the state was saved on (or "
-            "start the epoch afresh without the state).")
+            f"load_state_dict: {where} (collection {saved_plan['source']!r} then, "
+            f"{now.get('source')!r} now: state key 'plan', its 'source'): other rows in "
+            "another order (rewritten from other inputs, or written with another seed), so "
+            "the batches done cannot be skipped. Resume on the collection the state was "
+            "saved on (or start the epoch afresh without the state).")
     differ = [k for k in sorted((set(saved_plan) | set(now)) - {"source"})
               if saved_plan.get(k) != now.get(k)]
     if differ:

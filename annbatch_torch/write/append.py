@@ -39,7 +39,14 @@ import scipy.sparse as sp
 
 from ..errors import CollectionError, InputError, check_int
 from ..store.collection import MAX_LABEL_CATEGORIES, Collection, open_collection
-from ..store.inputs.plan import open_inputs, warn_shared_obs_names
+from ..store.inputs.plan import (
+    NAMES_FIX,
+    InputNames,
+    name_hashes,
+    open_inputs,
+    warn_repeated_obs_names,
+    warn_shared_obs_names,
+)
 from ..store.inputs.view import InputSource
 from ..store.manifest import (
     RAW_X,
@@ -55,15 +62,7 @@ from .budget import parse_memory
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
-from .writer import (
-    DEFAULT_MAX_MEMORY,
-    NAMES_FIX,
-    example_names,
-    name_hashes,
-    unique_name_hashes,
-    warn_repeated_obs_names,
-    write_shards,
-)
+from .writer import DEFAULT_MAX_MEMORY, write_shards
 
 __all__ = ["append_to_collection"]
 
@@ -329,9 +328,10 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             return
         schema = _append_schema([s for s in sources if s.n_obs], coll)
         with_cells = [s for s in sources if s.n_obs]
-        warn_shared_obs_names(with_cells)
-        warn_repeated_obs_names(with_cells)
-        warn_names_in_collection(with_cells, coll)
+        names = InputNames.read(with_cells)  # every new input's names read once
+        warn_shared_obs_names(names)
+        warn_repeated_obs_names(names)
+        warn_names_in_collection(names, coll)
         check = FitsStored({f.key: f.dtype for f in schema.fields
                             if f.kind in ("csr", "dense")}, value_check, coll.describe())
         shuffle = bool(manifest.shuffle)
@@ -371,7 +371,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
 NAME_CHECK_MAX_CELLS = 2_000_000
 
 
-def warn_names_in_collection(sources: list[InputSource], coll: Collection) -> int:
+def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
     """Warn, per new input, about obs_names ``coll`` holds already (how many, a few of them);
     returns the count. Reads every shard's obs index once (not cached), keeping only the
     new inputs' name hashes and each shard's in turn; skipped (logged at INFO) for a
@@ -383,24 +383,24 @@ def warn_names_in_collection(sources: list[InputSource], coll: Collection) -> in
                     "on an object store" if coll.url is not None
                     else f"{coll.n_obs:,} cells, above {NAME_CHECK_MAX_CELLS:,}")
         return 0
-    mine = [unique_name_hashes(s)[:2] for s in sources]
-    if not mine:
+    if not names.sources:
         return 0
-    new = np.unique(np.concatenate([u for u, _ in mine]))
+    new = np.unique(np.concatenate(names.unique))
     hits = [np.zeros(0, np.uint64)]
     for shard, n in enumerate(coll.shard_sizes):
-        names = shard_obs_names(coll.shard_group(shard), n, coll.shard_name(shard))
-        hits.append(np.intersect1d(name_hashes(names), new, assume_unique=False))
-        del names
+        stored = shard_obs_names(coll.shard_group(shard), n, coll.shard_name(shard))
+        hits.append(np.intersect1d(name_hashes(stored), new, assume_unique=False))
+        del stored
     hit = np.unique(np.concatenate(hits))
     total = 0
-    for s, (u, first) in zip(sources, mine):
-        there = np.isin(u, hit, assume_unique=True)
+    for i, s in enumerate(names.sources):
+        there = np.isin(names.unique[i], hit, assume_unique=True)
         if there.any():
             total += int(there.sum())
             logger.warning("%s: %d obs_names are in %s already (e.g. %s). %s", s.label,
                            int(there.sum()), coll.describe(),
-                           ", ".join(map(repr, example_names(s, first[there]))), NAMES_FIX)
+                           ", ".join(map(repr, names.examples(i, names.first[i][there]))),
+                           NAMES_FIX)
     return total
 
 

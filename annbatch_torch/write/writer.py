@@ -66,11 +66,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from ..errors import InputError, check_int
 from ..store.collection import Collection, open_collection
-from ..store.inputs.plan import open_inputs, warn_shared_obs_names
+from ..store.inputs.plan import (
+    InputNames,
+    open_inputs,
+    warn_repeated_obs_names,
+    warn_shared_obs_names,
+)
 from ..store.inputs.view import InputSource
 from ..store.manifest import (
     RAW_X,
@@ -104,53 +108,6 @@ DEFAULT_MAX_MEMORY = None  # 640 MB of buffers on top of what the process uses
 DEFAULT_CHUNK_ELEMS = 1 << 16
 DEFAULT_SHARD_ELEMS = 1 << 23
 VAR_JOINS = ("inner", "outer")
-#: rows of obs_names hashed at a time by the duplicate-name checks
-_NAME_BLOCK = 1 << 20
-#: the fix a duplicate-name warning ends with (nothing is refused: rows are row ids)
-NAMES_FIX = ("Nothing is refused: collections identify rows by row ids (the 'index' batches "
-             "carry), not by obs_names; but these names do not tell the cells apart "
-             "(obs_names_at, writing results back by name). Fix: make them unique before "
-             "writing (adata.obs_names_make_unique(), or a prefix per input: "
-             "adata.obs_names = 'batch1_' + adata.obs_names).")
-
-
-def name_hashes(names: Any) -> np.ndarray:
-    """64-bit hashes of obs_names (an array of str); equal names, equal hashes."""
-    return pd.util.hash_array(np.asarray(names, dtype=object))
-
-
-def unique_name_hashes(src: InputSource) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The distinct hashes of ``src``'s obs_names (sorted), the row of each one's first
-    occurrence and how many rows hold it; read :data:`_NAME_BLOCK` names at a time."""
-    parts = [name_hashes(src.names(a, min(src.n_obs, a + _NAME_BLOCK)))
-             for a in range(0, src.n_obs, _NAME_BLOCK)]
-    h = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
-    return np.unique(h, return_index=True, return_counts=True)
-
-
-def example_names(src: InputSource, rows: np.ndarray, k: int = 3) -> list[str]:
-    """obs_names of the first ``k`` of ``rows`` (in row order), for messages."""
-    return [str(src.names(int(r), int(r) + 1)[0]) for r in np.sort(rows)[:k]]
-
-
-def warn_repeated_obs_names(sources: Sequence[InputSource]) -> int:
-    """Warn, per input, about obs_names it holds more than once (how many, the rows that
-    share them and a few of them); returns the count over all inputs. Across inputs:
-    ``warn_shared_obs_names``."""
-    total = 0
-    for s in sources:
-        _, first, counts = unique_name_hashes(s)
-        twice = counts > 1
-        if not twice.any():
-            continue
-        n = int(twice.sum())
-        total += n
-        logger.warning("%s: %d obs_names appear more than once in this input (%d rows share "
-                       "them; e.g. %s). %s", s.label, n, int(counts[twice].sum()),
-                       ", ".join(map(repr, example_names(s, first[twice]))), NAMES_FIX)
-    return total
-
-
 def _as_list(v: Any) -> list[Any] | None:
     return None if v is None else [v] if isinstance(v, str) else list(v)
 
@@ -399,8 +356,9 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         sources = open_inputs(adata_paths)  # the same input twice is refused
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
                                 _as_list(obsm), reference, raw)
-        warn_shared_obs_names([s for s in sources if s.n_obs])
-        warn_repeated_obs_names([s for s in sources if s.n_obs])
+        names = InputNames.read([s for s in sources if s.n_obs])
+        warn_shared_obs_names(names)
+        warn_repeated_obs_names(names)
         n_total = sum(s.n_obs for s in sources)
         work = _budget.working_memory(budget, n_total if shuffle else 0)
         shard_obs = _budget.fit_layout(sources, schema, work, n_obs_per_shard, opts)

@@ -47,7 +47,7 @@ from ..metadata import shard_obs_names
 from ..source import Source, field_node
 from .legacy import LegacyStore
 from .open import open_store, resolve_input
-from .plan import nonempty, open_inputs, plan_fields, warn_shared_obs_names
+from .plan import InputNames, nonempty, open_inputs, plan_fields, warn_shared_obs_names
 from .view import InputSource
 
 __all__ = ["InPlaceSource", "open_source"]
@@ -192,7 +192,8 @@ class InPlaceSource(Source):
                     "create_anndata_collection(inputs, out, var_join='inner' or 'outer')."
                 )
         raw_names, raw_why = _raw_var_names(sources)
-        warn_shared_obs_names(sources)
+        if len(sources) > 1:  # one read of every input's names, only to compare them
+            warn_shared_obs_names(InputNames.read(sources))
         self._labels = [s.label for s in sources]
         self._paths: list[Path | None] = [s.path for s in sources]
         self._memory: list[Any] = [s.adata for s in sources]

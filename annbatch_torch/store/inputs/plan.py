@@ -1,7 +1,9 @@
 """A list of inputs: the checks both paths make, and the fields to offer.
 
-:func:`open_inputs`, :func:`nonempty` and :func:`warn_shared_obs_names` are the checks of a
-list of inputs (the same input twice, inputs without cells, obs_names shared by inputs);
+:func:`open_inputs`, :func:`nonempty`, :func:`warn_shared_obs_names` and
+:func:`warn_repeated_obs_names` are the checks of a list of inputs (the same input twice,
+inputs without cells, obs_names shared by inputs or repeated within one, from the names of
+every input read once: :class:`InputNames`);
 :func:`plan_fields` picks the fields to offer from the probes of all inputs and harmonises
 each by the rules of :mod:`.harmonize` (:class:`FieldPlan`).
 """
@@ -35,7 +37,8 @@ from .open import (
 )
 from .view import InputSource
 
-__all__ = ["FieldPlan", "nonempty", "open_inputs", "plan_fields", "warn_shared_obs_names"]
+__all__ = ["FieldPlan", "InputNames", "nonempty", "open_inputs", "plan_fields",
+           "warn_repeated_obs_names", "warn_shared_obs_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,31 +114,68 @@ def nonempty(sources: Sequence[InputSource]) -> list[InputSource]:
     return kept
 
 
-def warn_shared_obs_names(sources: Sequence[InputSource], block: int = 1 << 20) -> int:
+#: rows of obs_names hashed at a time
+NAME_BLOCK = 1 << 20
+#: the fix a duplicate-name warning ends with (nothing is refused: rows are row ids)
+NAMES_FIX = ("Nothing is refused: collections identify rows by row ids (the 'index' batches "
+             "carry), not by obs_names; but these names do not tell the cells apart "
+             "(obs_names_at, writing results back by name). Fix: make them unique before "
+             "writing (adata.obs_names_make_unique(), or a prefix per input: "
+             "adata.obs_names = 'batch1_' + adata.obs_names).")
+
+
+def name_hashes(names: Any) -> np.ndarray:
+    """64-bit hashes of obs_names (an array of str); equal names, equal hashes."""
+    return pd.util.hash_array(np.asarray(names, dtype=object))
+
+
+@dataclass
+class InputNames:
+    """The obs_names of a list of inputs, each input read once (:data:`NAME_BLOCK` names at
+    a time) and hashed: per input, its distinct hashes (sorted), the row of each one's
+    first occurrence and how many rows hold it. The duplicate-name checks share it."""
+
+    sources: Sequence[InputSource]
+    unique: list[np.ndarray]
+    first: list[np.ndarray]
+    counts: list[np.ndarray]
+
+    @classmethod
+    def read(cls, sources: Sequence[InputSource], block: int = NAME_BLOCK) -> InputNames:
+        unique, first, counts = [], [], []
+        for s in sources:
+            parts = [name_hashes(s.names(a, min(s.n_obs, a + block)))
+                     for a in range(0, s.n_obs, block)]
+            h = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+            u, pos, n = np.unique(h, return_index=True, return_counts=True)
+            unique.append(u)
+            first.append(pos)
+            counts.append(n)
+        return cls(sources, unique, first, counts)
+
+    def examples(self, i: int, rows: np.ndarray, k: int = 3) -> list[str]:
+        """obs_names of input ``i`` at the first ``k`` of ``rows`` (in row order)."""
+        s = self.sources[i]
+        return [str(s.names(int(r), int(r) + 1)[0]) for r in np.sort(rows)[:k]]
+
+
+def warn_shared_obs_names(names: InputNames) -> int:
     """Warn when obs_names appear in more than one input (the count and an example);
     returns the count. Rows are identified by row ids, not by names, so nothing is refused.
     """
+    sources = names.sources
     if len(sources) < 2:
         return 0
-    hashes, where, first = [], [], []
-    for i, s in enumerate(sources):
-        parts = [pd.util.hash_array(np.asarray(s.names(a, min(s.n_obs, a + block)),
-                                               dtype=object))
-                 for a in range(0, s.n_obs, block)]
-        h = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
-        u, pos = np.unique(h, return_index=True)
-        hashes.append(u)
-        where.append(np.full(len(u), i, dtype=np.int64))
-        first.append(pos)
-    all_h = np.concatenate(hashes)
+    all_h = np.concatenate(names.unique)
     order = np.argsort(all_h, kind="stable")
     sorted_h = all_h[order]
     dup = np.flatnonzero(sorted_h[1:] == sorted_h[:-1])
     if not dup.size:
         return 0
     n_shared = int(np.unique(sorted_h[dup]).size)
-    src_of = np.concatenate(where)[order]
-    pos_of = np.concatenate(first)[order]
+    src_of = np.concatenate([np.full(len(u), i, dtype=np.int64)
+                             for i, u in enumerate(names.unique)])[order]
+    pos_of = np.concatenate(names.first)[order]
     k = int(dup[0])
     a, b = sources[int(src_of[k])], sources[int(src_of[k + 1])]
     row = int(pos_of[k])
@@ -148,6 +188,25 @@ def warn_shared_obs_names(sources: Sequence[InputSource], block: int = 1 << 20) 
         "adata.obs_names = 'batch1_' + adata.obs_names) or concatenate with "
         "anndata.concat(..., index_unique='-').", n_shared, name, a.label, b.label)
     return n_shared
+
+
+def warn_repeated_obs_names(names: InputNames) -> int:
+    """Warn, per input, about obs_names it holds more than once (how many, the rows that
+    share them and a few of them); returns the count over all inputs. Across inputs:
+    :func:`warn_shared_obs_names`."""
+    total = 0
+    for i, s in enumerate(names.sources):
+        counts = names.counts[i]
+        twice = counts > 1
+        if not twice.any():
+            continue
+        n = int(twice.sum())
+        total += n
+        logger.warning("%s: %d obs_names appear more than once in this input (%d rows share "
+                       "them; e.g. %s). %s", s.label, n, int(counts[twice].sum()),
+                       ", ".join(map(repr, names.examples(i, names.first[i][twice]))),
+                       NAMES_FIX)
+    return total
 
 
 # -- which fields, harmonised (both paths) -----------------------------------------------
