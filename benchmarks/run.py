@@ -93,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="rows per collection shard (n_obs_per_shard; default: the writer's)")
     p.add_argument("--compressor", default=None,
                    help="the collection's codec (raw, lz4, zstd; default: the writer's)")
+    p.add_argument("--data-dtype", default=None,
+                   help="how the collection stores X's values (auto, float32...; default: "
+                        "the writer's)")
+    p.add_argument("--index-dtype", default=None,
+                   help="how the collection stores X's column indices (auto, int32; "
+                        "default: the writer's)")
     p.add_argument("--in-process", action="store_true",
                    help="run the cases in this process (fast smoke tests; RSS figures are "
                         "then not per loader)")
@@ -109,6 +115,9 @@ def _store_name(writer_kwargs: dict[str, Any]) -> str:
     params = inspect.signature(create_anndata_collection).parameters
     layout = {k: writer_kwargs.get(k, params[k].default)
               for k in ("zarr_shard_elems", "compressor", "n_obs_per_shard")}
+    # versions before the dtype options wrote float32 / int32 (a folder name of their own)
+    dtypes = [str(writer_kwargs.get(k, params[k].default)) if k in params else "wide"
+              for k in ("data_dtype", "index_dtype")]
     try:
         from annbatch_torch.write.budget import DEFAULT_SHARD_OBS
 
@@ -118,7 +127,8 @@ def _store_name(writer_kwargs: dict[str, Any]) -> str:
         pass
     short = {"zarr_shard_elems": "shard_elems", "compressor": "codec",
              "n_obs_per_shard": "shard_obs"}
-    return "collection_" + "_".join(f"{short[k]}-{v}" for k, v in layout.items())
+    name = "collection_" + "_".join(f"{short[k]}-{v}" for k, v in layout.items())
+    return name if dtypes == ["wide", "wide"] else f"{name}_dtypes-{'-'.join(dtypes)}"
 
 
 def _log(quiet: bool, msg: str) -> None:
@@ -319,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                                args.quiet)
     writer_kwargs = {k: v for k, v in (("zarr_shard_elems", args.shard_elems),
                                        ("compressor", args.compressor),
-                                       ("n_obs_per_shard", args.shard_size)) if v is not None}
+                                       ("n_obs_per_shard", args.shard_size),
+                                       ("data_dtype", args.data_dtype),
+                                       ("index_dtype", args.index_dtype)) if v is not None}
     store = folder / _store_name(writer_kwargs)
     if ("writer" not in names and NEEDS_STORE & set(names)
             and not (store / "manifest.json").exists()):

@@ -207,7 +207,8 @@ def test_translation_table_comes_from_the_flags() -> None:
         "n_obs_per_shard": "--shard-size", "overwrite": "--overwrite",
         "progress": "--no-progress", "zarr_format": "--zarr-format",
         "zarr_chunk_elems": "--chunk-elems", "zarr_shard_elems": "--shard-elems",
-        "compressor": "--compressor", "scheduler": "--scheduler", "n_workers": "--n-workers"}
+        "compressor": "--compressor", "scheduler": "--scheduler", "n_workers": "--n-workers",
+        "data_dtype": "--data-dtype", "index_dtype": "--index-dtype"}
     from annbatch_torch.write.append import append_to_collection
 
     append = parser.commands["append"]
@@ -215,7 +216,8 @@ def test_translation_table_comes_from_the_flags() -> None:
     assert {f.param: f.flag for f in append.feeds.values()} == {
         "collection": "STORE", "adata_paths": "INPUT", "seed": "--seed",
         "max_memory": "--max-memory", "progress": "--no-progress",
-        "scheduler": "--scheduler", "n_workers": "--n-workers"}
+        "scheduler": "--scheduler", "n_workers": "--n-workers",
+        "data_dtype": "--data-dtype", "index_dtype": "--index-dtype"}
     speak = functools.partial(cli.speak_cli, parser=parser)
     assert speak("Pass overwrite=True to replace it, or choose another output_path.") == \
         "Pass --overwrite to replace it, or choose another --output."

@@ -583,7 +583,7 @@ def test_damaged_column_index_raises_read_error(tiny_raw_store: Path, bad: int,
     assert indices.crc
     p = chunk_path(indices, 0)
     values = np.frombuffer(p.read_bytes()[:-4], dtype=indices.dtype).copy()
-    values[5] = bad
+    values[5] = _stored(bad, indices.dtype)
     payload = values.tobytes()
     p.write_bytes(payload + google_crc32c.value(payload).to_bytes(4, "little"))
     c = open_collection(tiny_raw_store)
@@ -610,12 +610,17 @@ def test_corrupted_chunk_raises_read_error(tiny_raw_store: Path) -> None:
         PoolReader(c, ["X"]).read(np.array([[0, c.n_obs]]), order)
 
 
+def _stored(value: int, dtype: np.dtype) -> Any:
+    """``value`` as an array of ``dtype`` stores its bits (-1 in uint16 indices: 65535)."""
+    return np.array(value, dtype=np.int64).astype(dtype)
+
+
 def _damage_index(indices: RawZarrArray, pos: int, bad: int) -> None:
     """Set element ``pos`` of a raw indices array to ``bad``, with a valid CRC."""
     c, off = divmod(pos, indices.chunk_rows)
     p = chunk_path(indices, c)
     values = np.frombuffer(p.read_bytes()[:-4], dtype=indices.dtype).copy()
-    values[off] = bad
+    values[off] = _stored(bad, indices.dtype)
     payload = values.tobytes()
     p.write_bytes(payload + google_crc32c.value(payload).to_bytes(4, "little"))
 
@@ -664,7 +669,8 @@ def test_damage_in_the_unread_part_of_a_chunk_is_caught(tiny_raw_store: Path) ->
     _damage_index(el.indices, end, -7)  # the first value after them, same chunk
     c = open_collection(tiny_raw_store)
     off = int(c.shard_offsets[1])
-    with pytest.raises(ReadError, match=r"chunk holds -7, outside \[0, 30\) \(a column "
+    with pytest.raises(ReadError, match=rf"chunk holds {_stored(-7, el.indices.dtype)}, outside "
+                       r"\[0, 30\) \(a column "
                        r"index out of range"):
         PoolReader(c, ["X"]).read(np.array([[off, off + r]]), np.arange(r)[::-1].copy())
     PoolReader(c, ["X"]).read(np.array([[0, off]]))  # other shards read fine
@@ -806,7 +812,7 @@ def _damage_keeping_identity(raw: RawZarrArray, c: int, element: int, value: int
     st = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(base + element * raw.dtype.itemsize)
-        f.write(np.array([value], dtype=raw.dtype).tobytes())
+        f.write(np.array([_stored(value, raw.dtype)], dtype=raw.dtype).tobytes())
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(path).st_mtime_ns == st.st_mtime_ns
 
@@ -838,7 +844,8 @@ def test_damage_after_verification_never_becomes_an_out_of_range_index(
     assert indices._verified
     _damage_keeping_identity(indices, 0, 5, 10**6)
     ds.set_epoch(1)
-    with pytest.raises(ReadError, match=r"column index 1000000 outside \[0, 200\)"):
+    with pytest.raises(ReadError, match=rf"column index {_stored(10**6, indices.dtype)} "
+                                        r"outside \[0, 200\)"):
         for _ in ds:
             pass
 

@@ -174,6 +174,16 @@ def _scheduler_feeds(cmd: CliParser) -> None:
              help="workers of --scheduler (default: the usable CPUs)")
 
 
+def _dtype_feeds(cmd: CliParser, default: str) -> None:
+    cmd.feed("--data-dtype", param="data_dtype", metavar="DTYPE",
+             help="how values of X, layers and raw/X are stored: auto (the narrowest dtype "
+                  "that holds every value exactly, e.g. uint8 for small counts) or a numpy "
+                  f"dtype such as float32 or uint16 {default}")
+    cmd.feed("--index-dtype", param="index_dtype", metavar="auto|int32",
+             help="how their column indices are stored: auto (uint16 up to 65,536 genes, "
+                  f"else int32) or int32 {default}")
+
+
 def build_parser() -> CliParser:
     """The ``annbatch-torch`` argument parser.
 
@@ -253,6 +263,7 @@ def build_parser() -> CliParser:
     s.feed("--compressor", param="compressor", metavar="CODEC",
            help="raw (uncompressed + CRC-32C, fastest reads), lz4, zstd or none (no "
                 "checksum) (default: %(default)s)")
+    _dtype_feeds(s, "(default: %(default)s)")
     _scheduler_feeds(s)
     s.set_defaults(func=_shuffle)
 
@@ -276,6 +287,7 @@ def build_parser() -> CliParser:
            help="peak RSS bound of the whole process, e.g. 4GB (default: as shuffle's)")
     a.feed("--no-progress", param="progress", action="store_true",
            help="hide the progress bars (default: shown on stderr)")
+    _dtype_feeds(a, "(default: as the collection was written)")
     _scheduler_feeds(a)
     a.set_defaults(func=_append)
 

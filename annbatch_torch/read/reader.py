@@ -219,6 +219,9 @@ class PoolReader:
         # 3 pools x (data, indices): the one read ahead, the current one and the previous one
         # while the caller still holds its last batch
         self.buffers = BufferCache(keep=6 * len(self.fields))
+        # a narrow field's arrays in stored order, while a pool is read (see _widen): a
+        # cache per field and array, so that buffers of other sizes do not evict them
+        self.narrow_buffers: dict[tuple[str, str], BufferCache] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -226,6 +229,7 @@ class PoolReader:
         state["_pool_pid"] = None
         state["_slots"] = None
         state["_from_disk"] = True
+        state["narrow_buffers"] = {}
         return state
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -255,6 +259,7 @@ class PoolReader:
 
     def close(self) -> None:
         self.buffers.clear()
+        self.narrow_buffers.clear()
         for ex in (self._pool, self._deep):
             if ex is not None:
                 ex.shutdown(wait=False, cancel_futures=True)
@@ -333,6 +338,7 @@ class PoolReader:
         covered: set[str] = set()  # fields read by covering reads (a list per job)
         csr_buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         permute_after: set[str] = set()
+        widen: dict[str, tuple[np.dtype, np.dtype]] = {}  # CSR fields read narrow, then widened
         for field in self.fields:
             # open elements in this thread first: errors surface with context, and
             # element caches are not populated concurrently
@@ -345,11 +351,18 @@ class PoolReader:
                         raise self._wrap(e, p, field) from e
             els = [by_shard[p.shard] for p in pieces]
             if els and isinstance(els[0], CSRElement):
-                scatter = order is not None and all(el.can_scatter for el in by_shard.values())
+                raw = all(el.can_scatter for el in by_shard.values())
+                wide = self._pool_dtypes(field, list(by_shard.values()))
+                if raw and any((el.data.dtype, el.indices.dtype) != wide
+                               for el in by_shard.values()):
+                    widen[field] = wide  # stored narrower: read in stored order, widen once
+                    if order is not None:
+                        first_places(order, n_rows)  # every row in it (else ValueError)
+                scatter = order is not None and raw and field not in widen
                 jobs[field], job_els[field] = self._submit_csr(
                     ex, field, pieces, els, csr_buffers, order if scatter else None,
-                    random_access)
-                if order is not None and not scatter:
+                    random_access, wide if field not in widen else None)
+                if order is not None and not scatter and field not in widen:
                     permute_after.add(field)
             elif random_access and len(pieces) >= GATHER_PIECES:  # covering reads
                 covered.add(field)
@@ -378,6 +391,8 @@ class PoolReader:
                     raise self._wrap(e, p, field) from e
             if field in covered:
                 parts = [part for group in parts for part in group]
+            elif field in widen:  # stored order, narrow -> pool order, the field's dtypes
+                csr_buffers[field] = self._widen(csr_buffers[field], order, *widen[field])
             elif (field in csr_buffers and field not in permute_after and order is not None
                   and len(order) != n_rows):  # read into place: fill the repeats
                 data, indices, indptr = csr_buffers[field]
@@ -410,11 +425,16 @@ class PoolReader:
         buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
         order: np.ndarray | None,
         random_access: bool = False,
+        dtypes: tuple[np.dtype, np.dtype] | None = None,
     ) -> tuple[list[tuple[Piece, Future[Any]]], list[Any]]:
         """Allocate the pool's data/indices once; every row is read into its final place
         (canonical order, or ``order`` when given). Returns the jobs and the element each
         reads: one job per piece, or for many pieces of drawn rows (``random_access``) a
-        few per shard that read all their rows at once (:meth:`CSRElement.read_rows_gather`)."""
+        few per shard that read all their rows at once (:meth:`CSRElement.read_rows_gather`).
+
+        ``dtypes``: the buffers' (data, indices) dtypes; ``None``: the shards' stored dtypes
+        (promoted where shards differ), for a pool read in canonical order and widened
+        after (:meth:`_widen`)."""
         canon = _row_lengths(pieces, els)
         out_len = canon if order is None else canon[order]
         indptr = np.zeros(len(out_len) + 1, dtype=np.int64)
@@ -422,9 +442,14 @@ class PoolReader:
         # each row goes where it first appears (repeats are copied once it is read)
         dests = indptr[:-1] if order is None else indptr[first_places(order, len(canon))]
         nnz = int(indptr[-1])
-        info = self.source.fields.get(field)  # one dtype for every pool, whatever the shard
-        data = self.buffers.take(nnz, np.dtype(info.dtype) if info is not None else els[0].dtype)
-        indices = self.buffers.take(nnz, np.dtype(els[0].indices.dtype))
+        if dtypes is None:  # narrow, in stored order
+            caches = [self.narrow_buffers.setdefault((field, part), BufferCache(keep=2))
+                      for part in ("data", "indices")]
+            data = caches[0].take(nnz, np.result_type(*{el.data.dtype for el in els}))
+            indices = caches[1].take(nnz, np.result_type(*{el.indices.dtype for el in els}))
+        else:
+            data = self.buffers.take(nnz, dtypes[0])
+            indices = self.buffers.take(nnz, dtypes[1])
         buffers[field] = (data, indices, indptr)
         # a read thread keeps its task's arguments until it gets to drop the task, which may
         # be well after the result is seen (a busy machine preempts it in between); handed
@@ -453,7 +478,16 @@ class PoolReader:
         destinations, taken out of the list as in :meth:`_read_csr_piece`)."""
         rows, data, indices, dests = arrays
         arrays.clear()
-        return el.read_rows_gather(rows, data, indices, dests, trust_verified=True)
+        if (el.data.dtype, el.indices.dtype) == (data.dtype, indices.dtype):
+            return el.read_rows_gather(rows, data, indices, dests, trust_verified=True)
+        # a shard storing another dtype than the pool's buffer (an appended one): its rows
+        # land in stored order, contiguous from dests[0] (see _submit_csr), cast as copied
+        lens = el.indptr[rows + 1] - el.indptr[rows]
+        n, at = int(lens.sum()), int(dests[0]) if len(dests) else 0
+        tmp_d, tmp_i = np.empty(n, el.data.dtype), np.empty(n, el.indices.dtype)
+        crcs = el.read_rows_gather(rows, tmp_d, tmp_i, dests - at, trust_verified=True)
+        data[at : at + n], indices[at : at + n] = tmp_d, tmp_i
+        return crcs
 
     @staticmethod
     def _read_csr_piece(el: CSRElement, p: Piece, arrays: list[np.ndarray]
@@ -463,12 +497,59 @@ class PoolReader:
         :meth:`CSRElement.read_rows_scatter`) or ``None`` when they are unknown."""
         data, indices, dests = arrays
         arrays.clear()
+        if el.can_scatter and (el.data.dtype, el.indices.dtype) != (data.dtype, indices.dtype):
+            # a shard storing another dtype than the pool's buffer: its rows are in stored
+            # order (a narrow pool, see _submit_csr), read and cast as copied
+            lo, hi = el.nnz_range(p.start, p.stop)
+            at = int(dests[0]) if len(dests) else 0
+            tmp_d, tmp_i = np.empty(hi - lo, el.data.dtype), np.empty(hi - lo, el.indices.dtype)
+            crcs = el.read_rows_scatter(p.start, p.stop, tmp_d, tmp_i, dests - at)
+            data[at : at + hi - lo], indices[at : at + hi - lo] = tmp_d, tmp_i
+            return crcs
         if el.can_scatter:
             return el.read_rows_scatter(p.start, p.stop, data, indices, dests)
         lo, hi = el.nnz_range(p.start, p.stop)  # canonical order: one contiguous block
         a = int(dests[0]) if len(dests) else 0
         el.read_into(p.start, p.stop, data[a : a + hi - lo], indices[a : a + hi - lo])
         return None
+
+    def _pool_dtypes(self, field: str, els: list[Any]) -> tuple[np.dtype, np.dtype]:
+        """The (data, indices) dtypes of field ``field``'s pools: the field's dtype (what
+        readers deliver, whatever a shard stores) and int32 (int64 where a shard's indices
+        are wider, or the matrix too wide)."""
+        info = self.source.fields.get(field)
+        data = np.dtype(info.dtype) if info is not None else els[0].dtype
+        index = np.result_type(np.int32, *{el.indices.dtype for el in els})
+        if index.kind == "u" or max(el.n_cols for el in els) >= np.iinfo(np.int32).max:
+            index = np.dtype(np.int64)
+        return data, np.dtype(index)
+
+    def _widen(self, buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
+               order: np.ndarray | None, data_dtype: np.dtype, index_dtype: np.dtype
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A CSR pool read in stored order and dtypes (``buffers``: data, indices, indptr)
+        laid out in ``order`` (``None``: as it is) in the pool's dtypes: one pass that
+        copies each row to its place and widens it (``numpy.concatenate`` over the rows'
+        views casts as it copies), repeats of a drawn row included."""
+        cdata, cidx, cptr = buffers
+        if order is None:
+            data = self.buffers.take(len(cdata), data_dtype)
+            indices = self.buffers.take(len(cidx), index_dtype)
+            data[...], indices[...] = cdata, cidx
+            return data, indices, cptr
+        lens = (cptr[1:] - cptr[:-1])[order]
+        indptr = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(lens, out=indptr[1:])
+        nnz = int(indptr[-1])
+        data = self.buffers.take(nnz, data_dtype)
+        indices = self.buffers.take(nnz, index_dtype)
+        if len(order):
+            starts, ends = cptr[order].tolist(), cptr[order + 1].tolist()
+            np.concatenate([cdata[a:b] for a, b in zip(starts, ends)], out=data,
+                           casting="unsafe")
+            np.concatenate([cidx[a:b] for a, b in zip(starts, ends)], out=indices,
+                           casting="unsafe")
+        return data, indices, indptr
 
     def _assemble_csr(
         self,

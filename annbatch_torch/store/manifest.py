@@ -3,7 +3,7 @@
 The manifest is plain JSON (never pickle). It is written last, after every shard is
 complete, so a folder without a valid manifest is never mistaken for a collection.
 
-Layout (format version 1)::
+Layout (format version 2; 1 when no shard stores a narrower dtype, see below)::
 
     {
       "format": "annbatch_torch.collection",
@@ -12,7 +12,8 @@ Layout (format version 1)::
       "n_obs": 100000, "n_vars": 20000,
       "var_names_file": "var_names.json",      # JSON list of strings beside the manifest
       "var_names_sha256": "…",
-      "shards": [{"path": "shard_00000.zarr", "n_obs": 65536}, …],
+      "shards": [{"path": "shard_00000.zarr", "n_obs": 65536,
+                  "stored": {"X/data": "uint8", "X/indices": "uint16"}}, …],
       "fields": {
         "X":             {"kind": "csr",         "dtype": "float32", "shape": [null, 20000]},
         "layers/counts": {"kind": "csr",         "dtype": "float32", "shape": [null, 20000]},
@@ -31,6 +32,10 @@ Layout (format version 1)::
 
 Each shard is an AnnData zarr store; field ``"obs/c"`` of kind categorical lives at
 ``obs/c/codes`` and its codes index the manifest's global ``categories``.
+A CSR field's ``dtype`` is what readers deliver; a shard's ``stored`` says what its
+``data`` and ``indices`` arrays hold (the narrowest lossless dtype the writer found,
+``annbatch_torch/write/narrow.py``), and readers widen them. Shards without ``stored``
+hold ``dtype`` and int32 (collections written before).
 """
 
 from __future__ import annotations
@@ -64,7 +69,10 @@ __all__ = [
 ]
 
 FORMAT = "annbatch_torch.collection"
-FORMAT_VERSION = 1
+#: the newest format this package reads and writes. 2: shards may store a CSR field's values
+#: in a narrower dtype than the field's and its column indices as uint16 (``ShardInfo.stored``);
+#: a collection is written as version 1 when no shard does, so older readers still open it
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 VAR_NAMES_NAME = "var_names.json"
 RAW_VAR_NAMES_NAME = "raw_var_names.json"
@@ -151,6 +159,10 @@ class ShardInfo:
     path: str
     n_obs: int
     generation: str | None = None
+    #: the stored dtype of each CSR field's ``data`` and ``indices`` arrays in this shard
+    #: (``{"X/data": "uint8", "X/indices": "uint16"}``); readers widen them to the field's
+    #: dtype. Empty in collections written before: ``dtype`` and int32.
+    stored: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,7 +178,8 @@ class Manifest:
     shuffle: bool = True
     var_join: str = "inner"
     inputs: list[dict[str, Any]] = field(default_factory=list)
-    format_version: int = FORMAT_VERSION
+    #: the version it was read as (written: at least :meth:`version_needed`)
+    format_version: int = 1
     created_by: str = ""
     #: every chunk of every array was written (zarr ``write_empty_chunks=True``), so a
     #: missing chunk file is damage, not an implicit fill value; readers then check
@@ -175,17 +188,30 @@ class Manifest:
     #: the genes of ``raw/X`` (AnnData's ``raw``), when the collection carries it
     raw_var_names: list[str] | None = None
 
+    def version_needed(self) -> int:
+        """The format version readers need: 2 when a shard stores a CSR field's values in
+        another dtype than the field's or its indices other than int32, else 1."""
+        for s in self.shards:
+            for key, dtype in s.stored.items():
+                name, _, part = key.rpartition("/")
+                info = self.fields.get(name)
+                wide = "int32" if part == "indices" else (info.dtype if info else dtype)
+                if dtype != wide:
+                    return 2
+        return 1
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "format_version": self.format_version,
+            "format_version": max(self.format_version, self.version_needed()),
             "created_by": self.created_by,
             "n_obs": self.n_obs,
             "n_vars": self.n_vars,
             "var_names_file": VAR_NAMES_NAME,
             "var_names_sha256": var_names_digest(self.var_names),
             "shards": [{"path": s.path, "n_obs": s.n_obs,
-                        **({"generation": s.generation} if s.generation else {})}
+                        **({"generation": s.generation} if s.generation else {}),
+                        **({"stored": s.stored} if s.stored else {})}
                        for s in self.shards],
             "fields": {k: v.to_json() for k, v in self.fields.items()},
             "shuffle": self.shuffle,
@@ -257,6 +283,22 @@ def _check_field_name(name: Any, where: str) -> None:
             "'obs/NAME' with a plain NAME; the manifest is damaged or hostile, rewrite the "
             "collection."
         )
+
+
+def _stored(obj: Any) -> dict[str, str]:
+    """A shard's ``stored`` entry: ``{"<field>/data" | "<field>/indices": numeric dtype}``."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"shard 'stored' must be an object, got {obj!r}")
+    for key, dtype in obj.items():
+        part = key.rpartition("/")[2] if isinstance(key, str) else None
+        try:
+            ok = isinstance(dtype, str) and np.dtype(dtype).kind in "iuf"
+        except TypeError:
+            ok = False
+        if part not in ("data", "indices") or not ok:
+            raise TypeError(f"shard 'stored' entry {key!r}: {dtype!r} is not a "
+                            "'<field>/data' or '<field>/indices' key with a numeric dtype")
+    return dict(obj)
 
 
 def _json_int(value: Any, name: str) -> int:
@@ -346,7 +388,8 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
             gen = s.get("generation")
             if gen is not None and not isinstance(gen, str):
                 raise TypeError(f"shard generation must be a string, got {gen!r}")
-            shards.append(ShardInfo(s["path"], _json_int(s["n_obs"], "n_obs"), gen))
+            shards.append(ShardInfo(s["path"], _json_int(s["n_obs"], "n_obs"), gen,
+                                    _stored(s.get("stored", {}))))
     except (KeyError, TypeError, ValueError) as e:
         raise CollectionError(
             f"{mpath}: missing or malformed entry {e}; the manifest is damaged, rewrite the "
@@ -370,6 +413,14 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
     for k in raw_fields:
         _check_field_name(k, str(mpath))
     fields = {k: FieldInfo.from_json(k, v, str(mpath)) for k, v in raw_fields.items()}
+    for s in shards:
+        for key in s.stored:
+            name = key.rpartition("/")[0]
+            if name not in fields or fields[name].kind != "csr":
+                raise CollectionError(
+                    f"{mpath}: shard {s.path!r} records the stored dtype of {key!r}, but "
+                    f"{name!r} is not a sparse field of the collection; the manifest is "
+                    "damaged, rewrite the collection.")
     vfile = _safe_child(root, obj.get("var_names_file", VAR_NAMES_NAME), "var names", str(mpath))
     try:
         with open(vfile) as f:

@@ -321,8 +321,15 @@ class RawZarrArray:
         return out
 
     def read_into(self, lo: int, hi: int, out: np.ndarray) -> None:
-        """Copy rows ``[lo, hi)`` into ``out`` (shape ``(hi - lo, *shape[1:])``)."""
+        """Copy rows ``[lo, hi)`` into ``out`` (shape ``(hi - lo, *shape[1:])``), cast to
+        ``out``'s dtype when it is not the stored one (a narrow shard read into a wider
+        buffer)."""
         if hi <= lo:
+            return
+        if out.dtype != self.dtype:
+            stored = np.empty(out.shape, dtype=self.dtype)
+            self.read_into(lo, hi, stored)
+            out[...] = stored
             return
         if self.ndim == 1:
             self.read_runs(np.array([lo], dtype=np.int64), hi, np.zeros(1, np.int64), out)

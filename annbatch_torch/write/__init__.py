@@ -5,7 +5,8 @@
 ``writer`` (``create_anndata_collection``), ``parallel`` (the passes as Dask tasks), ``passes``
 (pass 1 routes rows into buckets, pass 2 writes a shard from its buckets), ``budget`` (the
 ``max_memory`` accounting), ``shardstore`` (a shard's zarr arrays, written block by block),
-``schema`` (the fields a collection stores) and ``varmeta`` (its var frame), ``buckets`` (pass
+``schema`` (the fields a collection stores), ``narrow`` (the stored dtype of their values and
+column indices, from what pass 1 saw) and ``varmeta`` (its var frame), ``buckets`` (pass
 1's bucket file format), ``publish`` (temporaries, fsync, the swap into place, the writers'
 lock), ``upload`` (a collection written to an object store). Public names are exported by
 :mod:`annbatch_torch`.

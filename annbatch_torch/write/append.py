@@ -59,6 +59,7 @@ from ..store.manifest import (
 from ..store.metadata import shard_obs_names
 from . import budget as _budget
 from .budget import parse_memory
+from .narrow import AUTO, check_dtype_options
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
@@ -207,6 +208,8 @@ def append_to_collection(
     n_workers: int | None = None,
     value_check: Any = None,
     storage_options: dict[str, Any] | None = None,
+    data_dtype: Any = None,
+    index_dtype: Any = None,
 ) -> Collection:
     """Add the cells of ``adata_paths`` to a collection in new shards, rewriting nothing.
 
@@ -227,6 +230,12 @@ def append_to_collection(
     storage_options
         For a collection on an object store: as :func:`~annbatch_torch.open_collection`
         takes them.
+    data_dtype, index_dtype
+        How the new shards store the values and column indices of X, the layers and raw/X,
+        as in :func:`~annbatch_torch.create_anndata_collection`; ``None`` (default): as the
+        collection was written (``"auto"`` for collections written before the options).
+        The new shards may store other dtypes than the old ones (narrower or wider: each
+        shard records its own); readers deliver the fields' dtypes from every shard.
 
     Returns
     -------
@@ -261,6 +270,9 @@ def append_to_collection(
                            else storage_options)
         collection = collection.url
     seed = check_int("seed", seed, 0, error=InputError)
+    check_dtype_options("auto" if data_dtype is None else data_dtype,
+                        "auto" if index_dtype is None else index_dtype)
+    dtypes = (data_dtype, index_dtype)
     if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
         adata_paths = [adata_paths]
     if not adata_paths:
@@ -272,13 +284,14 @@ def append_to_collection(
     if is_url(collection):
         return _append_remote(str(collection), storage_options, adata_paths, seed=seed,
                               budget=budget, progress=progress, scheduler=scheduler,
-                              n_workers=n_workers, value_check=value_check)
+                              n_workers=n_workers, value_check=value_check, dtypes=dtypes)
     root = Path(collection.path if isinstance(collection, Collection) else collection)
     root = root.expanduser().absolute()
     read_manifest(root)  # not a collection: refused before the lock file is made beside it
     with FileLock(str(lock_path(root))):  # one writer at a time (prepare_collection's lock)
         append_locked(root, adata_paths, seed=seed, budget=budget, progress=progress,
-                      scheduler=scheduler, n_workers=n_workers, value_check=value_check)
+                      scheduler=scheduler, n_workers=n_workers, value_check=value_check,
+                      dtypes=dtypes)
     return open_collection(root)
 
 
@@ -305,10 +318,12 @@ def _append_remote(url: str, storage_options: dict[str, Any] | None,
 
 def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: int | None,
                   progress: bool, scheduler: Any, n_workers: int | None,
-                  value_check: Any, coll: Collection | None = None) -> None:
+                  value_check: Any, coll: Collection | None = None,
+                  dtypes: tuple[Any, Any] = (None, None)) -> None:
     """:func:`append_to_collection` for a caller that holds the collection's lock.
     ``coll``: the collection appended to, when it is not the one at ``root`` (a remote
-    one: the new shards and manifest are then written to the staging folder ``root``)."""
+    one: the new shards and manifest are then written to the staging folder ``root``);
+    ``dtypes``: its ``data_dtype`` and ``index_dtype`` (``None``: the collection's)."""
     if coll is None:
         coll = open_collection(root)  # the current manifest, under the lock
     manifest = coll.manifest
@@ -337,6 +352,9 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         shuffle = bool(manifest.shuffle)
         writer = dict(manifest.extra.get("writer") or {})
         opts = _stored_options(writer, coll.describe())
+        data_dtype, index_dtype = (writer.get(k, AUTO) if v is None else v
+                                   for k, v in zip(("data_dtype", "index_dtype"), dtypes))
+        opts["data_dtype"], opts["index_dtype"] = check_dtype_options(data_dtype, index_dtype)
         shard_obs = int(writer.get("n_obs_per_shard") or max(coll.shard_sizes or [1]))
         work = _budget.working_memory(budget, n_new)
         shard_obs = min(shard_obs, max(n_new, 1))

@@ -46,8 +46,10 @@ from ..errors import CollectionError, InputError, check_int
 from ..store.inputs.view import InputSource, open_input
 from ..store.manifest import ShardInfo
 from .buckets import BucketSegment, BucketWriter, bucket_id, bucket_segments
+from .narrow import ValueRange
 from .passes import route_rows, write_shard_blocks
 from .schema import Schema
+from .shardstore import stored_arrays
 
 __all__ = ["Pass1Task", "pass1_tasks", "run_parallel", "open_scheduler", "SCHEDULERS"]
 
@@ -152,11 +154,13 @@ def _source(obj: Any, index: int) -> InputSource:
 
 def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schema,
                layout: tuple[int, int], work: int, folder: str,
-               value_check: Any) -> dict[str, str]:
+               value_check: Any) -> tuple[dict[str, str], dict[str, ValueRange]]:
     """Pass 1 for one task: its rows into ``folder/t<task>`` (renamed into place when done).
-    Returns the fields it found bad values in (``Schema.dropped``)."""
-    schema = copy.copy(schema)  # drops are this task's, reported back
+    Returns the fields it found bad values in (``Schema.dropped``) and what it saw of each
+    CSR field's values (``Schema.ranges``)."""
+    schema = copy.copy(schema)  # drops and value ranges are this task's, reported back
     schema.dropped, schema.unavailable = dict(schema.dropped), dict(schema.unavailable)
+    schema.ranges = {}
     src = _source(obj, task.source)
     final = Path(folder) / f"t{task.task:05d}"
     part = final.with_name(f"{final.name}.part-{secrets.token_hex(4)}")
@@ -170,12 +174,12 @@ def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schem
         if src is not obj:
             src.close()
     if not done:  # the write failed elsewhere
-        return {}
+        return {}, {}
     try:
         os.rename(part, final)
     except OSError:  # an earlier run of this task finished it: the same rows
         shutil.rmtree(part, ignore_errors=True)
-    return dict(schema.dropped)
+    return dict(schema.dropped), schema.ranges
 
 
 def segments_of(schema: Schema) -> list[BucketSegment]:
@@ -195,7 +199,8 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
     if (Path(tmp) / ".buckets" / ABANDONED).exists():  # the write failed elsewhere
         return ShardInfo(name, 0), {}
     if done.exists():  # an earlier run finished it
-        return ShardInfo(name, n), json.loads(done.read_text())["dtypes"]
+        dtypes = json.loads(done.read_text())["dtypes"]
+        return ShardInfo(name, n, stored=stored_arrays(dtypes, schema.kept)), dtypes
     paths = [[Path(d) / f"bucket_{bucket_id(shard, j, shard_obs, block_obs):05d}.bin"
               for d in task_dirs] for j in range(-(-n // block_obs))]
     final = Path(tmp) / name
@@ -212,7 +217,7 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
         for f in p:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(f)
-    return ShardInfo(name, n), dtypes
+    return ShardInfo(name, n, stored=stored_arrays(dtypes, schema.kept)), dtypes
 
 
 # --------------------------------------------------------------------------- driver
@@ -375,9 +380,12 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                 t, objs[t.source], None if dest is None
                 else dest[t.offset + t.start: t.offset + t.stop], schema, layout, work,
                 str(folder), value_check)) for t in tasks]
-            for dropped in _run(client, calls, bar, folder / ABANDONED, grace):
+            for dropped, ranges in _run(client, calls, bar, folder / ABANDONED, grace):
                 for key, reason in dropped.items():
                     schema.drop(key, reason)
+                for key, seen in ranges.items():
+                    schema.ranges.setdefault(key, ValueRange()).merge(seen)
+            schema.choose_storage(opts)
             task_dirs = [str(folder / f"t{t.task:05d}") for t in tasks]
             calls = [(_describe(s, sources), write_shard, (
                 s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,

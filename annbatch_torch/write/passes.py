@@ -144,6 +144,7 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                 axis = schema.axis(f.key)
                 block = _remap(block, axis.maps[i], axis.sorted[i], int(f.width),
                                f.dtype)
+                schema.observe(f.key, block.data, src.label)  # what it can be stored as
             else:
                 block = np.asarray(block.toarray() if sp.issparse(block) else block, f.dtype)
             parts.append((f.kind, take(block)))

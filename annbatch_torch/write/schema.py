@@ -31,6 +31,7 @@ from ..store.collection import MAX_LABEL_CATEGORIES, too_many_categories
 from ..store.inputs.plan import nonempty, plan_fields
 from ..store.inputs.view import InputSource
 from ..store.manifest import RAW_X
+from .narrow import ValueRange, stored_dtype, stored_index_dtype
 from .varmeta import merge_var
 
 __all__ = ["LOW_GENE_OVERLAP", "GeneAxis", "OutField", "Schema", "check_reference",
@@ -57,6 +58,10 @@ class OutField:
     ordered: bool = False
     luts: list[np.ndarray | None] | None = None  # local -> global codes, per input
     requested: bool = True  # named by the user (or X): a bad value is an error
+    #: a CSR field's stored dtypes of values and column indices (chosen after pass 1 by
+    #: :mod:`.narrow`; ``None``: ``dtype`` and int32, as before)
+    stored: np.dtype | None = None
+    index_dtype: np.dtype | None = None
 
 
 @dataclass
@@ -81,6 +86,22 @@ class Schema:
     #: raw's genes and gene metadata, when raw/X is carried
     raw_genes: GeneAxis | None = None
     raw_var: pd.DataFrame | None = None
+    #: what pass 1 saw of each CSR field's values (:class:`.narrow.ValueRange`)
+    ranges: dict[str, ValueRange] = field(default_factory=dict)
+
+    def observe(self, key: str, values: np.ndarray, label: str) -> None:
+        """Note the values of a block of CSR field ``key`` of input ``label`` (pass 1)."""
+        self.ranges.setdefault(key, ValueRange()).observe(values, label)
+
+    def choose_storage(self, opts: dict[str, Any]) -> None:
+        """Set each CSR field's stored dtypes from what pass 1 saw and the writer's
+        ``opts["data_dtype"]`` / ``opts["index_dtype"]`` (``None``: ``"auto"``; see
+        :mod:`.narrow`)."""
+        data_dtype, index_dtype = opts.get("data_dtype"), opts.get("index_dtype")
+        for f in self.kept:
+            if f.kind == "csr":
+                f.stored = stored_dtype(f.key, f.dtype, self.ranges.get(f.key), data_dtype)
+                f.index_dtype = stored_index_dtype(int(f.width), index_dtype)
 
     @property
     def var_names(self) -> pd.Index:

@@ -9,8 +9,9 @@ whole zarr shards (or chunks, unsharded), so no stored shard is ever read back a
 rewritten. Only the arrays' tails (under one zarr shard each) wait in memory.
 
 The result is what ``anndata.io.write_elem`` writes: X and layers as ``csr_matrix`` groups
-(``data``, ``indices`` int32, ``indptr`` int64), obsm as ``array``, obs as a dataframe with
-the global categories (stored codes are global codes), var and raw as AnnData has them.
+(``data`` and ``indices`` in the stored dtypes :mod:`.narrow` chose, ``indptr`` int64),
+obsm as ``array``, obs as a dataframe with the global categories (stored codes are global
+codes), var and raw as AnnData has them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..errors import CollectionError, InputError
 from ..store.manifest import RAW_X
 
 __all__ = ["Appender", "ShardStore", "array_kwargs", "carry_bytes", "compressors_for",
-           "gather_rows"]
+           "gather_rows", "stored_arrays"]
 
 _EMPTY_GROUPS = ("layers", "obsm", "obsp", "varm", "varp", "uns")
 _GATHER_ROWS = 4096  # rows of a CSR field put in order at a time
@@ -115,7 +116,9 @@ class Appender:
             self.pos += len(rows)
 
     def append(self, rows: np.ndarray) -> None:
-        """Append ``rows`` (same dtype and trailing shape as the array)."""
+        """Append ``rows`` (same trailing shape as the array; cast to its dtype, which the
+        caller made sure holds every value: see :mod:`.narrow`)."""
+        rows = np.asarray(rows).astype(self.array.dtype, copy=False)
         i = 0
         if self._n:  # complete the waiting unit first
             assert self._buf is not None
@@ -151,7 +154,7 @@ class _CSRField:
     """The three arrays of one CSR field and their appenders."""
 
     def __init__(self, parent: Any, name: str, n_rows: int, n_cols: int, nnz: int,
-                 dtype: np.dtype, opts: dict[str, Any]) -> None:
+                 dtype: np.dtype, index_dtype: np.dtype, opts: dict[str, Any]) -> None:
         group = parent.create_group(name)
         group.attrs.update({"shape": [n_rows, n_cols], "encoding-type": "csr_matrix",
                             "encoding-version": "0.1.0"})
@@ -160,7 +163,7 @@ class _CSRField:
             Appender(group.create_array(key, shape=(nnz,), dtype=dt, fill_value=0, **kw),
                      _unit(kw))
             for key, dt, kw in (("data", dtype, array_kwargs(opts, (chunk,), (max(nnz, 1),))),
-                                ("indices", np.dtype(np.int32),
+                                ("indices", np.dtype(index_dtype),
                                  array_kwargs(opts, (chunk,), (max(nnz, 1),))))
         )
         kw = array_kwargs(opts, (chunk,), (n_rows + 1,))
@@ -246,8 +249,10 @@ class ShardStore:
             parent, _, name = f.key.rpartition("/")
             dest = g if f.key.startswith("obs/") else g[parent] if parent else g
             if f.kind == "csr":
-                self._csr[f.key] = _CSRField(dest, name, n_rows, int(f.width), int(nnz[f.key]),
-                                             f.dtype, opts)
+                self._csr[f.key] = _CSRField(
+                    dest, name, n_rows, int(f.width), int(nnz[f.key]),
+                    f.dtype if f.stored is None else f.stored,
+                    np.int32 if f.index_dtype is None else f.index_dtype, opts)
             elif f.kind == "dense":
                 width = int(f.width)
                 kw = array_kwargs(opts, (max(1, chunk // max(width, 1)), width),
@@ -294,7 +299,10 @@ class ShardStore:
         self.rows += n
 
     def close(self) -> dict[str, str]:
-        """Write obs and the arrays' tails; returns the stored dtype of every field."""
+        """Write obs and the arrays' tails; returns the dtype of every field (what readers
+        deliver) and the stored dtypes of each CSR field's arrays (keys ``"<field>/data"``
+        and ``"<field>/indices"``, which never name a field: see
+        :func:`stored_arrays`)."""
         from anndata.io import write_elem
 
         where = str(self.path)
@@ -325,11 +333,22 @@ class ShardStore:
         for f in self.fields:
             if f.kind in ("csr", "dense"):
                 dtypes[f.key] = str(f.dtype)
+                if f.kind == "csr":
+                    csr = self._csr[f.key]
+                    dtypes[f"{f.key}/data"] = str(csr.data.array.dtype)
+                    dtypes[f"{f.key}/indices"] = str(csr.indices.array.dtype)
             else:
                 node = self.group["obs"][f.key[4:]]
                 dtypes[f.key] = str(node["codes"].dtype if f.kind == "categorical"
                                     else node.dtype)
         return dtypes
+
+
+def stored_arrays(dtypes: dict[str, str], fields: Any) -> dict[str, str]:
+    """The stored dtypes of the CSR fields' arrays among ``dtypes`` (as
+    :meth:`ShardStore.close` returns them), for ``ShardInfo.stored``."""
+    keys = {f"{f.key}/{a}" for f in fields if f.kind == "csr" for a in ("data", "indices")}
+    return {k: v for k, v in dtypes.items() if k in keys}
 
 
 def _categorical(codes: np.ndarray, f: Any, where: str) -> pd.Categorical:

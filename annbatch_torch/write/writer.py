@@ -87,6 +87,7 @@ from ..store.remote.location import RemoteLocation, is_url
 from . import budget as _budget
 from .buckets import BucketWriter, bucket_id, bucket_segments
 from .budget import parse_memory
+from .narrow import check_dtype_options, dtype_options
 from .passes import route_rows, write_shard_blocks
 from .publish import (
     check_output,
@@ -97,7 +98,7 @@ from .publish import (
     sync_tree,
 )
 from .schema import Schema, check_reference, resolve_schema
-from .shardstore import compressors_for
+from .shardstore import compressors_for, stored_arrays
 
 __all__ = ["create_anndata_collection", "parse_memory", "DEFAULT_MAX_MEMORY",
            "DEFAULT_CHUNK_ELEMS", "DEFAULT_SHARD_ELEMS", "VAR_JOINS"]
@@ -150,6 +151,8 @@ def create_anndata_collection(
     zarr_chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     zarr_shard_elems: int | None = DEFAULT_SHARD_ELEMS,
     compressor: Any = "raw",
+    data_dtype: Any = "auto",
+    index_dtype: Any = "auto",
     value_check: Callable[[str, str, Any], None] | None = None,
     scheduler: Any = None,
     n_workers: int | None = None,
@@ -227,6 +230,20 @@ def create_anndata_collection(
         zstd level 3), ``"none"`` (uncompressed, no checksum), or zarr codec objects.
         lz4 and zstd are followed by a CRC-32C in zarr v3 (Blosc does not verify its
         payload); in zarr v2 they carry no checksum (see docs/format.md).
+    data_dtype
+        How the values of X, the layers and raw/X are stored. ``"auto"`` (default): the
+        narrowest dtype that holds every value exactly, found while pass 1 reads them:
+        ``uint8`` / ``uint16`` / ``uint32`` for whole numbers (``int8`` / ``int16`` /
+        ``int32`` with negatives), else float32 when it holds them exactly, else the
+        field's dtype. A numpy dtype (``"float32"``, ``"uint16"``...) stores that one; a
+        value it cannot hold exactly is an :class:`InputError` naming the input. Readers
+        deliver the field's dtype either way (float32 for float32 inputs): the stored
+        values are widened as they are read.
+    index_dtype
+        How the column indices of X, the layers and raw/X are stored: ``"auto"``
+        (default): ``uint16`` for matrices of at most 65,536 genes, else int32;
+        ``"int32"``: always int32. ``data_dtype="float32", index_dtype="int32"`` writes the
+        layout of collections written before these options (format version 1).
     value_check
         Hook called as ``value_check(input_label, field, block)`` on every block of X,
         layers and obsm read (CSR matrix or array); raise to reject an input (e.g. NaN or
@@ -301,10 +318,12 @@ def create_anndata_collection(
         zarr_shard_elems = check_int(
             "zarr_shard_elems", zarr_shard_elems, 0, error=InputError,
             note=f" (0 or None: one file per chunk; default {DEFAULT_SHARD_ELEMS})")
+    stored_data, stored_index = check_dtype_options(data_dtype, index_dtype)
     opts = {"zarr_format": zarr_format, "chunk_elems": int(zarr_chunk_elems),
             "shard_elems": int(zarr_shard_elems) if zarr_shard_elems and zarr_format == 3
             else None,
-            "compressors": compressors_for(compressor, zarr_format)}
+            "compressors": compressors_for(compressor, zarr_format),
+            "data_dtype": stored_data, "index_dtype": stored_index}
     if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
         adata_paths = [adata_paths]
     if not adata_paths:
@@ -435,6 +454,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
     finally:
         buckets.close()
     del dest
+    schema.choose_storage(opts)
     shards, dtypes = [], {}
     with _progress(n_total, "shuffle 2/2: write", progress) as bar:
         for s in range(-(-n_total // shard_obs)):
@@ -444,7 +464,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
                      for j in range(-(-n // block_obs))]
             dtypes = write_shard_blocks(tmp / name, n, paths, schema, layout, opts,
                                         f"{tmp}: shard {s}", delete=True, on_block=bar.update)
-            shards.append(ShardInfo(name, n))
+            shards.append(ShardInfo(name, n, stored=stored_arrays(dtypes, schema.kept)))
     shutil.rmtree(tmp / ".buckets", ignore_errors=True)
     return shards, dtypes
 
@@ -471,7 +491,8 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
               "max_memory": budget,
               "zarr_format": opts["zarr_format"], "zarr_chunk_elems": opts["chunk_elems"],
               "zarr_shard_elems": opts["shard_elems"],
-              "compressor": compressor if isinstance(compressor, str) else repr(compressor)}
+              "compressor": compressor if isinstance(compressor, str) else repr(compressor),
+              **dtype_options(opts)}
     generation = secrets.token_hex(8)  # this write's shards, told apart from a rewrite's
     shards = [dataclasses.replace(s, generation=generation) for s in shards]
     manifest = Manifest(

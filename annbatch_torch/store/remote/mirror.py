@@ -154,7 +154,8 @@ class Mirror:
         """The shard list of the manifest on the store now (``None`` if unreadable)."""
         try:
             obj = json.loads(self.location.get(MANIFEST_NAME))
-            return [ShardInfo(str(s["path"]), int(s["n_obs"]), s.get("generation"))
+            return [ShardInfo(str(s["path"]), int(s["n_obs"]), s.get("generation"),
+                              dict(s.get("stored", {})))
                     for s in obj["shards"]]
         except (ValueError, KeyError, TypeError):
             return None

@@ -1,0 +1,423 @@
+"""Narrow lossless dtypes (issue 30): the writer stores each sparse matrix's values and
+column indices in the narrowest dtype that holds them exactly, and every reader delivers
+what the wide layout delivers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import annbatch_torch as abt
+from annbatch_torch import InputError, ReadError, create_anndata_collection
+from annbatch_torch.cli.main import main as cli_main
+from annbatch_torch.store.manifest import FORMAT_VERSION
+from annbatch_torch.write.narrow import ValueRange, stored_dtype
+
+WIDE = {"data_dtype": "float32", "index_dtype": "int32"}
+_INT_ORDER = [np.dtype(t) for t in ("uint8", "int8", "uint16", "int16", "uint32", "int32")]
+
+
+def _expected_stored(values: np.ndarray, logical: np.dtype) -> np.dtype:
+    """The narrowest lossless dtype, computed independently of annbatch_torch's code: the
+    first of uint8, int8, uint16, int16, uint32, int32 whose range holds every value and
+    through which every value goes and comes back unchanged; else float32 if that holds
+    them exactly, else the logical dtype."""
+    v = np.asarray(values)
+    if not v.size:
+        return np.dtype(np.uint8)
+    as_f = v.astype(np.float64)
+    whole = bool(np.all(np.trunc(as_f) == as_f)) and not bool(
+        np.any((as_f == 0) & np.signbit(as_f)))
+    if whole:
+        for dt in _INT_ORDER:
+            info = np.iinfo(dt)
+            # compared as float64 (exact for every value here; float32 would round the bound)
+            if dt.itemsize <= max(logical.itemsize, 4) and info.min <= as_f.min() and \
+                    as_f.max() <= info.max:
+                return dt
+    if logical.kind == "f" and np.array_equal(v.astype(np.float32).astype(logical), v):
+        return np.dtype(np.float32)
+    return logical
+
+
+def _inputs(values: list[np.ndarray], dtype: str, n_vars: int, seed: int) -> list[ad.AnnData]:
+    """One AnnData per value array: a CSR X of ``n_vars`` genes holding ``values`` as its
+    non-zeros (in row order), an obs column ``rid`` with a global row id."""
+    rng = np.random.default_rng(seed)
+    out, rid = [], 0
+    for k, vals in enumerate(values):
+        n_obs = max(1, -(-len(vals) // 3))
+        rows = np.sort(rng.integers(0, n_obs, len(vals)))
+        # distinct columns per row: each row's entries get ascending, distinct columns
+        cols = np.zeros(len(vals), dtype=np.int64)
+        for r in np.unique(rows):
+            at = np.flatnonzero(rows == r)
+            cols[at] = np.sort(rng.choice(n_vars, size=len(at), replace=False))
+        m = sp.csr_matrix((np.asarray(vals, dtype=dtype), (rows, cols)), shape=(n_obs, n_vars))
+        m.sort_indices()
+        a = ad.AnnData(X=m)
+        a.obs_names = [f"i{k}_c{j}" for j in range(n_obs)]
+        a.var_names = [f"g{j}" for j in range(n_vars)]
+        a.obs["rid"] = np.arange(rid, rid + n_obs, dtype=np.int64)
+        rid += n_obs
+        out.append(a)
+    return out
+
+
+def _rows(coll: Any, **kw: Any) -> dict[int, np.ndarray]:
+    """Every row of one epoch as ``{rid: dense row}`` (each row once)."""
+    ds = abt.AnnBatchDataset(coll, selector={"x": "X", "rid": "obs/rid"},
+                             **{"batch_size": 7, "chunk_size": 4, "preload_nchunks": 3, **kw})
+    out: dict[int, np.ndarray] = {}
+    for b in ds:
+        x = b["x"].to_dense() if b["x"].layout == torch.sparse_csr else b["x"]
+        assert x.dtype == torch.float32  # sparse fields reach users as float32, always
+        for r, row in zip(b["rid"].tolist(), x.numpy()):
+            assert r not in out
+            out[r] = row
+    return out
+
+
+def _source_rows(adatas: list[ad.AnnData]) -> dict[int, np.ndarray]:
+    out = {}
+    for a in adatas:
+        dense = a.X.toarray()
+        for r, row in zip(a.obs["rid"].tolist(), dense):
+            out[r] = row
+    return out
+
+
+# -- the choice --------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_choice_is_the_narrowest_lossless_dtype(data: st.DataObject) -> None:
+    logical = np.dtype(data.draw(st.sampled_from(["float32", "float64", "int32", "int64"])))
+    edges = [0, 1, 127, 128, 255, 256, 32767, 32768, 65535, 65536, 2**31 - 1, 2**31,
+             2**32 - 1, 2**32, -1, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1]
+    if logical.kind == "f":
+        elements = st.one_of(st.sampled_from([*edges, 0.5, -2.25, 1e-3, 2.0**40 + 0.5,
+                                               0.1, 16777217.0, -0.0]),
+                             st.floats(-1e6, 1e6, allow_nan=False, width=32))
+    else:
+        info = np.iinfo(logical)
+        elements = st.one_of(st.sampled_from([e for e in edges if info.min <= e <= info.max]),
+                             st.integers(int(info.min), int(info.max)))
+    blocks = data.draw(st.lists(st.lists(elements, max_size=20), min_size=1, max_size=3))
+    arrays = [np.array(b, dtype=logical) for b in blocks]
+    if logical == np.float32:  # values float32 cannot hold are not float32 inputs
+        arrays = [a.astype(np.float32) for a in arrays]
+    seen = ValueRange()
+    for a in arrays:
+        seen.observe(a, "input")
+    # the parallel writer merges what its tasks saw: the same choice
+    merged = ValueRange()
+    for a in arrays:
+        part = ValueRange()
+        part.observe(a, "task")
+        merged.merge(part)
+    everything = np.concatenate(arrays)
+    expected = _expected_stored(everything, logical)
+    assert stored_dtype("X", logical, seen, None) == expected
+    assert stored_dtype("X", logical, merged, None) == expected
+    got = stored_dtype("X", logical, seen, None)
+    # lossless: every value goes through the stored dtype and comes back equal
+    np.testing.assert_array_equal(everything.astype(got).astype(logical), everything)
+
+
+def test_an_asked_dtype_that_cannot_hold_a_value_is_refused_naming_it() -> None:
+    seen = ValueRange()
+    seen.observe(np.array([1, 2, 3], np.float32), "a.h5ad")
+    seen.observe(np.array([300], np.float32), "b.h5ad")
+    with pytest.raises(InputError, match=r"in b\.h5ad, 300 is outside uint8's range.*"
+                                         r"data_dtype='auto'.*'uint16'"):
+        stored_dtype("X", np.dtype(np.float32), seen, np.dtype(np.uint8))
+    seen.observe(np.array([0.5], np.float32), "c.h5ad")
+    with pytest.raises(InputError, match=r"in c\.h5ad, 0\.5 is not a whole number.*'float32'"):
+        stored_dtype("X", np.dtype(np.float32), seen, np.dtype(np.uint16))
+
+
+# -- written and read back -----------------------------------------------------------------
+_SCENARIOS = {
+    # name: (input dtype, value arrays per input)
+    "uint8 max": ("float32", [[1, 2, 255], [3, 4]]),
+    "uint8 + 1": ("float32", [[1, 2, 255], [256]]),
+    "uint16 max": ("int32", [[1, 65535], [7]]),
+    "uint16 + 1": ("int32", [[65536, 1], [2]]),
+    "uint32 max": ("int64", [[2**32 - 1, 5]]),
+    "uint32 + 1": ("int64", [[2**32, 5]]),
+    "int8 min": ("float32", [[-128, 127], [1]]),
+    "int8 - 1": ("float32", [[-129, 5]]),
+    "int16": ("int32", [[-32768, 32767]]),
+    "fraction in one input": ("float32", [[1, 2, 3], [0.5, 2]]),
+    "float64 exact": ("float64", [[0.5, 0.25, 3.0]]),
+    "float64 inexact": ("float64", [[0.1, 3.0]]),
+    "float64 counts": ("float64", [[1.0, 200.0], [3.0]]),
+    "no values": ("float32", [[]]),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(_SCENARIOS))
+def test_round_trip_stores_narrow_and_reads_what_the_wide_layout_reads(
+        scenario: str, tmp_path: Path) -> None:
+    dtype, values = _SCENARIOS[scenario]
+    adatas = _inputs([np.array(v, dtype=np.float64) for v in values], dtype, 9, seed=3)
+    narrow = create_anndata_collection(adatas, tmp_path / "narrow", progress=False,
+                                       n_obs_per_shard=4)
+    wide = create_anndata_collection(adatas, tmp_path / "wide", progress=False,
+                                     n_obs_per_shard=4, data_dtype=narrow.fields["X"].dtype,
+                                     index_dtype="int32")
+    logical = np.dtype(narrow.fields["X"].dtype)
+    everything = np.concatenate([np.asarray(a.X.data) for a in adatas]).astype(logical)
+    expected = _expected_stored(everything, logical)
+    for s in narrow.manifest.shards:
+        assert s.stored == {"X/data": expected.name, "X/indices": "uint16"}, scenario
+    for i in range(len(narrow.shards)):
+        g = zarr.open_group(str(narrow.shard_path(i)), mode="r")
+        assert g["X/data"].dtype == expected
+        assert g["X/indices"].dtype == np.uint16
+    # uint16 indices need format version 2; the wide layout stays version 1
+    assert json.loads((tmp_path / "narrow" / "manifest.json").read_text())["format_version"] == 2
+    assert json.loads((tmp_path / "wide" / "manifest.json").read_text())["format_version"] == 1
+    src = _source_rows(adatas)
+    for kw in ({"shuffle": False}, {"shuffle": True, "seed": 5}):
+        got_n, got_w = _rows(narrow, **kw), _rows(wide, **kw)
+        assert sorted(got_n) == sorted(src)
+        for r, row in src.items():
+            np.testing.assert_array_equal(got_n[r], row.astype(logical).astype(got_n[r].dtype))
+            assert got_n[r].tobytes() == got_w[r].tobytes()  # bit-identical
+    # anndata opens every shard as it is: the same numbers, stored narrow
+    back = ad.concat([ad.read_zarr(narrow.shard_path(i)) for i in range(len(narrow.shards))])
+    ref = ad.concat(adatas)[back.obs_names]
+    np.testing.assert_array_equal(back.X.toarray().astype(logical), ref.X.toarray())
+
+
+@pytest.mark.parametrize(("n_vars", "index"), [(65_536, "uint16"), (65_537, "int32")])
+def test_the_index_dtype_follows_the_gene_count(n_vars: int, index: str, tmp_path: Path
+                                                ) -> None:
+    m = sp.csr_matrix((np.array([1, 2, 3, 4], np.float32),
+                       (np.array([0, 0, 1, 2]), np.array([0, n_vars - 1, n_vars - 2, 7]))),
+                      shape=(3, n_vars))
+    a = ad.AnnData(X=m)
+    a.obs_names = ["a", "b", "c"]
+    a.var_names = [f"g{j}" for j in range(n_vars)]
+    a.obs["rid"] = np.arange(3)
+    coll = create_anndata_collection([a], tmp_path / "c", progress=False, shuffle=False)
+    assert coll.manifest.shards[0].stored == {"X/data": "uint8", "X/indices": index}
+    got = _rows(coll, shuffle=False)
+    for r in range(3):
+        np.testing.assert_array_equal(got[r], m[r].toarray().ravel())
+    forced = create_anndata_collection([a], tmp_path / "i32", progress=False, shuffle=False,
+                                       index_dtype="int32")
+    assert forced.manifest.shards[0].stored["X/indices"] == "int32"
+
+
+def test_an_append_may_store_another_dtype_and_pools_spanning_both_read_right(
+        tmp_path: Path) -> None:
+    small = _inputs([np.arange(1, 40) % 200 + 1], "float32", 11, seed=1)
+    big = _inputs([np.arange(1, 40) * 1000.0], "float32", 11, seed=2)
+    big[0].obs_names = [f"new_{n}" for n in big[0].obs_names]
+    big[0].obs["rid"] = big[0].obs["rid"] + 1000
+    coll = create_anndata_collection(small, tmp_path / "c", progress=False, n_obs_per_shard=5)
+    coll = abt.append_to_collection(coll, big, progress=False)
+    stored = {s.stored["X/data"] for s in coll.manifest.shards}
+    assert stored == {"uint8", "uint16"}
+    src = {**_source_rows(small), **_source_rows(big)}
+    for kw in ({"shuffle": False}, {"shuffle": True, "seed": 1},
+               {"sampler": abt.WeightedSampler(np.ones(coll.n_obs), num_samples=3 * coll.n_obs,
+                                               replacement=True)}):
+        ds = abt.AnnBatchDataset(coll, selector={"x": "X", "rid": "obs/rid"}, batch_size=9,
+                                 chunk_size=4, preload_nchunks=4, **kw)
+        n = 0
+        for b in ds:
+            x = b["x"].to_dense().numpy()
+            assert b["x"].dtype == torch.float32
+            for r, row in zip(b["rid"].tolist(), x):
+                np.testing.assert_array_equal(row, src[r])
+                n += 1
+        assert n >= coll.n_obs - 9
+
+
+def test_every_reader_path_gives_the_wide_layouts_values(synthetic_h5ads: list[Path],
+                                                         tmp_path: Path) -> None:
+    """Chunked (0 and 2 workers), sampling (balanced, weighted with repeats), the device pool
+    code on the CPU, densified: the narrow collection gives the wide one's batches."""
+    narrow = create_anndata_collection(synthetic_h5ads, tmp_path / "n", progress=False,
+                                       n_obs_per_shard=1024, seed=3)
+    wide = create_anndata_collection(synthetic_h5ads, tmp_path / "w", progress=False,
+                                     n_obs_per_shard=1024, seed=3, **WIDE)
+    stored = narrow.manifest.shards[0].stored
+    assert stored["layers/counts/data"] in ("uint8", "uint16")  # counts
+    assert stored["X/data"] == "float32"  # log1p values: no whole numbers
+    assert stored["X/indices"] == stored["layers/counts/indices"] == "uint16"
+    selector = {"x": "X", "counts": "layers/counts", "ct": "obs/cell_type"}
+    weights = np.random.default_rng(0).random(narrow.n_obs)
+    configs: list[dict[str, Any]] = [
+        {"seed": 1}, {"seed": 2, "densify": True}, {"seed": 3, "device": "cpu"},
+        {"seed": 4, "sampler": abt.ClassBalancedSampler("cell_type")},
+        {"seed": 5, "sampler": abt.WeightedSampler(weights, num_samples=3000,
+                                                   replacement=True)},
+    ]
+    for kw in configs:
+        batches = []
+        for coll in (narrow, wide):
+            ds = abt.AnnBatchDataset(coll, selector=selector, batch_size=256, chunk_size=64,
+                                     preload_nchunks=4, **kw)
+            batches.append(list(ds))
+        assert len(batches[0]) == len(batches[1]) > 0
+        for bn, bw in zip(*batches):
+            for key in selector:
+                a, b = bn[key], bw[key]
+                if a.layout == torch.sparse_csr:
+                    a, b = a.to_dense(), b.to_dense()
+                assert a.dtype == b.dtype, (kw, key)
+                assert torch.equal(a, b), (kw, key)
+    loaders = [torch.utils.data.DataLoader(
+        abt.AnnBatchDataset(c, selector=selector, batch_size=256, chunk_size=64,
+                            preload_nchunks=4, seed=9), batch_size=None, num_workers=2)
+        for c in (narrow, wide)]
+    got = [{} for _ in loaders]
+    for out, loader in zip(got, loaders):
+        for b in loader:
+            for ct, counts in zip(b["ct"].tolist(), b["counts"].to_dense()):
+                out.setdefault(ct, []).append(counts.sum().item())
+    assert {k: sorted(v) for k, v in got[0].items()} == {k: sorted(v) for k, v in
+                                                          got[1].items()}
+
+
+def test_a_damaged_narrow_chunk_is_a_read_error(synthetic_h5ads: list[Path],
+                                                tmp_path: Path) -> None:
+    coll = create_anndata_collection(synthetic_h5ads, tmp_path / "c", progress=False)
+    assert coll.manifest.shards[0].stored["layers/counts/data"] in ("uint8", "uint16")
+    for array in ("layers/counts/data", "layers/counts/indices"):
+        files = [p for p in (coll.shard_path(0) / array / "c").rglob("*") if p.is_file()]
+        raw = bytearray(files[0].read_bytes())
+        keep = bytes(raw)
+        raw[100:104] = bytes(b ^ 0x5A for b in raw[100:104])
+        files[0].write_bytes(bytes(raw))
+        try:
+            ds = abt.AnnBatchDataset(abt.open_collection(tmp_path / "c"),
+                                     selector={"c": "layers/counts"}, batch_size=128)
+            with pytest.raises(ReadError, match=r"shard_00000.*layers/counts.*checksum"):
+                list(ds)
+        finally:
+            files[0].write_bytes(keep)
+
+
+def test_bad_dtype_options_are_refused_before_anything_is_written(
+        synthetic_h5ads: list[Path], tmp_path: Path, write_h5ads: Any) -> None:
+    for kw, msg in (({"data_dtype": "complex64"}, "data_dtype='complex64'"),
+                    ({"data_dtype": "float16"}, "data_dtype='float16'"),
+                    ({"data_dtype": "nope"}, "data_dtype='nope'"),
+                    ({"index_dtype": "int16"}, r"index_dtype='int16'.*'auto'.*'int32'"),
+                    ({"index_dtype": "uint16"}, r"index_dtype='uint16'")):
+        with pytest.raises(InputError, match=msg):
+            create_anndata_collection(synthetic_h5ads, tmp_path / "x", progress=False, **kw)
+        assert not (tmp_path / "x").exists()
+    # a count above 255 does not fit uint8: the input is named, nothing is left behind
+    paths = write_h5ads(_inputs([np.array([1.0, 2.0]), np.array([300.0, 4.0])], "float32", 5,
+                                seed=0), tmp_path / "in")
+    with pytest.raises(InputError, match=r"X cannot be stored as data_dtype='uint8': in "
+                                         r".*in1\.h5ad, 300 is outside uint8's range"):
+        create_anndata_collection(paths, tmp_path / "x", progress=False, data_dtype="uint8")
+    # log1p values are no whole numbers: the input holding the first is named
+    with pytest.raises(InputError, match=r"X cannot be stored as data_dtype='uint16': in "
+                                         r".*part0\.h5ad, [0-9.]+ is not a whole number"):
+        create_anndata_collection(synthetic_h5ads, tmp_path / "x", progress=False,
+                                  data_dtype="uint16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_manifest_naming_the_stored_dtype_of_no_field_is_refused(
+        synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    create_anndata_collection(synthetic_h5ads, tmp_path / "c", progress=False)
+    path = tmp_path / "c" / "manifest.json"
+    obj = json.loads(path.read_text())
+    assert obj["format_version"] == FORMAT_VERSION == 2
+    obj["shards"][0]["stored"]["obsm/X_pca/data"] = "uint8"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(abt.CollectionError, match=r"obsm/X_pca/data.*not a sparse field"):
+        abt.open_collection(tmp_path / "c")
+    obj["shards"][0]["stored"] = {"X/data": "object"}
+    path.write_text(json.dumps(obj))
+    with pytest.raises(abt.CollectionError, match="malformed"):
+        abt.open_collection(tmp_path / "c")
+
+
+def test_the_cli_and_the_parallel_writer_take_the_options(
+        synthetic_h5ads: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["shuffle", *map(str, synthetic_h5ads), "-o", str(tmp_path / "cli"), "--no-progress",
+            "--data-dtype", "float32", "--index-dtype", "int32", "-q"]
+    assert cli_main(args) == 0
+    cli = abt.open_collection(tmp_path / "cli")
+    assert {v for s in cli.manifest.shards for v in s.stored.values()} == {"float32", "int32"}
+    assert cli.manifest.extra["writer"]["data_dtype"] == "float32"
+    serial = create_anndata_collection(synthetic_h5ads, tmp_path / "s", progress=False)
+    threads = create_anndata_collection(synthetic_h5ads, tmp_path / "t", progress=False,
+                                        scheduler="threads", n_workers=2)
+    assert [s.stored for s in serial.manifest.shards] == [s.stored for s in
+                                                          threads.manifest.shards]
+    assert cli_main(["shuffle", str(synthetic_h5ads[0]), "-o", str(tmp_path / "bad"),
+                     "--index-dtype", "int64"]) != 0
+    assert "--index-dtype" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_round_trips_of_drawn_values(data: st.DataObject, tmp_path: Path) -> None:
+    dtype = data.draw(st.sampled_from(["float32", "int32", "int64", "float64"]))
+    pick = st.sampled_from([1, 2, 255, 256, 65535, 65536, -1, -128, -129, 2**31 - 1])
+    if dtype.startswith("float"):
+        pick = st.one_of(pick, st.sampled_from([0.5, 1.25, 2.0**-3]))
+    values = data.draw(st.lists(st.lists(pick, min_size=1, max_size=12), min_size=1,
+                                max_size=3))
+    adatas = _inputs([np.array(v, dtype=np.float64) for v in values], dtype, 13,
+                     seed=data.draw(st.integers(0, 100)))
+    out = tmp_path / f"c{np.random.default_rng().integers(1 << 30)}"
+    coll = create_anndata_collection(adatas, out, progress=False, n_obs_per_shard=3)
+    logical = np.dtype(coll.fields["X"].dtype)
+    got = _rows(coll, shuffle=True, seed=2)
+    src = _source_rows(adatas)
+    assert sorted(got) == sorted(src)
+    for r, row in src.items():
+        np.testing.assert_array_equal(got[r], row.astype(logical).astype(got[r].dtype))
+
+
+def test_collections_written_before_are_read_as_before(synthetic_h5ads: list[Path],
+                                                      tmp_path: Path) -> None:
+    """A manifest without ``stored`` entries, format version 1 (written before the
+    options): its float32 / int32 arrays read as the narrow collection's values."""
+    old = create_anndata_collection(synthetic_h5ads, tmp_path / "old", progress=False,
+                                    seed=4, **WIDE)
+    path = old.path / "manifest.json"
+    obj = json.loads(path.read_text())
+    for s in obj["shards"]:
+        del s["stored"]
+    for key in ("data_dtype", "index_dtype"):
+        del obj["extra"]["writer"][key]
+    assert obj["format_version"] == 1
+    path.write_text(json.dumps(obj))
+    new = create_anndata_collection(synthetic_h5ads, tmp_path / "new", progress=False, seed=4)
+    selector = {"counts": "layers/counts"}
+    for a, b in zip(abt.AnnBatchDataset(abt.open_collection(old.path), selector=selector,
+                                        batch_size=300),
+                    abt.AnnBatchDataset(new, selector=selector, batch_size=300)):
+        assert torch.equal(a["counts"].to_dense(), b["counts"].to_dense())
+    # an append to it follows "auto": its new shards are narrow, the manifest version 2
+    extra = ad.read_h5ad(synthetic_h5ads[0])
+    extra.obs_names = [f"more_{n}" for n in extra.obs_names]
+    grown = abt.append_to_collection(old.path, [extra], progress=False)
+    assert grown.manifest.shards[-1].stored["layers/counts/indices"] == "uint16"
+    assert json.loads(path.read_text())["format_version"] == 2
