@@ -3,6 +3,7 @@ the same server's front-to-back ceiling and the local collection.
 
     .venv/bin/python benchmarks/remote_read.py [--data benchmarks/data/grouped_100000x20000_seed0]
         [--workers 0,2] [--out benchmarks/results/remote_issue14_run.json]
+        [--store NAME=PATH ...]      # several collections (e.g. two layouts), interleaved
 
 One run: the benchmark collection (written locally once, cached under ``--data``) is
 uploaded to a moto server started here, then for each worker count:
@@ -63,21 +64,28 @@ def main() -> None:
     p.add_argument("--data", default="benchmarks/data/grouped_100000x20000_seed0")
     p.add_argument("--workers", default="0,2")
     p.add_argument("--out", default="benchmarks/results/remote_issue14_run.json")
+    p.add_argument("--store", action="append", default=[], metavar="NAME=PATH",
+                   help="a local collection to upload and read (repeat for several, read in "
+                        "turn for each worker count; default: DATA/collection)")
     args = p.parse_args()
     data = Path(args.data)
-    local = data / "collection"
-    if not (local / "manifest.json").is_file():
-        abt.create_anndata_collection(sorted(data.glob("part*.h5ad")), local, seed=0,
-                                      obs_columns=["cell_type"])
+    stores = dict(s.split("=", 1) for s in args.store) or {"collection": str(data / "collection")}
+    if not args.store and not (data / "collection" / "manifest.json").is_file():
+        abt.create_anndata_collection(sorted(data.glob("part*.h5ad")), data / "collection",
+                                      seed=0, obs_columns=["cell_type"])
     server = S3Server()
     results: dict[str, object] = {}
     try:
-        url = server.bucket("bench") + "/atlas"
-        loc = RemoteLocation(url, server.options)
-        t0 = time.perf_counter()
-        upload_collection(local, loc, overwrite=False, progress=False)
-        results["upload_s"] = time.perf_counter() - t0
-        for w in (int(x) for x in args.workers.split(",")):
+        urls = {}
+        for k, (name, path) in enumerate(stores.items()):
+            urls[name] = server.bucket(f"bench{k}") + "/atlas"
+            t0 = time.perf_counter()
+            upload_collection(Path(path), RemoteLocation(urls[name], server.options),
+                              overwrite=False, progress=False)
+            results[f"{name} upload_s"] = time.perf_counter() - t0
+        for w, name in ((int(x), name) for x in args.workers.split(",") for name in stores):
+            url, local = urls[name], Path(stores[name])
+            loc = RemoteLocation(url, server.options)
             cache = Path(tempfile.mkdtemp(prefix="abt-bench-cache-"))
             try:
                 coll = abt.open_collection(url, storage_options=server.options,
@@ -93,8 +101,8 @@ def main() -> None:
                 assert n1 == n2 == n3 == coll.n_obs, (n1, n2, n3)
                 row["epoch1_vs_ceiling"] = row["ceiling_s"] / row["epoch1_s"]
                 row["epoch2_vs_local"] = row["local_s"] / row["epoch2_s"]
-                results[f"workers={w}"] = row
-                print(json.dumps({f"workers={w}": row}), flush=True)
+                results[f"{name} workers={w}"] = row
+                print(json.dumps({f"{name} workers={w}": row}), flush=True)
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
     finally:

@@ -5,6 +5,7 @@ what the wide layout delivers."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 import annbatch_torch as abt
 from annbatch_torch import InputError, ReadError, create_anndata_collection
 from annbatch_torch.cli.main import main as cli_main
+from annbatch_torch.read.reader import PoolReader
 from annbatch_torch.store.manifest import FORMAT_VERSION
 from annbatch_torch.write.narrow import ValueRange, stored_dtype
 
@@ -415,9 +417,124 @@ def test_collections_written_before_are_read_as_before(synthetic_h5ads: list[Pat
                                         batch_size=300),
                     abt.AnnBatchDataset(new, selector=selector, batch_size=300)):
         assert torch.equal(a["counts"].to_dense(), b["counts"].to_dense())
-    # an append to it follows "auto": its new shards are narrow, the manifest version 2
+    # an append to it stores as it was written (each field's dtype, int32 indices): the
+    # versions that wrote it still read it (format version 1); asked, it stores narrow
     extra = ad.read_h5ad(synthetic_h5ads[0])
     extra.obs_names = [f"more_{n}" for n in extra.obs_names]
     grown = abt.append_to_collection(old.path, [extra], progress=False)
+    assert grown.manifest.shards[-1].stored == {
+        "X/data": "float32", "X/indices": "int32", "layers/counts/data": "float32",
+        "layers/counts/indices": "int32"}
+    assert json.loads(path.read_text())["format_version"] == 1
+    extra.obs_names = [f"again_{n}" for n in extra.obs_names]
+    grown = abt.append_to_collection(old.path, [extra], progress=False, data_dtype="auto",
+                                     index_dtype="auto")
     assert grown.manifest.shards[-1].stored["layers/counts/indices"] == "uint16"
     assert json.loads(path.read_text())["format_version"] == 2
+    for a, b in zip(abt.AnnBatchDataset(grown, selector=selector, batch_size=500, shuffle=False),
+                    abt.AnnBatchDataset(abt.open_collection(old.path), selector=selector,
+                                        batch_size=500, shuffle=False)):
+        assert torch.equal(a["counts"].to_dense(), b["counts"].to_dense())
+
+
+def test_field_keeps_each_fields_dtype_and_the_old_format(tmp_path: Path) -> None:
+    """``data_dtype="field"`` (with int32 indices) writes the layout of earlier collections
+    whatever the fields' dtypes: format version 1; ``"float32"`` is a dtype like any other."""
+    adatas = _inputs([np.array([1.0, 2.0, 3.0])], "int32", 5, seed=0)
+    old = create_anndata_collection(adatas, tmp_path / "f", progress=False,
+                                    data_dtype="field", index_dtype="int32")
+    assert old.manifest.shards[0].stored == {"X/data": "int32", "X/indices": "int32"}
+    assert json.loads((old.path / "manifest.json").read_text())["format_version"] == 1
+    assert old.manifest.extra["writer"]["data_dtype"] == "field"
+    as_f32 = create_anndata_collection(adatas, tmp_path / "f32", progress=False,
+                                       data_dtype="float32", index_dtype="int32")
+    assert as_f32.manifest.shards[0].stored["X/data"] == "float32"  # int32 field: narrow
+    assert json.loads((as_f32.path / "manifest.json").read_text())["format_version"] == 2
+    with pytest.raises(InputError, match=r"data_dtype=None.*'auto'.*'field'"):
+        create_anndata_collection(adatas, tmp_path / "n", progress=False, data_dtype=None)
+
+
+def test_large_integers_keep_every_bit(tmp_path: Path) -> None:
+    """int64 values above 2**53: stored int64 by "auto", refused as float64 when asked, and a
+    pool spanning an int64 shard and an appended float32 one keeps them exact."""
+    seen = ValueRange()
+    seen.observe(np.array([2**53 + 1, 3], dtype=np.int64), "big.h5ad")
+    with pytest.raises(InputError, match=r"in big\.h5ad, float64 cannot hold 9007199254740993"):
+        stored_dtype("X", np.dtype(np.int64), seen, np.dtype(np.float64))
+    assert stored_dtype("X", np.dtype(np.int64), seen, None) == np.int64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning for floats beyond float32
+        wide = ValueRange()
+        wide.observe(np.array([1e300, 2.5]), "x")
+    assert not wide.fits_float32
+    big = _inputs([np.array([2.0**60 + 1, 2.0**60 + 3, 5, 7])], "int64", 4, seed=0)
+    big[0].X.data[:2] = np.array([2**60 + 1, 2**60 + 3], dtype=np.int64)  # exact
+    coll = create_anndata_collection(big, tmp_path / "c", progress=False, shuffle=False)
+    assert coll.manifest.shards[0].stored["X/data"] == "int64"
+    small = _inputs([np.array([1.0, 2.0, 3.0])], "int64", 4, seed=1)
+    small[0].obs_names = [f"s_{n}" for n in small[0].obs_names]
+    coll = abt.append_to_collection(coll, small, progress=False, data_dtype="float32")
+    assert coll.manifest.shards[1].stored["X/data"] == "float32"
+    reader = PoolReader(coll, ["X"])
+    try:
+        got = reader.read(np.array([[0, coll.n_obs]]), np.arange(coll.n_obs)[::-1].copy())["X"]
+    finally:
+        reader.close()
+    assert got.dtype == np.int64
+    ref = sp.vstack([big[0].X, small[0].X]).tocsr()[::-1]
+    np.testing.assert_array_equal(got.toarray(), ref.toarray())
+    assert {2**60 + 1, 2**60 + 3} <= set(got.data.tolist())
+
+
+def test_an_asked_dtype_stops_pass_one_at_the_first_block_it_cannot_hold(
+        tmp_path: Path) -> None:
+    adatas = _inputs([np.array([300.0, 1.0]), np.array([2.0, 3.0])], "float32", 5, seed=0)
+    blocks: list[str] = []
+    with pytest.raises(InputError, match=r"300 is outside uint8's range"):
+        create_anndata_collection(adatas, tmp_path / "c", progress=False, data_dtype="uint8",
+                                  value_check=lambda label, key, block: blocks.append(label))
+    assert len(blocks) == 1  # the second input was never read
+
+
+def test_shard_infos_hash_and_a_version_below_the_shards_needs_is_refused(
+        synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    coll = create_anndata_collection(synthetic_h5ads, tmp_path / "c", progress=False)
+    assert len({*coll.shards, *coll.shards}) == len(coll.shards)
+    path = coll.path / "manifest.json"
+    obj = json.loads(path.read_text())
+    obj["format_version"] = 1
+    path.write_text(json.dumps(obj))
+    with pytest.raises(abt.CollectionError, match=r"'format_version' is 1 but its shards "
+                                                  r"store narrow dtypes"):
+        abt.open_collection(coll.path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_scatter_rows_puts_each_row_in_place_cast(data: st.DataObject) -> None:
+    """The compiled scatter against numpy: every row at its destination, cast; rows out of
+    bounds are refused before the loop (which does not check)."""
+    from annbatch_torch.read.scatter import scatter_rows
+
+    lens = np.array(data.draw(st.lists(st.integers(0, 9), max_size=30)), dtype=np.int64)
+    src_dtype = data.draw(st.sampled_from(["uint8", "uint16", "uint32", "int8", "float32"]))
+    out_dtype = data.draw(st.sampled_from(["float32", "int32", "int64", "float64"]))
+    starts = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    src = np.arange(int(lens.sum()), dtype=np.int64).astype(src_dtype)
+    order = np.random.default_rng(data.draw(st.integers(0, 99))).permutation(len(lens))
+    out_lens = lens[order]
+    dests_sorted = np.zeros(len(lens), np.int64)
+    np.cumsum(out_lens[:-1], out=dests_sorted[1:])
+    dests = np.empty(len(lens), np.int64)
+    dests[order] = dests_sorted
+    out = np.full(int(lens.sum()), -1, dtype=out_dtype)
+    scatter_rows(src, starts, lens, out, dests)
+    want = np.concatenate([src[starts[r] : starts[r] + lens[r]] for r in order] or
+                          [np.zeros(0, src_dtype)]).astype(out_dtype)
+    np.testing.assert_array_equal(out, want)
+    if len(lens) and lens.sum():
+        with pytest.raises(ValueError, match="outside"):
+            scatter_rows(src, starts, lens, out[:-1], dests)
+        with pytest.raises(ValueError, match="outside"):
+            scatter_rows(src[:-1], starts, lens, out, dests)

@@ -177,8 +177,8 @@ def _scheduler_feeds(cmd: CliParser) -> None:
 def _dtype_feeds(cmd: CliParser, default: str) -> None:
     cmd.feed("--data-dtype", param="data_dtype", metavar="DTYPE",
              help="how values of X, layers and raw/X are stored: auto (the narrowest dtype "
-                  "that holds every value exactly, e.g. uint8 for small counts) or a numpy "
-                  f"dtype such as float32 or uint16 {default}")
+                  "that holds every value exactly, e.g. uint8 for small counts), field (each "
+                  f"field's own dtype, as before) or a numpy dtype such as uint16 {default}")
     cmd.feed("--index-dtype", param="index_dtype", metavar="auto|int32",
              help="how their column indices are stored: auto (uint16 up to 65,536 genes, "
                   f"else int32) or int32 {default}")

@@ -1,5 +1,6 @@
 """Pools of rows read into memory and cut into batches: ``reader`` (a pool's rows, read
-concurrently into place), ``buffers`` (reused pool buffers), ``csr`` (CSR views, slices,
+concurrently into place), ``scatter`` (rows copied to their places and cast, compiled),
+``buffers`` (reused pool buffers), ``csr`` (CSR views, slices,
 densifying), ``genes`` (a gene subset or a reference gene order, cut out of the columns),
 ``pool_stream`` (prefetch and the next epoch's read-ahead), ``host_pool`` and ``device_pool``
 (a pool on the host or on a CUDA device, ``batch(lo, hi)``), ``gpu_backends`` (the device

@@ -35,9 +35,11 @@ from ..store.elements import CSCElement, CSRElement
 from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
+from .scatter import scatter_rows, scratch
 
 __all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "default_read_threads",
-           "IO_DEPTH", "GATHER_PIECES", "GATHER_GAP_BYTES"]
+           "read_fused", "IO_DEPTH", "GATHER_PIECES", "GATHER_GAP_BYTES", "SCRATCH_ELEMS",
+           "FUSED_SCATTER"]
 
 
 class Piece(NamedTuple):
@@ -159,6 +161,63 @@ def describe_ranges(source: Source, ranges: np.ndarray, limit: int = 4) -> str:
     return text + (f"; and {len(pieces) - limit} more ranges" if len(pieces) > limit else "")
 
 
+#: elements of values and of indices a read thread puts in its scratch at a time (a pool's
+#: piece, 512 rows of ~2,000 non-zeros, at once; 12 MiB of uint32 + uint16 values)
+SCRATCH_ELEMS = 1 << 21
+#: read rows of shards storing the pool's own dtypes through the scratch too (one ``preadv``
+#: and one CRC-32C per chunk, then the compiled scatter) rather than straight into place
+#: (a ``preadv`` buffer and a CRC-32C update per row)
+FUSED_SCATTER = True
+
+
+def _row_blocks(lens: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """``[a, b)`` runs of consecutive rows of at most ``limit`` elements (a longer row
+    alone)."""
+    ends = np.cumsum(lens, dtype=np.int64)
+    out, a, base = [], 0, 0
+    while a < len(lens):
+        b = max(a + 1, int(np.searchsorted(ends, base + limit, side="right")))
+        out.append((a, b))
+        base, a = int(ends[b - 1]), b
+    return out
+
+
+def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.ndarray,
+               dests: np.ndarray, trust_verified: bool = False) -> dict[int, int] | None:
+    """Rows ``rows`` (ascending, distinct) of ``el`` put at ``data[dests[i]:]`` and
+    ``indices[dests[i]:]``, cast to their dtypes: read in stored order, a block of at most
+    :data:`SCRATCH_ELEMS` at a time, into the thread's scratch (one ``preadv`` and one
+    CRC-32C per chunk), then scattered by the compiled loop (:func:`~.scatter.scatter_rows`).
+    Returns the indices chunks' CRCs as :meth:`CSRElement.read_rows_scatter` does
+    (``None``: unknown). ``trust_verified``: rows a sampler drew (see
+    :meth:`CSRElement.read_rows_gather`)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not rows.size:
+        return {}
+    lens = el.indptr[rows + 1] - el.indptr[rows]
+    contiguous = int(rows[-1]) - int(rows[0]) + 1 == len(rows)
+    crcs: dict[int, int] | None = {}
+    for a, b in _row_blocks(lens, SCRATCH_ELEMS):
+        part = lens[a:b]
+        starts = np.zeros(b - a, dtype=np.int64)
+        np.cumsum(part[:-1], out=starts[1:])
+        n = int(starts[-1] + part[-1])
+        values, columns = scratch(n, el.data.dtype, 0), scratch(n, el.indices.dtype, 1)
+        if contiguous:
+            got = el.read_rows_scatter(int(rows[a]), int(rows[b - 1]) + 1, values, columns,
+                                       starts)
+        else:
+            got = el.read_rows_gather(rows[a:b], values, columns, starts,
+                                      trust_verified=trust_verified)
+        if got is None or crcs is None:
+            crcs = None
+        else:
+            crcs.update(got)
+        scatter_rows(values, starts, part, data, dests[a:b])
+        scatter_rows(columns, starts, part, indices, dests[a:b])
+    return crcs
+
+
 #: reads in flight per process (each a thread; only ``threads`` of them use a CPU at once)
 IO_DEPTH = 16
 #: a pool of this many pieces or more (rows a sampler drew) is read in a few calls per
@@ -219,9 +278,6 @@ class PoolReader:
         # 3 pools x (data, indices): the one read ahead, the current one and the previous one
         # while the caller still holds its last batch
         self.buffers = BufferCache(keep=6 * len(self.fields))
-        # a narrow field's arrays in stored order, while a pool is read (see _widen): a
-        # cache per field and array, so that buffers of other sizes do not evict them
-        self.narrow_buffers: dict[tuple[str, str], BufferCache] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -229,7 +285,6 @@ class PoolReader:
         state["_pool_pid"] = None
         state["_slots"] = None
         state["_from_disk"] = True
-        state["narrow_buffers"] = {}
         return state
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -259,7 +314,6 @@ class PoolReader:
 
     def close(self) -> None:
         self.buffers.clear()
-        self.narrow_buffers.clear()
         for ex in (self._pool, self._deep):
             if ex is not None:
                 ex.shutdown(wait=False, cancel_futures=True)
@@ -338,7 +392,6 @@ class PoolReader:
         covered: set[str] = set()  # fields read by covering reads (a list per job)
         csr_buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         permute_after: set[str] = set()
-        widen: dict[str, tuple[np.dtype, np.dtype]] = {}  # CSR fields read narrow, then widened
         for field in self.fields:
             # open elements in this thread first: errors surface with context, and
             # element caches are not populated concurrently
@@ -352,17 +405,14 @@ class PoolReader:
             els = [by_shard[p.shard] for p in pieces]
             if els and isinstance(els[0], CSRElement):
                 raw = all(el.can_scatter for el in by_shard.values())
-                wide = self._pool_dtypes(field, list(by_shard.values()))
-                if raw and any((el.data.dtype, el.indices.dtype) != wide
-                               for el in by_shard.values()):
-                    widen[field] = wide  # stored narrower: read in stored order, widen once
-                    if order is not None:
-                        first_places(order, n_rows)  # every row in it (else ValueError)
-                scatter = order is not None and raw and field not in widen
+                dtypes = self._pool_dtypes(field, list(by_shard.values()))
+                narrow = any((el.data.dtype, el.indices.dtype) != dtypes
+                             for el in by_shard.values())
+                scatter = order is not None and raw
                 jobs[field], job_els[field] = self._submit_csr(
                     ex, field, pieces, els, csr_buffers, order if scatter else None,
-                    random_access, wide if field not in widen else None)
-                if order is not None and not scatter and field not in widen:
+                    random_access, dtypes, raw and (narrow or (scatter and FUSED_SCATTER)))
+                if order is not None and not scatter:
                     permute_after.add(field)
             elif random_access and len(pieces) >= GATHER_PIECES:  # covering reads
                 covered.add(field)
@@ -391,8 +441,6 @@ class PoolReader:
                     raise self._wrap(e, p, field) from e
             if field in covered:
                 parts = [part for group in parts for part in group]
-            elif field in widen:  # stored order, narrow -> pool order, the field's dtypes
-                csr_buffers[field] = self._widen(csr_buffers[field], order, *widen[field])
             elif (field in csr_buffers and field not in permute_after and order is not None
                   and len(order) != n_rows):  # read into place: fill the repeats
                 data, indices, indptr = csr_buffers[field]
@@ -424,17 +472,18 @@ class PoolReader:
         els: list[Any],
         buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
         order: np.ndarray | None,
-        random_access: bool = False,
-        dtypes: tuple[np.dtype, np.dtype] | None = None,
+        random_access: bool,
+        dtypes: tuple[np.dtype, np.dtype],
+        fused: bool,
     ) -> tuple[list[tuple[Piece, Future[Any]]], list[Any]]:
-        """Allocate the pool's data/indices once; every row is read into its final place
-        (canonical order, or ``order`` when given). Returns the jobs and the element each
-        reads: one job per piece, or for many pieces of drawn rows (``random_access``) a
-        few per shard that read all their rows at once (:meth:`CSRElement.read_rows_gather`).
-
-        ``dtypes``: the buffers' (data, indices) dtypes; ``None``: the shards' stored dtypes
-        (promoted where shards differ), for a pool read in canonical order and widened
-        after (:meth:`_widen`)."""
+        """Allocate the pool's data/indices once (``dtypes``); every row is read into its
+        final place (canonical order, or ``order`` when given). Returns the jobs and the
+        element each reads: one job per piece, or for many pieces of drawn rows
+        (``random_access``) a few per shard that read all their rows at once
+        (:meth:`CSRElement.read_rows_gather`). ``fused``: rows are read in stored order
+        into a thread's scratch and put in place by :func:`~.scatter.scatter_rows`, cast
+        to the pool's dtypes (the way for shards storing narrower dtypes); else straight
+        into place by ``preadv``."""
         canon = _row_lengths(pieces, els)
         out_len = canon if order is None else canon[order]
         indptr = np.zeros(len(out_len) + 1, dtype=np.int64)
@@ -442,14 +491,8 @@ class PoolReader:
         # each row goes where it first appears (repeats are copied once it is read)
         dests = indptr[:-1] if order is None else indptr[first_places(order, len(canon))]
         nnz = int(indptr[-1])
-        if dtypes is None:  # narrow, in stored order
-            caches = [self.narrow_buffers.setdefault((field, part), BufferCache(keep=2))
-                      for part in ("data", "indices")]
-            data = caches[0].take(nnz, np.result_type(*{el.data.dtype for el in els}))
-            indices = caches[1].take(nnz, np.result_type(*{el.indices.dtype for el in els}))
-        else:
-            data = self.buffers.take(nnz, dtypes[0])
-            indices = self.buffers.take(nnz, dtypes[1])
+        data = self.buffers.take(nnz, dtypes[0])
+        indices = self.buffers.take(nnz, dtypes[1])
         buffers[field] = (data, indices, indptr)
         # a read thread keeps its task's arguments until it gets to drop the task, which may
         # be well after the result is seen (a busy machine preempts it in between); handed
@@ -463,49 +506,37 @@ class PoolReader:
             for a, b in _groups(pieces, self.io_depth if self._from_disk else 1):
                 rows, canon = _piece_rows(pieces[a:b])
                 jobs.append((pieces[a], ex.submit(self._gated, self._read_csr_gather, els[a],
-                                                  [rows, data, indices, dests[canon]])))
+                                                  [rows, data, indices, dests[canon]], fused)))
                 job_els.append(els[a])
             return jobs, job_els
         return [
             (p, ex.submit(self._gated, self._read_csr_piece, el, p,
-                          [data, indices, dests[p.out_start : p.out_start + (p.stop - p.start)]]))
+                          [data, indices, dests[p.out_start : p.out_start + (p.stop - p.start)]],
+                          fused))
             for p, el in zip(pieces, els)
         ], list(els)
 
     @staticmethod
-    def _read_csr_gather(el: CSRElement, arrays: list[np.ndarray]) -> dict[int, int] | None:
+    def _read_csr_gather(el: CSRElement, arrays: list[np.ndarray], fused: bool
+                         ) -> dict[int, int] | None:
         """Read rows of one shard into the pool (``arrays``: rows, data, indices and row
         destinations, taken out of the list as in :meth:`_read_csr_piece`)."""
         rows, data, indices, dests = arrays
         arrays.clear()
-        if (el.data.dtype, el.indices.dtype) == (data.dtype, indices.dtype):
-            return el.read_rows_gather(rows, data, indices, dests, trust_verified=True)
-        # a shard storing another dtype than the pool's buffer (an appended one): its rows
-        # land in stored order, contiguous from dests[0] (see _submit_csr), cast as copied
-        lens = el.indptr[rows + 1] - el.indptr[rows]
-        n, at = int(lens.sum()), int(dests[0]) if len(dests) else 0
-        tmp_d, tmp_i = np.empty(n, el.data.dtype), np.empty(n, el.indices.dtype)
-        crcs = el.read_rows_gather(rows, tmp_d, tmp_i, dests - at, trust_verified=True)
-        data[at : at + n], indices[at : at + n] = tmp_d, tmp_i
-        return crcs
+        if fused:
+            return read_fused(el, rows, data, indices, dests, trust_verified=True)
+        return el.read_rows_gather(rows, data, indices, dests, trust_verified=True)
 
     @staticmethod
-    def _read_csr_piece(el: CSRElement, p: Piece, arrays: list[np.ndarray]
+    def _read_csr_piece(el: CSRElement, p: Piece, arrays: list[np.ndarray], fused: bool
                         ) -> dict[int, int] | None:
         """Read one piece into the pool (``arrays``: data, indices and row destinations,
         taken out of the list); returns its indices chunks' CRCs (see
         :meth:`CSRElement.read_rows_scatter`) or ``None`` when they are unknown."""
         data, indices, dests = arrays
         arrays.clear()
-        if el.can_scatter and (el.data.dtype, el.indices.dtype) != (data.dtype, indices.dtype):
-            # a shard storing another dtype than the pool's buffer: its rows are in stored
-            # order (a narrow pool, see _submit_csr), read and cast as copied
-            lo, hi = el.nnz_range(p.start, p.stop)
-            at = int(dests[0]) if len(dests) else 0
-            tmp_d, tmp_i = np.empty(hi - lo, el.data.dtype), np.empty(hi - lo, el.indices.dtype)
-            crcs = el.read_rows_scatter(p.start, p.stop, tmp_d, tmp_i, dests - at)
-            data[at : at + hi - lo], indices[at : at + hi - lo] = tmp_d, tmp_i
-            return crcs
+        if fused:
+            return read_fused(el, np.arange(p.start, p.stop), data, indices, dests)
         if el.can_scatter:
             return el.read_rows_scatter(p.start, p.stop, data, indices, dests)
         lo, hi = el.nnz_range(p.start, p.stop)  # canonical order: one contiguous block
@@ -523,33 +554,6 @@ class PoolReader:
         if index.kind == "u" or max(el.n_cols for el in els) >= np.iinfo(np.int32).max:
             index = np.dtype(np.int64)
         return data, np.dtype(index)
-
-    def _widen(self, buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
-               order: np.ndarray | None, data_dtype: np.dtype, index_dtype: np.dtype
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A CSR pool read in stored order and dtypes (``buffers``: data, indices, indptr)
-        laid out in ``order`` (``None``: as it is) in the pool's dtypes: one pass that
-        copies each row to its place and widens it (``numpy.concatenate`` over the rows'
-        views casts as it copies), repeats of a drawn row included."""
-        cdata, cidx, cptr = buffers
-        if order is None:
-            data = self.buffers.take(len(cdata), data_dtype)
-            indices = self.buffers.take(len(cidx), index_dtype)
-            data[...], indices[...] = cdata, cidx
-            return data, indices, cptr
-        lens = (cptr[1:] - cptr[:-1])[order]
-        indptr = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=indptr[1:])
-        nnz = int(indptr[-1])
-        data = self.buffers.take(nnz, data_dtype)
-        indices = self.buffers.take(nnz, index_dtype)
-        if len(order):
-            starts, ends = cptr[order].tolist(), cptr[order + 1].tolist()
-            np.concatenate([cdata[a:b] for a, b in zip(starts, ends)], out=data,
-                           casting="unsafe")
-            np.concatenate([cidx[a:b] for a, b in zip(starts, ends)], out=indices,
-                           casting="unsafe")
-        return data, indices, indptr
 
     def _assemble_csr(
         self,

@@ -162,7 +162,7 @@ class ShardInfo:
     #: the stored dtype of each CSR field's ``data`` and ``indices`` arrays in this shard
     #: (``{"X/data": "uint8", "X/indices": "uint16"}``); readers widen them to the field's
     #: dtype. Empty in collections written before: ``dtype`` and int32.
-    stored: dict[str, str] = field(default_factory=dict)
+    stored: dict[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass
@@ -421,6 +421,11 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
                     f"{mpath}: shard {s.path!r} records the stored dtype of {key!r}, but "
                     f"{name!r} is not a sparse field of the collection; the manifest is "
                     "damaged, rewrite the collection.")
+    need = Manifest(n_obs, n_vars, shards, fields, []).version_needed()
+    if version < need:
+        raise CollectionError(
+            f"{mpath}: 'format_version' is {version} but its shards store narrow dtypes "
+            f"(format version {need}); the manifest is damaged, rewrite the collection.")
     vfile = _safe_child(root, obj.get("var_names_file", VAR_NAMES_NAME), "var names", str(mpath))
     try:
         with open(vfile) as f:

@@ -59,7 +59,7 @@ from ..store.manifest import (
 from ..store.metadata import shard_obs_names
 from . import budget as _budget
 from .budget import parse_memory
-from .narrow import AUTO, check_dtype_options
+from .narrow import FIELD, check_dtype_options
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
@@ -233,7 +233,8 @@ def append_to_collection(
     data_dtype, index_dtype
         How the new shards store the values and column indices of X, the layers and raw/X,
         as in :func:`~annbatch_torch.create_anndata_collection`; ``None`` (default): as the
-        collection was written (``"auto"`` for collections written before the options).
+        collection was written (``"field"`` and ``"int32"`` for collections written before
+        the options, so that they stay readable by the versions that wrote them).
         The new shards may store other dtypes than the old ones (narrower or wider: each
         shard records its own); readers deliver the fields' dtypes from every shard.
 
@@ -352,8 +353,9 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         shuffle = bool(manifest.shuffle)
         writer = dict(manifest.extra.get("writer") or {})
         opts = _stored_options(writer, coll.describe())
-        data_dtype, index_dtype = (writer.get(k, AUTO) if v is None else v
-                                   for k, v in zip(("data_dtype", "index_dtype"), dtypes))
+        # a collection written before the options stored each field's dtype, int32 indices
+        data_dtype, index_dtype = (writer.get(k, old) if v is None else v for k, v, old in
+                                   zip(("data_dtype", "index_dtype"), dtypes, (FIELD, "int32")))
         opts["data_dtype"], opts["index_dtype"] = check_dtype_options(data_dtype, index_dtype)
         shard_obs = int(writer.get("n_obs_per_shard") or max(coll.shard_sizes or [1]))
         work = _budget.working_memory(budget, n_new)

@@ -11,6 +11,7 @@ whether all are whole numbers and whether float32 holds them exactly. After pass
 * ``data_dtype="auto"``: whole numbers in range -> ``uint8`` / ``uint16`` / ``uint32``
   (``int8`` / ``int16`` / ``int32`` when negatives occur); otherwise float32 when it holds
   every value exactly, else the field's own dtype (float64). Nothing is ever lost.
+* ``data_dtype="field"``: each field's own dtype, as collections were written before.
 * ``data_dtype=<numpy dtype>``: that dtype, refused with :class:`~annbatch_torch.InputError`
   (naming the field, a value and the fix) when it would not hold every value exactly.
 * ``index_dtype="auto"``: ``uint16`` when the matrix has at most 65,536 columns, else int32;
@@ -31,10 +32,12 @@ import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["AUTO", "ValueRange", "check_dtype_options", "dtype_options", "stored_dtype",
-           "stored_index_dtype", "MAX_UINT16_COLUMNS"]
+__all__ = ["AUTO", "FIELD", "ValueRange", "asked_dtype", "check_dtype_options",
+           "dtype_options", "stored_dtype", "stored_index_dtype", "MAX_UINT16_COLUMNS"]
 
 AUTO = "auto"
+#: ``data_dtype="field"``: each field's own dtype (the layout before the option)
+FIELD = "field"
 #: matrices with at most this many columns store their column indices as uint16
 MAX_UINT16_COLUMNS = 1 << 16
 #: elements examined at a time (bounds the scan's scratch memory: 8 MiB of float64)
@@ -57,9 +60,13 @@ class ValueRange:
     #: float32 holds every value exactly
     fits_float32: bool = True
     #: a value that is not a whole number, or that float32 does not hold (for messages)
+    #: float64 holds every value exactly (integers above 2**53 it may not)
+    fits_float64: bool = True
     fraction: float | None = None
     inexact: float | None = None
-    #: the inputs where ``lo``, ``hi``, ``fraction`` and ``inexact`` were seen
+    inexact64: int | None = None
+    #: the inputs where ``lo``, ``hi``, ``fraction``, ``inexact`` and ``inexact64`` were
+    #: seen
     where: dict[str, str] = field(default_factory=dict)
 
     def observe(self, values: np.ndarray, label: str = "") -> None:
@@ -89,20 +96,27 @@ class ValueRange:
                     self.whole, self.fraction = False, float(v[frac[0]])
                     self.where["fraction"] = label
             if self.fits_float32 and v.dtype.itemsize > 4:
-                off = np.flatnonzero(v.astype(np.float32).astype(v.dtype) != v)
+                with np.errstate(over="ignore"):  # beyond float32's range: inf, unequal
+                    off = np.flatnonzero(v.astype(np.float32).astype(v.dtype) != v)
                 if off.size:
                     self.fits_float32, self.inexact = False, float(v[off[0]])
                     self.where["inexact"] = label
-        elif self.fits_float32 and v.dtype.itemsize >= 4:  # integers above 2**24
+        elif v.dtype.itemsize >= 4 and (self.fits_float32 or self.fits_float64):
             big = np.flatnonzero(np.abs(v.astype(np.int64, copy=False)) > 1 << 24)
-            if big.size:
-                w = v[big]
-                with np.errstate(invalid="ignore"):  # near 2**63 float32 rounds past int64:
-                    back = w.astype(np.float32).astype(np.int64)  # then unequal, as it is
-                off = np.flatnonzero(back != w)
-                if off.size:
-                    self.fits_float32, self.inexact = False, float(w[off[0]])
-                    self.where["inexact"] = label
+            if big.size:  # integers above 2**24 (float32) and 2**53 (float64) may not fit
+                w = v[big].astype(np.int64)
+                for flt, ok, key in ((np.float32, "fits_float32", "inexact"),
+                                     (np.float64, "fits_float64", "inexact64")):
+                    if not getattr(self, ok):
+                        continue
+                    with np.errstate(invalid="ignore"):  # near 2**63 floats round past int64:
+                        back = w.astype(flt).astype(np.int64)  # then unequal, as it is
+                    off = np.flatnonzero(back != w)
+                    if off.size:
+                        setattr(self, ok, False)
+                        setattr(self, key, int(w[off[0]]) if key == "inexact64"
+                                else float(w[off[0]]))
+                        self.where[key] = label
 
     def merge(self, other: ValueRange) -> None:
         """Add what ``other`` saw (another task's share of the same field)."""
@@ -120,6 +134,9 @@ class ValueRange:
         if self.fits_float32 and not other.fits_float32:
             self.fits_float32, self.inexact = False, other.inexact
             self.where["inexact"] = other.where.get("inexact", "")
+        if self.fits_float64 and not other.fits_float64:
+            self.fits_float64, self.inexact64 = False, other.inexact64
+            self.where["inexact64"] = other.where.get("inexact64", "")
 
     def holds(self, dtype: np.dtype) -> str | None:
         """Why ``dtype`` does not hold every value seen exactly (``None``: it does)."""
@@ -137,10 +154,11 @@ class ValueRange:
             return None
         if dtype == np.float32 and not self.fits_float32:
             return f"{self._at('inexact')}float32 cannot hold {self.inexact!r} exactly"
+        if dtype == np.float64 and not self.fits_float64:
+            return f"{self._at('inexact64')}float64 cannot hold {self.inexact64!r} exactly"
         if dtype.itemsize < 4:
             return f"{dtype} is narrower than float32"
         return None
-
 
     def _at(self, key: str) -> str:
         label = self.where.get(key)
@@ -152,19 +170,22 @@ def _num(x: float) -> str:
 
 
 def check_dtype_options(data_dtype: Any, index_dtype: Any, error: type[Exception] = InputError
-                        ) -> tuple[np.dtype | None, np.dtype | None]:
-    """``data_dtype`` / ``index_dtype`` of a writer as dtypes (``None``: ``"auto"``), or
-    ``error`` naming the option and what it takes."""
-    data: np.dtype | None = None
-    if not (isinstance(data_dtype, str) and data_dtype == AUTO):
-        try:
-            data = np.dtype(data_dtype)
+                        ) -> tuple[np.dtype | str | None, np.dtype | None]:
+    """``data_dtype`` / ``index_dtype`` of a writer as the writer's options keep them:
+    ``None`` for ``"auto"``, ``"field"`` as it is, else a dtype; or ``error`` naming the
+    option and what it takes."""
+    data: np.dtype | str | None = None
+    if isinstance(data_dtype, str) and data_dtype == FIELD:
+        data = FIELD
+    elif not (isinstance(data_dtype, str) and data_dtype == AUTO):
+        try:  # None is refused (np.dtype(None) would be float64)
+            data = None if data_dtype is None else np.dtype(data_dtype)
         except TypeError:
             data = None
         if data is None or data.name not in _ALLOWED:
             raise error(f"data_dtype={data_dtype!r} is not a dtype values can be stored as; use "
-                        f"'auto' (the narrowest that holds every value exactly) or one of "
-                        f"{', '.join(_ALLOWED)}.")
+                        f"'auto' (the narrowest that holds every value exactly), 'field' (each "
+                        f"field's own dtype, as before) or one of {', '.join(_ALLOWED)}.")
     index: np.dtype | None = None
     if not (isinstance(index_dtype, str) and index_dtype == AUTO):
         try:
@@ -182,18 +203,26 @@ def check_dtype_options(data_dtype: Any, index_dtype: Any, error: type[Exception
 def dtype_options(opts: dict[str, Any]) -> dict[str, str]:
     """The writer's ``data_dtype`` / ``index_dtype`` as the manifest's writer record keeps
     them (``"auto"`` or a dtype name): an append stores its new shards the same way."""
-    return {key: AUTO if opts.get(key) is None else np.dtype(opts[key]).name
-            for key in ("data_dtype", "index_dtype")}
+    return {key: AUTO if opts.get(key) is None else FIELD if opts[key] == FIELD
+            else np.dtype(opts[key]).name for key in ("data_dtype", "index_dtype")}
+
+
+def asked_dtype(opts: dict[str, Any]) -> np.dtype | None:
+    """The writer's explicit ``data_dtype`` (``None`` for ``"auto"`` and ``"field"``)."""
+    asked = opts.get("data_dtype")
+    return None if asked is None or isinstance(asked, str) else np.dtype(asked)
 
 
 def stored_dtype(field: str, logical: np.dtype, seen: ValueRange | None,
-                 asked: np.dtype | None) -> np.dtype:
+                 asked: np.dtype | str | None) -> np.dtype:
     """The dtype field ``field`` (whose values readers deliver as ``logical``) is stored
     as: ``asked`` when it holds every value of ``seen`` (else :class:`InputError`
-    naming the input of a value it cannot hold), or the narrowest that does (``asked``
-    is ``None``)."""
+    naming the input of a value it cannot hold), ``logical`` for ``"field"``, or the
+    narrowest that holds them (``asked`` is ``None``)."""
     logical = np.dtype(logical)
     seen = seen if seen is not None else ValueRange()
+    if isinstance(asked, str):  # "field": as collections were written before the option
+        return logical
     if asked is not None:
         why = seen.holds(asked)
         if why is not None:

@@ -88,10 +88,17 @@ class Schema:
     raw_var: pd.DataFrame | None = None
     #: what pass 1 saw of each CSR field's values (:class:`.narrow.ValueRange`)
     ranges: dict[str, ValueRange] = field(default_factory=dict)
+    #: the writer's explicit ``data_dtype`` (a dtype), checked on every block pass 1 reads
+    #: so that a value it cannot hold is refused at once, not after the whole pass
+    asked_dtype: np.dtype | None = None
 
     def observe(self, key: str, values: np.ndarray, label: str) -> None:
-        """Note the values of a block of CSR field ``key`` of input ``label`` (pass 1)."""
-        self.ranges.setdefault(key, ValueRange()).observe(values, label)
+        """Note the values of a block of CSR field ``key`` of input ``label`` (pass 1);
+        :class:`InputError` at once when :attr:`asked_dtype` cannot hold one."""
+        seen = self.ranges.setdefault(key, ValueRange())
+        seen.observe(values, label)
+        if self.asked_dtype is not None:
+            stored_dtype(key, values.dtype, seen, self.asked_dtype)  # raises when it cannot
 
     def choose_storage(self, opts: dict[str, Any]) -> None:
         """Set each CSR field's stored dtypes from what pass 1 saw and the writer's

@@ -87,7 +87,7 @@ from ..store.remote.location import RemoteLocation, is_url
 from . import budget as _budget
 from .buckets import BucketWriter, bucket_id, bucket_segments
 from .budget import parse_memory
-from .narrow import check_dtype_options, dtype_options
+from .narrow import asked_dtype, check_dtype_options, dtype_options
 from .passes import route_rows, write_shard_blocks
 from .publish import (
     check_output,
@@ -235,15 +235,17 @@ def create_anndata_collection(
         narrowest dtype that holds every value exactly, found while pass 1 reads them:
         ``uint8`` / ``uint16`` / ``uint32`` for whole numbers (``int8`` / ``int16`` /
         ``int32`` with negatives), else float32 when it holds them exactly, else the
-        field's dtype. A numpy dtype (``"float32"``, ``"uint16"``...) stores that one; a
-        value it cannot hold exactly is an :class:`InputError` naming the input. Readers
-        deliver the field's dtype either way (float32 for float32 inputs): the stored
-        values are widened as they are read.
+        field's dtype. ``"field"``: each field's own dtype. A numpy dtype (``"float32"``,
+        ``"uint16"``...) stores that one; a value it cannot hold exactly is an
+        :class:`InputError` naming the input, raised at the first block that holds it.
+        Readers deliver the field's dtype either way (float32 for float32 inputs): the
+        stored values are widened as they are read.
     index_dtype
         How the column indices of X, the layers and raw/X are stored: ``"auto"``
         (default): ``uint16`` for matrices of at most 65,536 genes, else int32;
-        ``"int32"``: always int32. ``data_dtype="float32", index_dtype="int32"`` writes the
-        layout of collections written before these options (format version 1).
+        ``"int32"``: always int32. ``data_dtype="field", index_dtype="int32"`` writes the
+        layout of collections written before these options (format version 1, which
+        earlier annbatch_torch versions read).
     value_check
         Hook called as ``value_check(input_label, field, block)`` on every block of X,
         layers and obsm read (CSR matrix or array); raise to reject an input (e.g. NaN or
@@ -441,6 +443,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
     ``tmp`` and the stored dtypes."""
     shard_obs, block_obs = layout
     dest = permutation(n_total, shuffle, seed)
+    schema.asked_dtype = asked_dtype(opts)
     buckets = BucketWriter(tmp / ".buckets", bucket_segments(schema.fields))
     offset = 0
     try:
