@@ -538,3 +538,73 @@ def test_scatter_rows_puts_each_row_in_place_cast(data: st.DataObject) -> None:
             scatter_rows(src, starts, lens, out[:-1], dests)
         with pytest.raises(ValueError, match="outside"):
             scatter_rows(src[:-1], starts, lens, out, dests)
+
+
+def test_scatter_rows_refuses_what_the_loop_cannot_do() -> None:
+    from annbatch_torch.read.scatter import scatter_rows
+
+    src, out = np.zeros(4, np.uint16), np.zeros(4, np.int32)
+    with pytest.raises(ValueError, match="outside"):  # sums that would wrap past int64
+        scatter_rows(src, [2**62], [2**62], out, [2**62])
+    with pytest.raises(ValueError, match="float16"):
+        scatter_rows(np.zeros(4, np.float16), [0], [2], np.zeros(4, np.float32), [0])
+    with pytest.raises(ValueError, match="native byte order"):
+        scatter_rows(np.zeros(4, ">u2"), [0], [2], out, [0])
+
+
+def _scatter_in_child() -> None:
+    from annbatch_torch.read.scatter import scatter_rows
+
+    out = np.zeros(3, np.int16)
+    scatter_rows(np.arange(3, dtype=np.int16), [0], [3], out, [0])  # a pair compiled here
+    assert out.tolist() == [0, 1, 2]
+
+
+def test_a_child_forked_while_numba_compiles_does_not_hang() -> None:
+    """numba's compiler lock held by another thread at the fork (a read thread meeting a
+    new dtype pair): the forking thread waits for it, the child compiles freely."""
+    import multiprocessing
+    import threading
+    import time
+
+    from numba.core.compiler_lock import global_compiler_lock
+
+    import annbatch_torch.read.scatter  # noqa: F401  (its fork hook)
+
+    held = threading.Event()
+
+    def hold() -> None:
+        with global_compiler_lock:
+            held.set()
+            time.sleep(1.0)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    child = multiprocessing.get_context("fork").Process(target=_scatter_in_child)
+    child.start()
+    child.join(60)
+    t.join()
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+
+
+def test_bool_matrices_keep_their_dtype_and_open(tmp_path: Path) -> None:
+    m = sp.random(40, 12, density=0.3, format="csr", random_state=0).astype(bool)
+    a = ad.AnnData(X=m)
+    a.obs_names = [f"c{i}" for i in range(40)]
+    a.var_names = [f"g{j}" for j in range(12)]
+    for mode in ("field", "auto"):
+        coll = create_anndata_collection([a], tmp_path / mode, progress=False, shuffle=False,
+                                         data_dtype=mode)
+        assert coll.manifest.shards[0].stored["X/data"] == ("bool" if mode == "field"
+                                                            else "uint8")
+        again = abt.open_collection(tmp_path / mode)
+        got = torch.cat([b["X"].to_dense() for b in abt.AnnBatchDataset(
+            again, batch_size=40, shuffle=False)])
+        np.testing.assert_array_equal(got.numpy(), m.toarray().astype(np.float32))
+    b = a.copy()
+    b.obs_names = [f"d{i}" for i in range(40)]
+    grown = abt.append_to_collection(tmp_path / "field", [b], progress=False)
+    assert abt.open_collection(grown.path).n_obs == 80

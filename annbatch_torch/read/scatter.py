@@ -2,32 +2,49 @@
 loop.
 
 A pool's rows are read in stored order (one ``preadv`` and one CRC-32C per chunk, into a
-small per-thread scratch buffer) and then put at their shuffled places in the pool's
+per-thread scratch buffer of a few MiB) and then put at their shuffled places in the pool's
 buffers by :func:`scatter_rows`, widened on the way from what a shard stores (``uint8`` /
 ``uint16`` counts, ``uint16`` column indices: ``write/narrow.py``) to what the pool holds
 (float32 values, int32 indices). The loop is compiled by numba and releases the GIL, so the
-reader's threads scatter in parallel while the scratch they read is still in the CPU's
-cache; done in numpy it would cost a Python step per row (or an element index of 8 bytes
-per non-zero) and one more pass over the pool.
+reader's threads scatter in parallel; done in numpy it would cost a Python step per row (or
+an element index of 8 bytes per non-zero) and one more pass over the pool.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numba
 import numpy as np
+from numba.core.compiler_lock import global_compiler_lock
 
 __all__ = ["scatter_rows", "scratch"]
 
 
-@numba.njit(nogil=True, cache=True)
-def _scatter(src, starts, lens, out, dests):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _scatter_py(src, starts, lens, out, dests):  # type: ignore[no-untyped-def]  # pragma: no cover
     for r in range(lens.shape[0]):
         s = starts[r]
         d = dests[r]
         for j in range(lens[r]):
             out[d + j] = src[s + j]
+
+
+try:  # numba's cache (__pycache__ beside this file, else the user's cache folder)
+    _scatter = numba.njit(nogil=True, cache=True)(_scatter_py)
+except RuntimeError:  # nowhere writable to cache it (a read-only install, no home): compile
+    _scatter = numba.njit(nogil=True)(_scatter_py)  # in each process instead
+
+# numba compiles under one process-wide lock, taken by whichever thread meets a new pair of
+# dtypes first (a pool reader's thread, say); a child forked while another thread held it
+# would wait on it forever. The forking thread takes it first (waiting for a compilation
+# to end) and both sides let go after the fork.
+os.register_at_fork(before=global_compiler_lock.acquire,
+                    after_in_parent=global_compiler_lock.release,
+                    after_in_child=global_compiler_lock.release)
+
+#: dtype kinds the loop copies between (native byte order)
+_KINDS = "biuf"
 
 
 def scatter_rows(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, out: np.ndarray,
@@ -50,8 +67,16 @@ def scatter_rows(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, out: np.
         return
     if src.ndim != 1 or out.ndim != 1 or not out.flags.writeable:
         raise ValueError("scatter_rows copies between 1-D arrays into a writeable one")
+    for a in (src, out):
+        if (a.dtype.kind not in _KINDS or not a.dtype.isnative or a.dtype == np.float16
+                or not a.flags.c_contiguous):
+            raise ValueError(f"scatter_rows: cannot copy {a.dtype} arrays (numbers in native "
+                             "byte order, contiguous, not float16)")
+    # each bound alone first: their sums could wrap past int64
     if (int(lens.min()) < 0 or int(starts.min()) < 0 or int(dests.min()) < 0
-            or int((starts + lens).max()) > src.size or int((dests + lens).max()) > out.size):
+            or int(lens.max()) > min(src.size, out.size) or int(starts.max()) > src.size
+            or int(dests.max()) > out.size or int((starts + lens).max()) > src.size
+            or int((dests + lens).max()) > out.size):
         raise ValueError(f"scatter_rows: rows fall outside the source ({src.size} items) or "
                          f"the destination ({out.size} items)")
     _scatter(src, starts, lens, out, dests)

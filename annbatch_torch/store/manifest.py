@@ -292,7 +292,7 @@ def _stored(obj: Any) -> dict[str, str]:
     for key, dtype in obj.items():
         part = key.rpartition("/")[2] if isinstance(key, str) else None
         try:
-            ok = isinstance(dtype, str) and np.dtype(dtype).kind in "iuf"
+            ok = isinstance(dtype, str) and np.dtype(dtype).kind in "biuf"
         except TypeError:
             ok = False
         if part not in ("data", "indices") or not ok:

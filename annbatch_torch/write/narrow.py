@@ -59,9 +59,10 @@ class ValueRange:
     whole: bool = True
     #: float32 holds every value exactly
     fits_float32: bool = True
-    #: a value that is not a whole number, or that float32 does not hold (for messages)
     #: float64 holds every value exactly (integers above 2**53 it may not)
     fits_float64: bool = True
+    #: a value that is not a whole number, one that float32 does not hold, one that float64
+    #: does not hold (for messages)
     fraction: float | None = None
     inexact: float | None = None
     inexact64: int | None = None
