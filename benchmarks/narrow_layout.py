@@ -1,14 +1,16 @@
-"""Narrow dtypes vs the wide layout, side by side (issue 30).
+"""Collection layouts side by side: narrow dtypes, the wide layout, codecs (issue 30).
 
-Writes the benchmark inputs twice, as the wide layout of earlier collections
-(``data_dtype="float32", index_dtype="int32"``) and with the writer's defaults (``"auto"``:
-the narrowest lossless dtypes), then runs the same cases of ``cases.py`` on both, each in a
-fresh process, interleaved (wide, narrow; then narrow, wide; ...), and prints and writes a
-table of the best and median figure per layout and the narrow / wide ratio.
+Writes the benchmark inputs once per layout (``--layouts``; default the wide layout of
+earlier collections, ``data_dtype="float32", index_dtype="int32"``, and the writer's
+defaults, ``"auto"``: the narrowest lossless dtypes; also ``lz4`` and ``zstd`` on the narrow
+dtypes), then runs the same cases of ``cases.py`` on each, each in a fresh process,
+interleaved (the order rotated every round), and prints and writes a table of the best and
+median figure per layout and each one's ratio to the first.
 
     python benchmarks/narrow_layout.py                     # 100,000 x 20,000, 3 rounds, warm
     python benchmarks/narrow_layout.py --cold              # also cold (root: drops the cache)
     python benchmarks/narrow_layout.py --n-obs 20000 --n-vars 2000 --rounds 1
+    python benchmarks/narrow_layout.py --layouts narrow,lz4,zstd --cold
 
 Warm cases read each store through once before they start; cold ones drop the page cache
 and time the first epoch. ``ceiling_disk_cold`` divides the disk's cold sequential
@@ -31,7 +33,8 @@ sys.path.insert(0, str(HERE))
 
 from run import _store_name, build_data, run_cases  # noqa: E402
 
-LAYOUTS = {"wide": {"data_dtype": "float32", "index_dtype": "int32"}, "narrow": {}}
+LAYOUTS = {"wide": {"data_dtype": "float32", "index_dtype": "int32"}, "narrow": {},
+           "lz4": {"compressor": "lz4"}, "zstd": {"compressor": "zstd"}}
 WARM = ("ours_sparse_w0", "ours_dense_w0", "ceiling_seq_raw")
 COLD = ("ours_sparse_w0_cold", "ceiling_seq_raw_cold", "ceiling_disk_cold")
 
@@ -57,12 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=HERE / "data")
     p.add_argument("--out", type=Path, default=HERE / "results" / "narrow_layout_issue30")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--layouts", default="wide,narrow",
+                   help=f"comma-separated, the first is the reference ({', '.join(LAYOUTS)})")
     args = p.parse_args(argv)
+    chosen = {k: LAYOUTS[k] for k in args.layouts.split(",") if k}
     paths, folder = build_data(args.data_dir, args.n_obs, args.n_vars, 0)
     cfgs = {name: _cfg(args, paths, folder / _store_name(kw), kw)
-            for name, kw in LAYOUTS.items()}
+            for name, kw in chosen.items()}
+    ref = next(iter(cfgs))
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M"),
-                               "loadavg_start": os.getloadavg(), "layouts": LAYOUTS,
+                               "loadavg_start": os.getloadavg(), "layouts": chosen,
                                "writer": {}, "rounds": []}
     for name, cfg in cfgs.items():  # the stores (written once; the writer is timed then)
         if not (Path(cfg["store"]) / "manifest.json").exists():
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cases:
         cases = [c for c in args.cases.split(",") if c]
     for r in range(args.rounds):
-        order = list(cfgs) if r % 2 == 0 else list(reversed(cfgs))
+        order = list(cfgs)[r % len(cfgs):] + list(cfgs)[: r % len(cfgs)]  # rotated
         got: dict[str, dict[str, Any]] = {}
         for case in cases:
             for name in order:
@@ -86,22 +93,27 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.batch_size}, {args.rounds} interleaved rounds ({results['started']}; "
              f"load average {results['loadavg_start'][0]:.2f} at the start, "
              f"{results['loadavg_end'][0]:.2f} at the end)", "",
-             "| what | wide | narrow | narrow / wide |", "|---|---:|---:|---:|"]
+             "| what | " + " | ".join(cfgs) + " | each / " + ref + " (best; per round) |",
+             "|---|" + "---:|" * (len(cfgs) + 1)]
     bpc = results["bytes_per_cell"]
-    lines.append(f"| bytes per cell (the whole store) | {bpc['wide']:,.0f} | "
-                 f"{bpc['narrow']:,.0f} | {bpc['narrow'] / bpc['wide']:.2f} |")
+    lines.append("| bytes per cell (the whole store) | "
+                 + " | ".join(f"{bpc[n]:,.0f}" for n in cfgs) + " | "
+                 + ", ".join(f"{n} {bpc[n] / bpc[ref]:.2f}" for n in cfgs if n != ref) + " |")
     for name, w in results["writer"].items():
-        lines.append(f"| writer seconds ({name}) | {w.get('seconds', float('nan')):.1f} | | |")
+        lines.append(f"| writer seconds ({name}) | {w.get('seconds', float('nan')):.1f} |"
+                     + " |" * len(cfgs))
     for case in cases:
         figs = {name: [rd[case][name].get("cells_per_s") or 0.0 for rd in results["rounds"]]
                 for name in cfgs}
         best = {n: max(v) for n, v in figs.items()}
         med = {n: statistics.median(v) for n, v in figs.items()}
-        ratio = best["narrow"] / best["wide"] if best["wide"] else float("nan")
-        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(figs["narrow"], figs["wide"]) if b)
-        lines.append(f"| {case} cells/s, best (median) | {best['wide']:,.0f} "
-                     f"({med['wide']:,.0f}) | {best['narrow']:,.0f} ({med['narrow']:,.0f}) | "
-                     f"{ratio:.2f} (rounds: {per_round}) |")
+        ratios = "; ".join(
+            f"{n} {best[n] / best[ref]:.2f} ("
+            + ", ".join(f"{a / b:.2f}" for a, b in zip(figs[n], figs[ref]) if b) + ")"
+            for n in cfgs if n != ref and best[ref])
+        lines.append(f"| {case} cells/s, best (median) | "
+                     + " | ".join(f"{best[n]:,.0f} ({med[n]:,.0f})" for n in cfgs)
+                     + f" | {ratios} |")
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -608,3 +608,54 @@ def test_bool_matrices_keep_their_dtype_and_open(tmp_path: Path) -> None:
     b.obs_names = [f"d{i}" for i in range(40)]
     grown = abt.append_to_collection(tmp_path / "field", [b], progress=False)
     assert abt.open_collection(grown.path).n_obs == 80
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_compressed_shard_files_read_as_raw_ones(synthetic_h5ads: list[Path], tmp_path: Path,
+                                                 codec: str) -> None:
+    """Blosc-compressed inner chunks of zarr shard files (the writer's lz4 / zstd) are read
+    by the raw reader: verified, decoded and scattered like raw chunks, the same batches;
+    a damaged chunk is a ReadError, even one whose checksum was made to match."""
+    from annbatch_torch.store.rawzarr import RawZarrArray
+
+    raw = create_anndata_collection(synthetic_h5ads, tmp_path / "raw", progress=False, seed=2,
+                                    zarr_chunk_elems=4096)
+    packed = create_anndata_collection(synthetic_h5ads, tmp_path / codec, progress=False,
+                                       seed=2, zarr_chunk_elems=4096, compressor=codec)
+    data = packed.element(0, "layers/counts").data
+    assert isinstance(data, RawZarrArray)
+    assert data.blosc
+    selector = {"c": "layers/counts", "x": "X"}
+    weights = np.random.default_rng(1).random(raw.n_obs)
+    for kw in ({"seed": 3}, {"seed": 4, "sampler": abt.WeightedSampler(
+            weights, num_samples=2000, replacement=True)}):
+        got = [list(abt.AnnBatchDataset(c, selector=selector, batch_size=200, chunk_size=50,
+                                        preload_nchunks=4, **kw)) for c in (raw, packed)]
+        assert len(got[0]) == len(got[1])
+        for a, b in zip(*got):
+            for key in selector:
+                assert torch.equal(a[key].to_dense(), b[key].to_dense())
+    shard_file = next((packed.shard_path(0) / "layers" / "counts" / "data" / "c").rglob("*"))
+    index = data._index(0)
+    assert index is not None
+    off, size = (int(v) for v in index[1])
+    body = bytearray(shard_file.read_bytes())
+    keep = bytes(body)
+    body[off + size // 2] ^= 0xFF  # inside the compressed bytes: the CRC catches it
+    shard_file.write_bytes(bytes(body))
+    ds = abt.AnnBatchDataset(abt.open_collection(packed.path), selector={"c": "layers/counts"},
+                             batch_size=300)
+    with pytest.raises(ReadError, match=r"layers/counts.*checksum mismatch"):
+        list(ds)
+    # a Blosc header claiming another size, its CRC made right: still refused
+    body = bytearray(keep)
+    body[off + 4] ^= 0x01  # the uncompressed size in the header
+    payload = bytes(body[off : off + size - 4])
+    import google_crc32c
+
+    body[off + size - 4 : off + size] = google_crc32c.value(payload).to_bytes(4, "little")
+    shard_file.write_bytes(bytes(body))
+    ds = abt.AnnBatchDataset(abt.open_collection(packed.path), selector={"c": "layers/counts"},
+                             batch_size=300)
+    with pytest.raises(ReadError, match=r"Blosc header says"):
+        list(ds)

@@ -14,8 +14,13 @@ shard's index gives. The index (at the end or the start of the shard file, check
 own CRC-32C) is read once per shard and kept; an atlas then is thousands of files, not
 millions, and each read is still one ``preadv`` into the pool.
 
-Anything else (compressed, big-endian, v2) is left to zarr: :func:`open_raw` returns
-``None`` and callers fall back to ``zarr.open_array``.
+Inner chunks compressed by Blosc and followed by a CRC-32C (``bytes`` + ``blosc`` +
+``crc32c``: the writer's ``compressor="lz4"`` / ``"zstd"`` in zarr v3 shard files) are read
+the same way, their stored size taken from the shard index: each is read whole, verified,
+decoded by numcodecs into the caller's buffer (a whole chunk) or the thread's scratch.
+
+Anything else (other codecs, unsharded compressed chunks, big-endian, v2) is left to zarr:
+:func:`open_raw` returns ``None`` and callers fall back to ``zarr.open_array``.
 """
 
 from __future__ import annotations
@@ -107,6 +112,9 @@ class RawZarrArray:
         self.chunks = outer if sharding is None else tuple(
             int(c) for c in sharding["chunk_shape"])
         self.crc = any(c["name"] == "crc32c" for c in codecs)
+        #: inner chunks are Blosc-compressed (then a CRC-32C of the compressed bytes):
+        #: each is read whole, verified and decoded into the thread's scratch
+        self.blosc = any(c["name"] == "blosc" for c in codecs)
         #: inner chunks per shard file (0: not sharded, one file per chunk)
         self.per_shard = 0 if sharding is None else outer[0] // self.chunks[0]
         if sharding is not None:
@@ -304,6 +312,12 @@ class RawZarrArray:
         if index is None or int(index[i, 0]) == _ABSENT:
             return None
         path = self._file_name(k)
+        if self.blosc:  # compressed: any size from a CRC to Blosc's worst case
+            got = int(index[i, 1])
+            if not 4 < got <= want + _BLOSC_MAX_OVERHEAD:
+                raise ChunkError(f"{path}: inner chunk {i} holds {got} bytes, not a "
+                                 f"compressed chunk of at most {want + _BLOSC_MAX_OVERHEAD}")
+            return path, int(index[i, 0]), got
         if int(index[i, 1]) != want:
             raise ChunkError(f"{path}: inner chunk {i} holds {int(index[i, 1])} bytes, "
                              f"expected {want}")
@@ -480,7 +494,7 @@ class RawZarrArray:
                     k += 1
                 ident = idents.get(c // self.per_shard) if self.per_shard else None
                 known = self._verified.get(c) if trust and ident is not None else None
-                if self.crc and (known is None or known != (below, ident)):
+                if self.crc and (self.blosc or known is None or known != (below, ident)):
                     crc = self._verify_chunk(c, lo_l[i0:i1], views[i0:i1], below, ident)
                 elif (where := self._locate(c)) is None:  # absent: fill value (or error)
                     crc = self._read_chunk_segments(c, 0, 0, views[i0:i1], below)
@@ -604,6 +618,8 @@ class RawZarrArray:
                 seg.view(self.dtype)[...] = self.fill_value
             return None
         try:
+            if self.blosc:
+                return self._read_blosc_chunk(fd, path, c, base, want, first, last, segs, below)
             if not self.crc:
                 n = preadv_full(fd, segs, base + first, last - first)
                 if n != last - first:
@@ -633,6 +649,48 @@ class RawZarrArray:
         finally:
             os.close(fd)
 
+    def _read_blosc_chunk(self, fd: int, path: str, c: int, base: int, want: int, first: int,
+                          last: int, segs: list[np.ndarray], below: int | None) -> int:
+        """:meth:`_read_chunk_file` of a Blosc-compressed inner chunk: its ``want`` stored
+        bytes read whole, their CRC-32C checked, decoded (into the only segment when it is
+        the whole chunk, else into the thread's scratch and copied) and the bytes
+        ``[first, last)`` delivered; the decoded bytes not delivered checked ``< below``."""
+        import google_crc32c
+        from numcodecs import blosc
+
+        packed = _scratch_of("zbuf", want)
+        n = preadv_full(fd, [packed], base, want)
+        if n != want:
+            raise ChunkError(f"{path}: inner chunk {c % self.per_shard} has {n} bytes, "
+                             f"expected {want}")
+        crc = google_crc32c.value(packed[:-4])
+        if crc != int.from_bytes(packed[-4:].tobytes(), "little"):
+            raise ChunkError(f"{path}: chunk checksum mismatch (the file is corrupted)")
+        size = self.chunk_nbytes
+        whole = first == 0 and last == size and len(segs) == 1 and segs[0].nbytes == size
+        out = segs[0] if whole else _scratch_of("dbuf", size)
+        what = f"{path}: inner chunk {c % self.per_shard}"
+        # Blosc's 16-byte header: uncompressed bytes at 4, compressed bytes at 12 (little
+        # endian); a chunk that decodes to fewer bytes would leave the rest unwritten
+        head = packed[:16].tobytes()
+        decoded, stored = int.from_bytes(head[4:8], "little"), int.from_bytes(head[12:16],
+                                                                               "little")
+        if want < 20 or decoded != size or stored != want - 4:
+            raise ChunkError(f"{what}: its Blosc header says {decoded} bytes in {stored}, "
+                             f"expected {size} in {want - 4} (the file is corrupted)")
+        try:
+            blosc.decompress(packed[:-4], out)
+        except (RuntimeError, ValueError) as e:
+            raise ChunkError(f"{what} does not decode ({e}; the file is corrupted)") from None
+        if not whole:
+            at = first
+            for seg in segs:
+                seg[...] = out[at : at + seg.nbytes]
+                at += seg.nbytes
+        if below is not None:
+            self._check_below(path, below, out[:first], out[last:size])
+        return crc
+
     def _check_below(self, path: str, below: int, *parts: np.ndarray) -> None:
         for part in parts:
             values = part.view(self.dtype)
@@ -647,6 +705,8 @@ class RawZarrArray:
 
 #: the index entry of an absent inner chunk (offset and size all ones)
 _ABSENT = 2**64 - 1
+#: bytes Blosc may add to a chunk it cannot compress (its header)
+_BLOSC_MAX_OVERHEAD = 16
 
 
 def _sharding(meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -664,6 +724,23 @@ def _raw_codecs(codecs: list[dict[str, Any]]) -> bool:
     if codecs[0].get("configuration", {}).get("endian", "little") != "little":
         return False
     return all(c.get("name") == "crc32c" for c in codecs[1:])
+
+
+def _blosc_codecs(codecs: list[dict[str, Any]]) -> bool:
+    """Whether ``codecs`` are ``bytes`` (little endian), ``blosc``, ``crc32c``: what the
+    writer's ``compressor="lz4"`` / ``"zstd"`` store inside zarr v3 shard files."""
+    return (len(codecs) == 3 and _raw_codecs([codecs[0]])
+            and codecs[1].get("name") == "blosc" and codecs[2].get("name") == "crc32c")
+
+
+def _scratch_of(name: str, nbytes: int) -> np.ndarray:
+    """A thread's reusable byte buffer ``name`` of at least ``nbytes`` (its first
+    ``nbytes``)."""
+    buf = getattr(_local, name, None)
+    if buf is None or len(buf) < nbytes:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        setattr(_local, name, buf)
+    return buf[:nbytes]
 
 
 def open_raw(path: str | os.PathLike[str], remote: ChunkSource | None = None
@@ -685,7 +762,8 @@ def open_raw(path: str | os.PathLike[str], remote: ChunkSource | None = None
     if sharding is None:
         if not _raw_codecs(meta.get("codecs", [])):
             return None
-    elif (not _raw_codecs(sharding.get("codecs", []))
+    elif (not (_raw_codecs(sharding.get("codecs", []))
+               or _blosc_codecs(sharding.get("codecs", [])))
           or not _raw_codecs(sharding.get("index_codecs", []))
           or sharding.get("index_location", "end") not in ("end", "start")):
         return None
