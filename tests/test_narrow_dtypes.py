@@ -659,3 +659,21 @@ def test_compressed_shard_files_read_as_raw_ones(synthetic_h5ads: list[Path], tm
                              batch_size=300)
     with pytest.raises(ReadError, match=r"Blosc header says"):
         list(ds)
+
+
+@pytest.mark.parametrize("scheduler", [None, "threads"])
+def test_an_outlier_widens_only_the_shard_it_lands_in(tmp_path: Path,
+                                                      scheduler: str | None) -> None:
+    values = [np.arange(1, 31, dtype=np.float64), np.arange(1, 31, dtype=np.float64)]
+    values[1][-1] = 70_000.0  # above 65,535: in the last rows (shuffle=False: last shard)
+    adatas = _inputs(values, "float32", 7, seed=0)
+    n_obs = sum(a.n_obs for a in adatas)
+    coll = create_anndata_collection(adatas, tmp_path / "c", progress=False, shuffle=False,
+                                     n_obs_per_shard=-(-n_obs // 3), scheduler=scheduler,
+                                     **({"n_workers": 2} if scheduler else {}))
+    stored = [s.stored["X/data"] for s in coll.manifest.shards]
+    assert stored == ["uint8", "uint8", "uint32"]
+    src = _source_rows(adatas)
+    got = _rows(coll, shuffle=True, seed=1)
+    for r, row in src.items():
+        np.testing.assert_array_equal(got[r], row.astype(np.float32))

@@ -4,9 +4,10 @@ Count matrices are small whole numbers (most below 256, nearly all below 65,536)
 column indices of a 20k-60k gene panel fit in 16 bits, so storing them as float32 and int32
 spends twice the bytes (or more) that the information needs, and cold or remote reading is
 bound by bytes. Pass 1 of the writer streams every value of X, the layers and raw/X once
-anyway: :class:`ValueRange` notes, block by block, their smallest and largest value,
-whether all are whole numbers and whether float32 holds them exactly. After pass 1,
-:func:`stored_dtype` picks what pass 2 stores:
+anyway: :class:`ValueRange` notes, block by block and for each shard the rows go to, their
+smallest and largest value, whether all are whole numbers and whether float32 holds them
+exactly. After pass 1, :func:`stored_dtype` picks what pass 2 stores in each shard (a count
+above 65,535 widens the shard it lands in, not the whole collection):
 
 * ``data_dtype="auto"``: whole numbers in range -> ``uint8`` / ``uint16`` / ``uint32``
   (``int8`` / ``int16`` / ``int32`` when negatives occur); otherwise float32 when it holds

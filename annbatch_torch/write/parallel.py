@@ -160,7 +160,7 @@ def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schem
     CSR field's values (``Schema.ranges``)."""
     schema = copy.copy(schema)  # drops and value ranges are this task's, reported back
     schema.dropped, schema.unavailable = dict(schema.dropped), dict(schema.unavailable)
-    schema.ranges = {}
+    schema.ranges = {}  # per (field, shard)
     src = _source(obj, task.source)
     final = Path(folder) / f"t{task.task:05d}"
     part = final.with_name(f"{final.name}.part-{secrets.token_hex(4)}")
@@ -206,7 +206,8 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
     final = Path(tmp) / name
     # under .buckets (removed with it): a part left by a killed run is never published
     part = Path(tmp) / ".buckets" / f"{name}.part-{secrets.token_hex(4)}"
-    dtypes = write_shard_blocks(part, n, paths, schema, layout, opts, f"{tmp}: shard {shard}")
+    dtypes = write_shard_blocks(part, n, paths, schema, layout, opts, f"{tmp}: shard {shard}",
+                                shard=shard)
     if final.exists():  # a run that died between its rename and its record: the same shard
         shutil.rmtree(final)
     os.rename(part, final)

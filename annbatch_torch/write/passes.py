@@ -142,12 +142,14 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                 value_check(src.label, f.key, block)
             if f.kind == "csr":
                 axis = schema.axis(f.key)
-                block = _remap(block, axis.maps[i], axis.sorted[i], int(f.width),
-                               f.dtype)
-                schema.observe(f.key, block.data, src.label)  # what it can be stored as
+                block = take(_remap(block, axis.maps[i], axis.sorted[i], int(f.width),
+                                    f.dtype))
+                # what each shard's values can be stored as (.narrow)
+                schema.observe(f.key, block.data, block.indptr, shard, src.label)
+                parts.append((f.kind, block))
             else:
                 block = np.asarray(block.toarray() if sp.issparse(block) else block, f.dtype)
-            parts.append((f.kind, take(block)))
+                parts.append((f.kind, take(block)))
             continue
         try:
             values = src.named_read(f"{f.key} rows [{a}, {b})",
@@ -246,7 +248,7 @@ def route_rows(src: InputSource, schema: Schema, rows: tuple[int, int],
 
 def write_shard_blocks(path: Path, n: int, bucket_paths: Sequence[Path | Sequence[Path]],
                        schema: Schema, layout: tuple[int, int], opts: dict[str, Any],
-                       where: str, *, delete: bool = False,
+                       where: str, *, shard: int, delete: bool = False,
                        on_block: Callable[[int], Any] | None = None) -> dict[str, str]:
     """Pass 2 for one shard of ``n`` rows: its blocks' buckets (``bucket_paths[j]``, one file
     or several) put in position order and written to a new shard store at ``path``
@@ -268,7 +270,7 @@ def write_shard_blocks(path: Path, n: int, bucket_paths: Sequence[Path | Sequenc
            if f.kind == "csr"}
     with zarr.config.set({"array.write_empty_chunks": True}):
         store = ShardStore(path, schema.kept, n, nnz, schema.var_names, opts, schema.var,
-                           schema.raw_var)
+                           schema.raw_var, stored=schema.stored_in(shard))
         for j, p in enumerate(bucket_paths):
             arrays = load_bucket(p, segments)
             store.append(arrays, j * block_obs)

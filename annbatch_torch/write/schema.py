@@ -58,10 +58,6 @@ class OutField:
     ordered: bool = False
     luts: list[np.ndarray | None] | None = None  # local -> global codes, per input
     requested: bool = True  # named by the user (or X): a bad value is an error
-    #: a CSR field's stored dtypes of values and column indices (chosen after pass 1 by
-    #: :mod:`.narrow`; ``None``: ``dtype`` and int32, as before)
-    stored: np.dtype | None = None
-    index_dtype: np.dtype | None = None
 
 
 @dataclass
@@ -86,29 +82,53 @@ class Schema:
     #: raw's genes and gene metadata, when raw/X is carried
     raw_genes: GeneAxis | None = None
     raw_var: pd.DataFrame | None = None
-    #: what pass 1 saw of each CSR field's values (:class:`.narrow.ValueRange`)
-    ranges: dict[str, ValueRange] = field(default_factory=dict)
+    #: what pass 1 saw of each CSR field's values, per shard of this write:
+    #: ``{(field, shard): ValueRange}`` (:class:`.narrow.ValueRange`)
+    ranges: dict[tuple[str, int], ValueRange] = field(default_factory=dict)
     #: the writer's explicit ``data_dtype`` (a dtype), checked on every block pass 1 reads
     #: so that a value it cannot hold is refused at once, not after the whole pass
     asked_dtype: np.dtype | None = None
+    #: the writer's ``data_dtype`` / ``index_dtype`` options (:meth:`choose_storage`)
+    storage: dict[str, Any] = field(default_factory=dict)
 
-    def observe(self, key: str, values: np.ndarray, label: str) -> None:
-        """Note the values of a block of CSR field ``key`` of input ``label`` (pass 1);
-        :class:`InputError` at once when :attr:`asked_dtype` cannot hold one."""
-        seen = self.ranges.setdefault(key, ValueRange())
-        seen.observe(values, label)
-        if self.asked_dtype is not None:
-            stored_dtype(key, values.dtype, seen, self.asked_dtype)  # raises when it cannot
+    def observe(self, key: str, values: np.ndarray, indptr: np.ndarray, shards: np.ndarray,
+                label: str) -> None:
+        """Note the values of a block of CSR field ``key`` of input ``label`` (pass 1):
+        ``values`` and ``indptr`` of its rows, ``shards[r]`` the shard row ``r`` goes to
+        (rows of one shard together); :class:`InputError` at once when
+        :attr:`asked_dtype` cannot hold a value."""
+        cuts = np.flatnonzero(shards[1:] != shards[:-1]) + 1
+        for r0, r1 in zip([0, *cuts.tolist()], [*cuts.tolist(), len(shards)]):
+            part = values[int(indptr[r0]) : int(indptr[r1])]
+            if not part.size:
+                continue
+            seen = self.ranges.setdefault((key, int(shards[r0])), ValueRange())
+            seen.observe(part, label)
+            if self.asked_dtype is not None:
+                stored_dtype(key, values.dtype, seen, self.asked_dtype)  # raises if it cannot
 
     def choose_storage(self, opts: dict[str, Any]) -> None:
-        """Set each CSR field's stored dtypes from what pass 1 saw and the writer's
-        ``opts["data_dtype"]`` / ``opts["index_dtype"]`` (``None``: ``"auto"``; see
-        :mod:`.narrow`)."""
-        data_dtype, index_dtype = opts.get("data_dtype"), opts.get("index_dtype")
+        """Keep the writer's ``opts["data_dtype"]`` / ``opts["index_dtype"]`` (``None``:
+        ``"auto"``; see :mod:`.narrow`) for :meth:`stored_in`, after pass 1; an explicit
+        ``data_dtype`` is checked against every shard's values here (the writer's refusal)."""
+        self.storage = {k: opts.get(k) for k in ("data_dtype", "index_dtype")}
+        for (key, shard) in sorted(self.ranges):
+            if key not in self.dropped:
+                self.stored_in(shard, only=key)
+
+    def stored_in(self, shard: int, only: str | None = None) -> dict[str, tuple[np.dtype,
+                                                                                  np.dtype]]:
+        """``{field: (values dtype, indices dtype)}`` of the CSR fields of shard ``shard``
+        of this write: the narrowest that holds what pass 1 saw of that shard's values (an
+        outlier widens its own shard only), or what the options ask."""
+        out = {}
         for f in self.kept:
-            if f.kind == "csr":
-                f.stored = stored_dtype(f.key, f.dtype, self.ranges.get(f.key), data_dtype)
-                f.index_dtype = stored_index_dtype(int(f.width), index_dtype)
+            if f.kind == "csr" and (only is None or f.key == only):
+                out[f.key] = (
+                    stored_dtype(f.key, f.dtype, self.ranges.get((f.key, shard)),
+                                 self.storage.get("data_dtype")),
+                    stored_index_dtype(int(f.width), self.storage.get("index_dtype")))
+        return out
 
     @property
     def var_names(self) -> pd.Index:

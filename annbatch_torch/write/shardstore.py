@@ -215,13 +215,17 @@ class ShardStore:
         Non-zeros of every CSR field in the shard.
     var_names, var, raw_var
         Gene names and the var / raw var frames written with the shard.
+    stored
+        ``{field: (values dtype, indices dtype)}`` of the CSR fields (``Schema.stored_in``;
+        absent: the field's dtype and int32).
     opts
         Storage options of the writer (zarr format, chunk and shard elements, codecs).
     """
 
     def __init__(self, path: Path, fields: list[Any], n_rows: int, nnz: dict[str, int],
                  var_names: pd.Index, opts: dict[str, Any], var: pd.DataFrame | None = None,
-                 raw_var: pd.DataFrame | None = None) -> None:
+                 raw_var: pd.DataFrame | None = None,
+                 stored: dict[str, tuple[np.dtype, np.dtype]] | None = None) -> None:
         import zarr
         from anndata.io import write_elem
 
@@ -249,10 +253,9 @@ class ShardStore:
             parent, _, name = f.key.rpartition("/")
             dest = g if f.key.startswith("obs/") else g[parent] if parent else g
             if f.kind == "csr":
-                self._csr[f.key] = _CSRField(
-                    dest, name, n_rows, int(f.width), int(nnz[f.key]),
-                    f.dtype if f.stored is None else f.stored,
-                    np.int32 if f.index_dtype is None else f.index_dtype, opts)
+                data_dtype, index_dtype = (stored or {}).get(f.key, (f.dtype, np.int32))
+                self._csr[f.key] = _CSRField(dest, name, n_rows, int(f.width),
+                                             int(nnz[f.key]), data_dtype, index_dtype, opts)
             elif f.kind == "dense":
                 width = int(f.width)
                 kw = array_kwargs(opts, (max(1, chunk // max(width, 1)), width),
