@@ -539,7 +539,7 @@ def test_a_compressed_collection_is_fetched_lazily_through_the_cache(
         np.testing.assert_array_equal(g["x"], w["x"])
     assert coll.mirror.cache.size() > 0  # the X objects came through the bounded cache
     # what is still copied whole at open (obs, var, names) must fit the cache's bound
-    with pytest.raises(CollectionError, match=r"s3://zstd/atlas: .* not raw chunks"):
+    with pytest.raises(CollectionError, match=r"s3://zstd/atlas: .* not chunks read by range"):
         open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "b",
                         cache_size=100)
 

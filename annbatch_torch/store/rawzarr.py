@@ -1,4 +1,5 @@
-"""Direct reads of uncompressed zarr v3 arrays: the collection's fast path.
+"""Direct reads of zarr v3 arrays of raw (or Blosc-compressed, in shard files) chunks: the
+collection's fast path.
 
 A zarr v3 array whose codecs are ``bytes`` (little endian) optionally followed by
 ``crc32c`` stores every chunk as the raw array bytes (plus a 4-byte CRC-32C). Reading such
@@ -17,7 +18,8 @@ millions, and each read is still one ``preadv`` into the pool.
 Inner chunks compressed by Blosc and followed by a CRC-32C (``bytes`` + ``blosc`` +
 ``crc32c``: the writer's ``compressor="lz4"`` / ``"zstd"`` in zarr v3 shard files) are read
 the same way, their stored size taken from the shard index: each is read whole, verified,
-decoded by numcodecs into the caller's buffer (a whole chunk) or the thread's scratch.
+decoded by numcodecs straight into the caller's buffer when it asks for the whole chunk,
+else into the thread's scratch and copied.
 
 Anything else (other codecs, unsharded compressed chunks, big-endian, v2) is left to zarr:
 :func:`open_raw` returns ``None`` and callers fall back to ``zarr.open_array``.
@@ -89,7 +91,8 @@ def _scratch(nbytes: int) -> np.ndarray:
 
 
 class RawZarrArray:
-    """A 1-D or 2-D zarr v3 array with raw little-endian chunks, read by row slices.
+    """A 1-D or 2-D zarr v3 array with raw little-endian chunks (or Blosc + CRC-32C inner
+    chunks of shard files: :attr:`blosc`), read by row slices.
 
     Only the first axis may be chunked in more than one piece (``chunks[1:] == shape[1:]``).
     """
@@ -367,10 +370,10 @@ class RawZarrArray:
 
         The run ``[starts[i], starts[i + 1])`` (the last one ends at ``stop``) lands at
         ``out[dests[i]:]``; with ``ends`` (ascending, disjoint runs) the run is
-        ``[starts[i], ends[i])`` and the elements between runs are not delivered. Each
+        ``[starts[i], ends[i])`` and the elements between runs are not delivered. Each raw
         chunk is read with one ``preadv`` call straight into the destinations (no
-        intermediate copy) and, with ``crc32c``, verified in place: the pool reader uses
-        this to put CSR rows directly at their shuffled positions.
+        intermediate copy) and, with ``crc32c``, verified in place; a Blosc chunk is read
+        whole, verified and decoded, then copied to the destinations.
 
         ``trust_verified`` (with ``ends``; random access to drawn rows): an inner chunk of
         a shard file that this process verified whole before, while the file kept its
@@ -378,6 +381,7 @@ class RawZarrArray:
         (reading and checking all of it for each drawn row costs ~30x the bytes); the call
         then returns ``None`` instead of the CRCs: the caller must check what was
         delivered itself (a damaged value is not caught there; see ``docs/format.md``).
+        Blosc chunks are always read whole, verified and decoded (no trusted part reads).
 
         Returns the CRC-32C of every chunk read (``{chunk: crc}``; empty without the
         ``crc32c`` codec): a chunk read again with the same CRC holds the same values.
@@ -681,6 +685,9 @@ class RawZarrArray:
         try:
             blosc.decompress(packed[:-4], out)
         except (RuntimeError, ValueError) as e:
+            if "-5" in str(e):  # Blosc: the compressor named in the header is not built in
+                raise ChunkError(f"{what} needs a Blosc compressor this numcodecs lacks ({e}); "
+                                 "install a numcodecs built with it") from None
             raise ChunkError(f"{what} does not decode ({e}; the file is corrupted)") from None
         if not whole:
             at = first
@@ -746,8 +753,9 @@ def _scratch_of(name: str, nbytes: int) -> np.ndarray:
 def open_raw(path: str | os.PathLike[str], remote: ChunkSource | None = None
              ) -> RawZarrArray | None:
     """A :class:`RawZarrArray` for the zarr v3 array at ``path``, or ``None`` when the
-    array is not raw (compressed, v2, big-endian, chunked along columns; sharded with
-    other inner codecs or inner chunks that do not divide the shard). ``remote``: ``path``
+    array is not raw (compressed outside shard files, v2, big-endian, chunked along
+    columns; sharded with inner codecs other than raw or Blosc + CRC-32C, or inner chunks
+    that do not divide the shard). ``remote``: ``path``
     holds the array's metadata only, its chunk objects come from there (a collection on an
     object store, see :mod:`annbatch_torch.store.remote.mirror`)."""
     p = Path(path)

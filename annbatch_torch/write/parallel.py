@@ -188,9 +188,11 @@ def segments_of(schema: Schema) -> list[BucketSegment]:
 
 
 def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: Schema,
-                layout: tuple[int, int], opts: dict[str, Any], first_shard: int = 0
+                layout: tuple[int, int], opts: dict[str, Any], first_shard: int = 0,
+                stored: dict[str, tuple[np.dtype, np.dtype]] | None = None
                 ) -> tuple[ShardInfo, dict[str, str]]:
-    """Pass 2 for shard ``shard`` of ``n`` rows: its buckets from every pass-1 task into
+    """Pass 2 for shard ``shard`` of ``n`` rows (its CSR fields stored as ``stored``
+    says, ``Schema.stored_in``): its buckets from every pass-1 task into
     ``tmp/shard_<first_shard + shard>.zarr`` (a part folder renamed into place), recorded
     done, its buckets deleted. Returns its :class:`ShardInfo` and the stored dtypes."""
     shard_obs, block_obs = layout
@@ -207,7 +209,7 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
     # under .buckets (removed with it): a part left by a killed run is never published
     part = Path(tmp) / ".buckets" / f"{name}.part-{secrets.token_hex(4)}"
     dtypes = write_shard_blocks(part, n, paths, schema, layout, opts, f"{tmp}: shard {shard}",
-                                shard=shard)
+                                stored=stored or {})
     if final.exists():  # a run that died between its rename and its record: the same shard
         shutil.rmtree(final)
     os.rename(part, final)
@@ -389,9 +391,13 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                     schema.ranges.setdefault(key, ValueRange()).merge(seen)
             schema.choose_storage(opts)
             task_dirs = [str(folder / f"t{t.task:05d}") for t in tasks]
+            # each task gets its own shard's dtypes, not every shard's value ranges
+            stored = [schema.stored_in(s) for s in range(n_shards)]
+            lean = copy.copy(schema)
+            lean.ranges = {}
             calls = [(_describe(s, sources), write_shard, (
                 s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,
-                schema, layout, opts, first_shard)) for s in range(n_shards)]
+                lean, layout, opts, first_shard, stored[s])) for s in range(n_shards)]
             done = _run(client, calls, bar, folder / ABANDONED, grace)
     shutil.rmtree(folder, ignore_errors=True)
     dtypes: dict[str, str] = {}

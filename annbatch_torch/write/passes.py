@@ -248,11 +248,13 @@ def route_rows(src: InputSource, schema: Schema, rows: tuple[int, int],
 
 def write_shard_blocks(path: Path, n: int, bucket_paths: Sequence[Path | Sequence[Path]],
                        schema: Schema, layout: tuple[int, int], opts: dict[str, Any],
-                       where: str, *, shard: int, delete: bool = False,
+                       where: str, *, stored: dict[str, tuple[np.dtype, np.dtype]],
+                       delete: bool = False,
                        on_block: Callable[[int], Any] | None = None) -> dict[str, str]:
     """Pass 2 for one shard of ``n`` rows: its blocks' buckets (``bucket_paths[j]``, one file
     or several) put in position order and written to a new shard store at ``path``
-    (:class:`~.shardstore.ShardStore`); ``delete``: each block's bucket files once written.
+    (:class:`~.shardstore.ShardStore`), its CSR fields stored as ``stored`` says
+    (``Schema.stored_in``); ``delete``: each block's bucket files once written.
     Returns the stored dtypes. ``where`` names the shard in the error of a row count that
     does not add up."""
     import zarr
@@ -270,7 +272,7 @@ def write_shard_blocks(path: Path, n: int, bucket_paths: Sequence[Path | Sequenc
            if f.kind == "csr"}
     with zarr.config.set({"array.write_empty_chunks": True}):
         store = ShardStore(path, schema.kept, n, nnz, schema.var_names, opts, schema.var,
-                           schema.raw_var, stored=schema.stored_in(shard))
+                           schema.raw_var, stored=stored)
         for j, p in enumerate(bucket_paths):
             arrays = load_bucket(p, segments)
             store.append(arrays, j * block_obs)

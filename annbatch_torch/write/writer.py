@@ -466,7 +466,8 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
             paths = [buckets.path(bucket_id(s, j, shard_obs, block_obs))
                      for j in range(-(-n // block_obs))]
             dtypes = write_shard_blocks(tmp / name, n, paths, schema, layout, opts,
-                                        f"{tmp}: shard {s}", shard=s, delete=True,
+                                        f"{tmp}: shard {s}", stored=schema.stored_in(s),
+                                        delete=True,
                                         on_block=bar.update)
             shards.append(ShardInfo(name, n, stored=stored_arrays(dtypes, schema.kept)))
     shutil.rmtree(tmp / ".buckets", ignore_errors=True)

@@ -218,13 +218,14 @@ class Mirror:
 
         rest = [k for k in objects if k not in nodes and not ranged(k)]
         whole = sum(objects[k][0] for k in rest)
-        if whole > self.cache_size:  # compressed matrices: copied whole, not by range
+        if whole > self.cache_size:  # not read by range: copied whole
             raise CollectionError(
-                f"{loc.url}: {whole:,} bytes of this collection are not raw chunks (a "
-                "compressed layout?) and would be copied whole into the mirror at open, more "
-                f"than cache_size={self.cache_size:,}. On object stores only raw chunks are "
-                "read by range: rewrite it with create_anndata_collection(..., "
-                "compressor='raw') (the default), or raise cache_size.")
+                f"{loc.url}: {whole:,} bytes of this collection are not chunks read by range "
+                "(obs, var and names; and the chunks of compressed layouts that are not, "
+                "one file per chunk or other codecs) and would be copied whole into the "
+                f"mirror at open, more than cache_size={self.cache_size:,}. Raise cache_size; "
+                "raw chunks and lz4 / zstd chunks in zarr shard files (the writer's default "
+                "layout) are read by range.")
         self._fetch_whole(rest)
         # the manifest again: it must be the one this mirror is named by
         if loc.head(MANIFEST_NAME) != (objects[MANIFEST_NAME][0], self.manifest_etag):
@@ -403,8 +404,9 @@ def _lazy_array(folder: str) -> bool:
 
 class MirrorStore(LocalStore):
     """The mirror folder as a read-only zarr store whose chunk objects left on the object
-    store (compressed matrix arrays) are fetched whole into the chunk cache on first read,
-    then read from there (zarr decodes them as it decodes local chunks)."""
+    store (compressed matrix arrays the raw reader does not take: one file per chunk, other
+    codecs) are fetched whole into the chunk cache on first read, then read from there (zarr
+    decodes them as it decodes local chunks)."""
 
     def __init__(self, mirror: Mirror) -> None:
         super().__init__(mirror.root, read_only=True)
