@@ -662,8 +662,8 @@ def test_compressed_shard_files_read_as_raw_ones(synthetic_h5ads: list[Path], tm
 
 
 @pytest.mark.parametrize("scheduler", [None, "threads"])
-def test_an_outlier_widens_only_the_shard_it_lands_in(tmp_path: Path,
-                                                      scheduler: str | None) -> None:
+def test_an_outlier_widens_only_the_shard_it_lands_in(
+        tmp_path: Path, scheduler: str | None, capsys: pytest.CaptureFixture[str]) -> None:
     values = [np.arange(1, 31, dtype=np.float64), np.arange(1, 31, dtype=np.float64)]
     values[1][-1] = 70_000.0  # above 65,535: in the last rows (shuffle=False: last shard)
     adatas = _inputs(values, "float32", 7, seed=0)
@@ -673,6 +673,9 @@ def test_an_outlier_widens_only_the_shard_it_lands_in(tmp_path: Path,
                                      **({"n_workers": 2} if scheduler else {}))
     stored = [s.stored["X/data"] for s in coll.manifest.shards]
     assert stored == ["uint8", "uint8", "uint32"]
+    assert cli_main(["info", str(coll.path)]) == 0  # what each shard stores, told
+    assert ("stored as uint8 values / uint16 indices (2 shards), uint32 / uint16 (1)"
+            in capsys.readouterr().out)
     src = _source_rows(adatas)
     got = _rows(coll, shuffle=True, seed=1)
     for r, row in src.items():

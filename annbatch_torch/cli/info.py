@@ -118,6 +118,8 @@ def _info_collection(path: Path | str, args: argparse.Namespace) -> int:
             counts = coll.category_counts(name[4:]) if name.startswith("obs/") else None
             line += "  " + _categories(list(f.categories or ()), args.max_categories,
                                        bool(f.ordered), counts)
+        if f.kind == "csr":
+            line += "  " + _stored(m.shards, name, f.dtype)
         print(line.rstrip())
     for name, why in coll.unavailable.items():
         print(f"  {name:<24} (not available: {why})")
@@ -130,6 +132,21 @@ def _info_collection(path: Path | str, args: argparse.Namespace) -> int:
         cells = f"{n:,}" if isinstance(n, int) else "?"
         print(f"  {where} ({cells} cells{size_txt})")
     return 0
+
+
+def _stored(shards: list[Any], name: str, dtype: str) -> str:
+    """How the shards store a sparse field, e.g. ``stored as uint8 values / uint16 indices
+    (3 shards), uint32 / uint16 (1)`` (shards without a record: the field's dtype and int32,
+    as written before the narrow dtypes)."""
+    counts: dict[tuple[str, str], int] = {}
+    for s in shards:
+        key = (s.stored.get(f"{name}/data", dtype), s.stored.get(f"{name}/indices", "int32"))
+        counts[key] = counts.get(key, 0) + 1
+    parts = []
+    for k, ((values, indices), n) in enumerate(counts.items()):
+        what = f"{values} values / {indices} indices" if k == 0 else f"{values} / {indices}"
+        parts.append(f"{what} ({n}{' shard' if k == 0 else ''}{'s' if k == 0 and n != 1 else ''})")
+    return "stored as " + ", ".join(parts)
 
 
 def _info_anndata(path: Path, args: argparse.Namespace) -> int:
