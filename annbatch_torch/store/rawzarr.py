@@ -82,11 +82,13 @@ class ChunkSource(Protocol):
 _local = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    buf = getattr(_local, "buf", None)
+def _scratch(nbytes: int, name: str = "buf") -> np.ndarray:
+    """A thread's reusable byte buffer ``name`` of at least ``nbytes`` (grown, never
+    shrunk; ``"zbuf"`` / ``"dbuf"``: a Blosc chunk's stored and decoded bytes)."""
+    buf = getattr(_local, name, None)
     if buf is None or len(buf) < nbytes:
         buf = np.empty(nbytes, dtype=np.uint8)
-        _local.buf = buf
+        setattr(_local, name, buf)
     return buf
 
 
@@ -116,7 +118,7 @@ class RawZarrArray:
             int(c) for c in sharding["chunk_shape"])
         self.crc = any(c["name"] == "crc32c" for c in codecs)
         #: inner chunks are Blosc-compressed (then a CRC-32C of the compressed bytes):
-        #: each is read whole, verified and decoded into the thread's scratch
+        #: each is read whole, verified and decoded (:meth:`_read_blosc_chunk`)
         self.blosc = any(c["name"] == "blosc" for c in codecs)
         #: inner chunks per shard file (0: not sharded, one file per chunk)
         self.per_shard = 0 if sharding is None else outer[0] // self.chunks[0]
@@ -662,7 +664,7 @@ class RawZarrArray:
         import google_crc32c
         from numcodecs import blosc
 
-        packed = _scratch_of("zbuf", want)
+        packed = _scratch(want, "zbuf")[:want]
         n = preadv_full(fd, [packed], base, want)
         if n != want:
             raise ChunkError(f"{path}: inner chunk {c % self.per_shard} has {n} bytes, "
@@ -672,7 +674,7 @@ class RawZarrArray:
             raise ChunkError(f"{path}: chunk checksum mismatch (the file is corrupted)")
         size = self.chunk_nbytes
         whole = first == 0 and last == size and len(segs) == 1 and segs[0].nbytes == size
-        out = segs[0] if whole else _scratch_of("dbuf", size)
+        out = segs[0] if whole else _scratch(size, "dbuf")[:size]
         what = f"{path}: inner chunk {c % self.per_shard}"
         # Blosc's 16-byte header: uncompressed bytes at 4, compressed bytes at 12 (little
         # endian); a chunk that decodes to fewer bytes would leave the rest unwritten
@@ -738,16 +740,6 @@ def _blosc_codecs(codecs: list[dict[str, Any]]) -> bool:
     writer's ``compressor="lz4"`` / ``"zstd"`` store inside zarr v3 shard files."""
     return (len(codecs) == 3 and _raw_codecs([codecs[0]])
             and codecs[1].get("name") == "blosc" and codecs[2].get("name") == "crc32c")
-
-
-def _scratch_of(name: str, nbytes: int) -> np.ndarray:
-    """A thread's reusable byte buffer ``name`` of at least ``nbytes`` (its first
-    ``nbytes``)."""
-    buf = getattr(_local, name, None)
-    if buf is None or len(buf) < nbytes:
-        buf = np.empty(nbytes, dtype=np.uint8)
-        setattr(_local, name, buf)
-    return buf[:nbytes]
 
 
 def open_raw(path: str | os.PathLike[str], remote: ChunkSource | None = None

@@ -46,7 +46,7 @@ from ..errors import CollectionError, InputError, check_int
 from ..store.inputs.view import InputSource, open_input
 from ..store.manifest import ShardInfo
 from .buckets import BucketSegment, BucketWriter, bucket_id, bucket_segments
-from .narrow import ValueRange, asked_dtype
+from .narrow import ValueRange
 from .passes import route_rows, write_shard_blocks
 from .schema import Schema
 from .shardstore import stored_arrays
@@ -366,7 +366,7 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                 "(adata.write_h5ad(path)) and pass the path, or use scheduler='threads'.")
     folder = tmp / ".buckets"
     folder.mkdir(exist_ok=True)
-    schema.asked_dtype = asked_dtype(opts)  # checked in the tasks, block by block
+    schema.use_storage(opts)  # an explicit data_dtype: checked in the tasks, block by block
     # a cluster started here restarts a dead worker within seconds; the caller's may be
     # adaptive (scaling up from none takes minutes)
     grace = NO_WORKERS_GRACE_S if isinstance(scheduler, str) else NO_WORKERS_GRACE_CLIENT_S
@@ -389,7 +389,6 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                     schema.drop(key, reason)
                 for key, seen in ranges.items():
                     schema.ranges.setdefault(key, ValueRange()).merge(seen)
-            schema.choose_storage(opts)
             task_dirs = [str(folder / f"t{t.task:05d}") for t in tasks]
             # each task gets its own shard's dtypes, not every shard's value ranges
             stored = [schema.stored_in(s) for s in range(n_shards)]

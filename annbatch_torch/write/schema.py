@@ -31,7 +31,7 @@ from ..store.collection import MAX_LABEL_CATEGORIES, too_many_categories
 from ..store.inputs.plan import nonempty, plan_fields
 from ..store.inputs.view import InputSource
 from ..store.manifest import RAW_X
-from .narrow import ValueRange, stored_dtype, stored_index_dtype
+from .narrow import ValueRange, asked_dtype, stored_dtype, stored_index_dtype
 from .varmeta import merge_var
 
 __all__ = ["LOW_GENE_OVERLAP", "GeneAxis", "OutField", "Schema", "check_reference",
@@ -85,18 +85,24 @@ class Schema:
     #: what pass 1 saw of each CSR field's values, per shard of this write:
     #: ``{(field, shard): ValueRange}`` (:class:`.narrow.ValueRange`)
     ranges: dict[tuple[str, int], ValueRange] = field(default_factory=dict)
-    #: the writer's explicit ``data_dtype`` (a dtype), checked on every block pass 1 reads
-    #: so that a value it cannot hold is refused at once, not after the whole pass
-    asked_dtype: np.dtype | None = None
-    #: the writer's ``data_dtype`` / ``index_dtype`` options (:meth:`choose_storage`)
+    #: the writer's ``data_dtype`` / ``index_dtype`` options (``None``: ``"auto"``; see
+    #: :mod:`.narrow`), set before pass 1 (:meth:`use_storage`)
     storage: dict[str, Any] = field(default_factory=dict)
+
+    def use_storage(self, opts: dict[str, Any]) -> None:
+        """Store CSR fields as the writer's ``opts["data_dtype"]`` / ``opts["index_dtype"]``
+        say: an explicit ``data_dtype`` is checked on every block pass 1 reads
+        (:meth:`observe`), so a value it cannot hold is refused at once, not after the
+        pass; :meth:`stored_in` applies them after it."""
+        self.storage = {k: opts.get(k) for k in ("data_dtype", "index_dtype")}
 
     def observe(self, key: str, values: np.ndarray, indptr: np.ndarray, shards: np.ndarray,
                 label: str) -> None:
         """Note the values of a block of CSR field ``key`` of input ``label`` (pass 1):
         ``values`` and ``indptr`` of its rows, ``shards[r]`` the shard row ``r`` goes to
-        (rows of one shard together); :class:`InputError` at once when
-        :attr:`asked_dtype` cannot hold a value."""
+        (rows of one shard together); :class:`InputError` at once when an explicit
+        ``data_dtype`` (:meth:`use_storage`) cannot hold a value."""
+        asked = asked_dtype(self.storage)
         cuts = np.flatnonzero(shards[1:] != shards[:-1]) + 1
         for r0, r1 in zip([0, *cuts.tolist()], [*cuts.tolist(), len(shards)]):
             part = values[int(indptr[r0]) : int(indptr[r1])]
@@ -104,26 +110,16 @@ class Schema:
                 continue
             seen = self.ranges.setdefault((key, int(shards[r0])), ValueRange())
             seen.observe(part, label)
-            if self.asked_dtype is not None:
-                stored_dtype(key, values.dtype, seen, self.asked_dtype)  # raises if it cannot
+            if asked is not None:
+                stored_dtype(key, values.dtype, seen, asked)  # raises if it cannot
 
-    def choose_storage(self, opts: dict[str, Any]) -> None:
-        """Keep the writer's ``opts["data_dtype"]`` / ``opts["index_dtype"]`` (``None``:
-        ``"auto"``; see :mod:`.narrow`) for :meth:`stored_in`, after pass 1; an explicit
-        ``data_dtype`` is checked against every shard's values here (the writer's refusal)."""
-        self.storage = {k: opts.get(k) for k in ("data_dtype", "index_dtype")}
-        for (key, shard) in sorted(self.ranges):
-            if key not in self.dropped:
-                self.stored_in(shard, only=key)
-
-    def stored_in(self, shard: int, only: str | None = None) -> dict[str, tuple[np.dtype,
-                                                                                  np.dtype]]:
+    def stored_in(self, shard: int) -> dict[str, tuple[np.dtype, np.dtype]]:
         """``{field: (values dtype, indices dtype)}`` of the CSR fields of shard ``shard``
         of this write: the narrowest that holds what pass 1 saw of that shard's values (an
         outlier widens its own shard only), or what the options ask."""
         out = {}
         for f in self.kept:
-            if f.kind == "csr" and (only is None or f.key == only):
+            if f.kind == "csr":
                 out[f.key] = (
                     stored_dtype(f.key, f.dtype, self.ranges.get((f.key, shard)),
                                  self.storage.get("data_dtype")),

@@ -87,7 +87,7 @@ from ..store.remote.location import RemoteLocation, is_url
 from . import budget as _budget
 from .buckets import BucketWriter, bucket_id, bucket_segments
 from .budget import parse_memory
-from .narrow import asked_dtype, check_dtype_options, dtype_options
+from .narrow import check_dtype_options, dtype_options
 from .passes import route_rows, write_shard_blocks
 from .publish import (
     check_output,
@@ -443,7 +443,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
     ``tmp`` and the stored dtypes."""
     shard_obs, block_obs = layout
     dest = permutation(n_total, shuffle, seed)
-    schema.asked_dtype = asked_dtype(opts)
+    schema.use_storage(opts)
     buckets = BucketWriter(tmp / ".buckets", bucket_segments(schema.fields))
     offset = 0
     try:
@@ -457,7 +457,6 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
     finally:
         buckets.close()
     del dest
-    schema.choose_storage(opts)
     shards, dtypes = [], {}
     with _progress(n_total, "shuffle 2/2: write", progress) as bar:
         for s in range(-(-n_total // shard_obs)):
