@@ -234,6 +234,51 @@ def test_buffer_cache_is_fresh_in_a_forked_child() -> None:
     assert held.size == 100
 
 
+def test_reused_buffers_are_never_handed_out_under_a_live_view() -> None:
+    """Pool buffers and dense arrays live in memory maps of their own (no huge-page
+    madvise): a view of a view, or a tensor over one, must still keep its memory from
+    being handed out again, and memory nothing uses any more is reused."""
+    import torch
+
+    from annbatch_torch.read.buffers import BufferCache, DenseBuffers
+
+    dense = DenseBuffers(keep=2)
+    a = dense.take((8, 5), np.dtype(np.float32))
+    a[:] = 7.0
+    kept = [a[2:][::2], torch.from_numpy(a[1:3].reshape(-1))]
+    del a
+    for _ in range(3):  # freed arrays come back; the one under the views never does
+        b = dense.take((8, 5), np.dtype(np.float32))
+        b[:] = -1.0
+        assert not np.shares_memory(b, kept[0])
+        del b
+    assert float(kept[0].min()) == 7.0
+    assert float(kept[1].min()) == 7.0
+    assert dense.allocations == 2
+    del kept
+    c = dense.take((4, 10), np.dtype(np.float32))  # same bytes, other shape: reused
+    d = dense.take((3, 5), np.dtype(np.float32))  # an epoch's short last batch: reused
+    assert dense.allocations == 2
+    assert c.shape == (4, 10)
+    assert d.shape == (3, 5)
+    assert c.flags.writeable
+    assert d.flags.writeable
+
+    cache = BufferCache(keep=4)
+    x = cache.take(1000, np.dtype(np.int32))
+    x[:] = 3
+    view = x[10:20][::3]
+    del x
+    y = cache.take(1000, np.dtype(np.int32))
+    y[:] = 0
+    assert not np.shares_memory(y, view)
+    assert int(view.min()) == 3
+    del y
+    z = cache.take(500, np.dtype(np.float64))
+    assert cache.allocations == 2
+    assert z.size == 500
+
+
 def _ahead(ds: abt.AnnBatchDataset) -> ReadAhead | None:
     """The pool a dataset read ahead, if any."""
     return None if ds._stream is None else ds._stream.ahead

@@ -19,6 +19,8 @@ import numba
 import numpy as np
 from numba.core.compiler_lock import global_compiler_lock
 
+from .buffers import fresh_bytes
+
 __all__ = ["scatter_rows", "scratch"]
 
 
@@ -95,5 +97,5 @@ def scratch(n: int, dtype: np.dtype, slot: int) -> np.ndarray:
     nbytes = n * dtype.itemsize
     buf = bufs.get(slot)
     if buf is None or buf.nbytes < nbytes:
-        buf = bufs[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
+        buf = bufs[slot] = fresh_bytes(max(nbytes, 1))
     return buf[:nbytes].view(dtype)
