@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-__all__ = ["synthetic", "write_synthetic_h5ads", "CELL_TYPE_NAMES"]
+__all__ = ["synthetic", "write_synthetic_atlas", "write_synthetic_h5ads", "CELL_TYPE_NAMES"]
 
 #: names given to the first cell types (more types get ``type_<k>``)
 CELL_TYPE_NAMES = (
@@ -82,6 +82,8 @@ def _gene_model(
     # scale lam so that E[1 - exp(-s * lam)] == density over size factors and genes
     s_q = np.exp(0.6 * np.sqrt(2) * _erfinv_grid(16))
     sub = lam[:, rng.choice(n_vars, size=min(n_vars, 4000), replace=False)]
+    if len(sub) > 32:  # many cell types (an atlas): a sample of groups is as good an estimate
+        sub = sub[np.sort(rng.choice(len(sub), size=32, replace=False))]
     lo, hi = -30.0, 30.0
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -383,3 +385,260 @@ def write_synthetic_h5ads(
         adata.write_h5ad(path)
         paths.append(path)
     return paths
+
+
+#: assays and tissues of the synthetic atlas (each input holds one to three of each)
+ATLAS_ASSAYS = (
+    "10x 3' v2", "10x 3' v3", "10x 5' v1", "10x 5' v2", "Smart-seq2", "Drop-seq", "Seq-Well",
+    "sci-RNA-seq3", "CEL-seq2", "inDrop",
+)
+ATLAS_TISSUES = (
+        "blood", "bone marrow", "lung", "liver", "kidney", "heart", "brain", "spleen",
+        "lymph node", "skin", "colon", "small intestine", "stomach", "pancreas", "breast",
+        "prostate", "testis", "ovary", "uterus", "adipose", "muscle", "thymus", "tonsil",
+        "retina", "placenta", "bladder", "esophagus", "trachea", "adrenal gland", "thyroid",
+)
+
+
+def _input_sizes(n_obs: int, n_inputs: int, rng: np.random.Generator,
+                 largest: int = 10**6) -> np.ndarray:
+    """Heavy-tailed input sizes (Pareto, a few large inputs, many small) summing to
+    ``n_obs``, each within ``[min(100, n_obs // n_inputs), largest]``."""
+    if n_inputs < 1 or n_obs < n_inputs:
+        raise ValueError(f"write_synthetic_atlas: n_obs ({n_obs:,}) must be at least "
+                         f"n_inputs ({n_inputs:,}), and n_inputs at least 1.")
+    if n_obs > largest * n_inputs:
+        raise ValueError(f"write_synthetic_atlas: inputs hold at most {largest:,} cells: use "
+                         f"n_inputs >= {-(-n_obs // largest):,} for {n_obs:,} cells.")
+    lo = max(1, min(100, n_obs // n_inputs))
+    w = rng.pareto(1.1, n_inputs) + 1.0
+    sizes = np.clip(np.floor(w / w.sum() * n_obs), lo, largest).astype(np.int64)
+    for _ in range(200):  # move the rounding and clipping remainder where there is room
+        diff = n_obs - int(sizes.sum())
+        if diff == 0:
+            break
+        room = (largest - sizes) if diff > 0 else (sizes - lo)
+        share = np.floor(room / room.sum() * abs(diff)).astype(np.int64)
+        if not share.sum():
+            share[int(np.argmax(room))] = min(abs(diff), int(room.max()))
+        sizes += share if diff > 0 else -share
+    return sizes
+
+
+def _atlas_block(model: _GeneModel, levels: tuple[np.ndarray, ...], types: np.ndarray,
+                 scale: np.ndarray, local: np.ndarray, n_local: int,
+                 rng: np.random.Generator, pool: ThreadPoolExecutor) -> sp.csr_matrix:
+    """CSR counts of one block of cells over an input's genes (``local[g]``: gene ``g`` of
+    the universe's column in the input, -1 where the input lacks it), sorted per row; runs
+    of 256 cells drawn on ``pool``'s threads, each with a generator of its own."""
+    seed = int(rng.integers(2**63))
+
+    def run(a: int) -> sp.csr_matrix:
+        b = min(len(types), a + 256)
+        d, g, p = _sample_block(np.random.default_rng([seed, a]), model.lam, levels,
+                                types[a:b], scale[a:b])
+        rows = np.repeat(np.arange(b - a, dtype=np.int64), np.diff(p))
+        col = local[g]
+        keep = col >= 0
+        m = sp.csr_matrix((d[keep], (rows[keep], col[keep])), shape=(b - a, n_local))
+        m.sort_indices()
+        return m
+
+    return sp.vstack(list(pool.map(run, range(0, len(types), 256))), format="csr")
+
+
+def write_synthetic_atlas(
+    out_dir: str | os.PathLike[str],
+    n_obs: int,
+    n_inputs: int = 100,
+    *,
+    seed: int = 0,
+    n_genes: int = 30_000,
+    n_cell_types: int = 500,
+    genes_per_cell: int = 250,
+    block_obs: int = 20_000,
+    progress: bool = True,
+) -> list[Path]:
+    """Write a realistic many-input atlas of ``n_obs`` cells, streamed in bounded memory.
+
+    Real atlases (CELLxGENE Census, scBaseCount) are hundreds of files that differ in size,
+    genes, formats and categories; this writes ``n_inputs`` such inputs into ``out_dir``,
+    block by block (``block_obs`` cells at a time: memory follows the block and the largest
+    input's obs, never ``n_obs``):
+
+    * input sizes heavy-tailed (Pareto: a few large inputs, many small; 100 to 10**6 cells);
+    * a universe of ``n_genes`` genes (``ENSG...`` ids); 60% of them (a core) are in every
+      input, each input keeps its own share of the rest (60-100% of the universe in all),
+      in an order of its own;
+    * integer counts: a rate per (cell type, gene) with Zipf gene popularity and a program
+      of up-regulated genes per type, a lognormal library size per cell (sigma 0.8), a
+      count given non-zero drawn overdispersed (negative-binomial-like); about
+      ``genes_per_cell`` non-zeros per cell (median);
+    * most inputs CSR float32 (every tenth int32), the two smallest dense (up to 1,000
+      cells), the next two CSC (up to 50,000 cells), and one (a middle-sized one) an AnnData
+      zarr store;
+    * obs: ``cell_type`` (``n_cell_types`` categories, Zipf shares; each input holds its own
+      subset, so the categories of a column differ between inputs), ``donor_id`` (about one
+      donor per 1,000 cells, unique to its input), ``assay`` (10 in all, 1-2 per input),
+      ``tissue`` (30 in all, 1-3 per input) and a numeric ``n_counts``; obs_names are
+      unique across inputs (``a{input}_c{row}``).
+
+    Parameters
+    ----------
+    out_dir
+        Folder to write into (created if missing): ``input_{i:03d}.h5ad`` (or ``.zarr``) and
+        ``atlas.json`` (each input's path, cells, genes and format), written last.
+    n_obs
+        Cells in all.
+    n_inputs
+        Number of inputs.
+    seed
+        Seed of everything; the same arguments give the same files.
+    n_genes, n_cell_types, genes_per_cell
+        Size of the gene universe, of the cell-type vocabulary and the median number of
+        non-zero genes per cell.
+    block_obs
+        Cells generated and written at a time (memory bound).
+    progress
+        Show a progress bar (tqdm) over cells.
+
+    Returns
+    -------
+    list of Path
+        The inputs, in order.
+    """
+    import json
+
+    import anndata as ad
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if n_genes < 10 or n_cell_types < 1 or genes_per_cell < 1 or block_obs < 1:
+        raise ValueError("write_synthetic_atlas: n_genes >= 10, n_cell_types, "
+                         "genes_per_cell and block_obs >= 1 are needed.")
+    rng = np.random.default_rng(seed)
+    sizes = _input_sizes(n_obs, n_inputs, rng)
+    # expected genes kept by an input: 0.6 + 0.4 * U(0, 1) on average 0.8 of the universe
+    density = min(0.5, genes_per_cell / (0.8 * n_genes))
+    model = _gene_model(n_genes, n_cell_types, 1, density, "ENSG", rng)
+    model.var_names = np.array([f"ENSG{i:011d}" for i in range(n_genes)], dtype=object)
+    levels = _levels(model.lam)
+    zipf = 1.0 / np.arange(1, n_cell_types + 1) ** 1.1
+    type_names = np.array(list(CELL_TYPE_NAMES)[:n_cell_types] + [
+        f"type_{k}" for k in range(len(CELL_TYPE_NAMES), n_cell_types)], dtype=object)
+    core = rng.permutation(n_genes)
+    n_core = int(0.6 * n_genes)
+    order = np.argsort(sizes, kind="stable")
+    fmt = ["csr"] * n_inputs
+    fmt[int(order[n_inputs // 2])] = "zarr"
+    small = [int(i) for i in order if fmt[i] == "csr"]
+    for i in [i for i in small if sizes[i] <= 1_000][:2]:  # built whole: small ones only
+        fmt[i] = "dense"
+    for i in [i for i in small if fmt[i] == "csr" and sizes[i] <= 50_000][:2]:
+        fmt[i] = "csc"
+    paths, records = [], []
+    bar = tqdm(total=n_obs, unit="cells", desc="synthetic atlas", disable=not progress)
+    pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)))
+    for i, n in enumerate(int(s) for s in sizes):
+        irng = np.random.default_rng([seed, i])
+        extra = core[n_core:][irng.random(n_genes - n_core) < irng.uniform(0.0, 1.0)]
+        genes = irng.permutation(np.concatenate([core[:n_core], extra]))
+        local = np.full(n_genes, -1, dtype=np.int64)
+        local[genes] = np.arange(len(genes))
+        present = np.sort(irng.choice(n_cell_types, size=min(n_cell_types, int(
+            irng.integers(30, 301))), replace=False))
+        p = zipf[present] / zipf[present].sum()
+        types = present[irng.choice(len(present), size=n, p=p)]
+        scale = irng.lognormal(0.0, 0.8, size=n)
+        n_donors = max(1, round(n / 1000))
+        donors = irng.zipf(1.5, size=n) % n_donors
+        assays = irng.choice(len(ATLAS_ASSAYS), size=int(irng.integers(1, 3)), replace=False)
+        tissues = irng.choice(len(ATLAS_TISSUES), size=int(irng.integers(1, 4)),
+                              replace=False)
+        dtype = np.int32 if i % 10 == 9 else np.float32
+        var = pd.DataFrame(index=pd.Index(model.var_names[genes].astype(str)))
+        path = out / f"input_{i:03d}.{'zarr' if fmt[i] == 'zarr' else 'h5ad'}"
+        n_counts = np.zeros(n, dtype=np.float32)
+        blocks = []
+        for a in range(0, n, block_obs):
+            b = min(n, a + block_obs)
+            m = _atlas_block(model, levels, types[a:b], scale[a:b], local, len(genes), irng,
+                             pool)
+            m.data = np.rint(m.data).astype(dtype)
+            n_counts[a:b] = np.asarray(m.sum(axis=1)).ravel()
+            if fmt[i] in ("csr", "zarr"):  # streamed: one block in memory at a time
+                _append_x(path, m, first=a == 0)
+            else:  # dense and CSC inputs are small ones, built whole
+                blocks.append(m)
+            bar.update(b - a)
+        obs = pd.DataFrame({
+            "cell_type": pd.Categorical(type_names[types]),
+            "donor_id": pd.Categorical(np.char.add(f"d{i}_", donors.astype(str))),
+            "assay": pd.Categorical(np.asarray(ATLAS_ASSAYS, dtype=object)[
+                assays[irng.integers(0, len(assays), size=n)]]),
+            "tissue": pd.Categorical(np.asarray(ATLAS_TISSUES, dtype=object)[
+                tissues[irng.integers(0, len(tissues), size=n)]]),
+            "n_counts": n_counts,
+        }, index=pd.Index([f"a{i}_c{j}" for j in range(n)]))
+        if fmt[i] in ("csr", "zarr"):
+            _finish_streamed(path, obs, var)
+        else:
+            x = sp.vstack(blocks, format="csr")
+            x = x.toarray() if fmt[i] == "dense" else x.tocsc()
+            ad.AnnData(X=x, obs=obs, var=var).write_h5ad(path)
+        del blocks
+        paths.append(path)
+        records.append({"path": path.name, "n_obs": n, "n_vars": len(genes),
+                        "format": fmt[i], "dtype": np.dtype(dtype).name})
+    bar.close()
+    pool.shutdown()
+    (out / "atlas.json").write_text(json.dumps(
+        {"n_obs": n_obs, "n_inputs": n_inputs, "seed": seed, "n_genes": n_genes,
+         "n_cell_types": n_cell_types, "genes_per_cell": genes_per_cell,
+         "inputs": records}, indent=1))
+    return paths
+
+
+def _open_store(path: Path, mode: str) -> Any:
+    if path.suffix == ".zarr":
+        import zarr
+
+        return zarr.open_group(path, mode=mode, zarr_format=2)
+    import h5py
+
+    return h5py.File(path, mode)
+
+
+def _append_x(path: Path, m: sp.csr_matrix, first: bool) -> None:
+    """Write (``first``) or append one block of CSR rows to ``path``'s X."""
+    import anndata as ad
+
+    if first:
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        f = _open_store(path, "w")
+        ad.io.write_elem(f, "X", m)
+    else:
+        f = _open_store(path, "r+")
+        ad.io.sparse_dataset(f["X"]).append(m)
+    if hasattr(f, "close"):
+        f.close()
+
+
+def _finish_streamed(path: Path, obs: pd.DataFrame, var: pd.DataFrame) -> None:
+    """The rest of an AnnData store whose X was streamed: obs, var, empty mappings and
+    the root's encoding (what ``anndata`` writes)."""
+    import anndata as ad
+
+    f = _open_store(path, "r+")
+    for key, value in (("obs", obs), ("var", var)):
+        ad.io.write_elem(f, key, value)
+    for key in ("obsm", "varm", "obsp", "varp", "layers", "uns"):
+        ad.io.write_elem(f, key, {})
+    f.attrs["encoding-type"] = "anndata"
+    f.attrs["encoding-version"] = "0.1.0"
+    if hasattr(f, "close"):
+        f.close()

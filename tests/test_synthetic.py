@@ -111,3 +111,98 @@ def test_write_synthetic_h5ads(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="entries"):
         write_synthetic_h5ads(tmp_path / "bad", 2, [1, 2, 3], 10)
     assert pd.api.types.is_float_dtype(ads[0].obs["n_counts"])
+
+
+def _read_input(path: Path) -> ad.AnnData:
+    return ad.read_zarr(path) if path.suffix == ".zarr" else ad.read_h5ad(path)
+
+
+@pytest.fixture(scope="module")
+def atlas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    from annbatch_torch.datasets import write_synthetic_atlas
+
+    out = tmp_path_factory.mktemp("atlas")
+    paths = write_synthetic_atlas(out, 6000, 16, seed=3, n_genes=3000, n_cell_types=60,
+                                  block_obs=700, progress=False)
+    return out, paths
+
+
+def test_atlas_inputs_shapes_formats_and_counts(atlas: tuple[Path, list[Path]]) -> None:
+    import json
+
+    out, paths = atlas
+    meta = json.loads((out / "atlas.json").read_text())
+    assert [out / r["path"] for r in meta["inputs"]] == paths
+    sizes = [r["n_obs"] for r in meta["inputs"]]
+    assert sum(sizes) == 6000
+    assert max(sizes) >= 5 * min(sizes)  # heavy-tailed: a few large inputs, many small
+    assert sorted({r["format"] for r in meta["inputs"]}) == ["csc", "csr", "dense", "zarr"]
+    names, genes_per_cell, universe = [], [], set()
+    for path, rec in zip(paths, meta["inputs"]):
+        a = _read_input(path)
+        assert a.shape == (rec["n_obs"], rec["n_vars"])
+        x = a.X
+        want = {"csr": sp.csr_matrix, "zarr": sp.csr_matrix, "csc": sp.csc_matrix,
+                "dense": np.ndarray}[rec["format"]]
+        assert isinstance(x, want), (path, type(x))
+        values = x.data if sp.issparse(x) else x[x != 0]
+        assert values.dtype == np.dtype(rec["dtype"])
+        assert (values >= 1).all()
+        assert (values == np.rint(values)).all()  # integer counts
+        csr = sp.csr_matrix(x)
+        genes_per_cell.append(np.diff(csr.indptr))
+        if sp.issparse(x) and rec["format"] != "csc":
+            assert x.has_sorted_indices
+        np.testing.assert_allclose(a.obs["n_counts"], np.asarray(csr.sum(axis=1)).ravel())
+        assert 0.6 * 3000 <= a.n_vars <= 3000
+        assert a.var_names.is_unique
+        universe |= set(a.var_names)
+        names.append(a.obs_names)
+        for col in ("cell_type", "donor_id", "assay", "tissue"):
+            assert isinstance(a.obs[col].dtype, pd.CategoricalDtype), col
+    assert len(universe) <= 3000
+    allnames = pd.Index(np.concatenate([n.to_numpy() for n in names]))
+    assert allnames.is_unique
+    med = float(np.median(np.concatenate(genes_per_cell)))
+    assert 150 <= med <= 350, med  # ~250 non-zeros per cell
+
+
+def test_atlas_inputs_differ_in_genes_order_and_categories(
+        atlas: tuple[Path, list[Path]]) -> None:
+    _, paths = atlas
+    adatas = [_read_input(p) for p in paths]
+    orders = {tuple(a.var_names[:20]) for a in adatas}
+    assert len(orders) == len(adatas)  # each input its own gene order
+    common = set.intersection(*(set(a.var_names) for a in adatas))
+    assert len(common) >= int(0.6 * 3000)  # the core every input holds
+    cats = [tuple(a.obs["cell_type"].cat.categories) for a in adatas]
+    assert len(set(cats)) > 1
+    donors = [set(a.obs["donor_id"].cat.categories) for a in adatas]
+    assert all(not (d & e) for i, d in enumerate(donors) for e in donors[i + 1:])
+    assert set().union(*(set(a.obs["assay"].cat.categories) for a in adatas)) <= set(
+        __import__("annbatch_torch.datasets", fromlist=["x"]).ATLAS_ASSAYS)
+
+
+def test_atlas_is_reproducible_and_bounded(tmp_path: Path) -> None:
+    """The same arguments give the same files; an input's matrix is streamed block by block
+    (memory grows with its obs columns only)."""
+    import tracemalloc
+
+    from annbatch_torch.datasets import write_synthetic_atlas
+
+    kw = dict(n_genes=2000, n_cell_types=20, block_obs=500, progress=False)
+    a = write_synthetic_atlas(tmp_path / "a", 3000, 2, seed=5, **kw)
+    b = write_synthetic_atlas(tmp_path / "b", 3000, 2, seed=5, **kw)
+    for p, q in zip(a, b):
+        x, y = _read_input(p), _read_input(q)
+        assert (sp.csr_matrix(x.X) != sp.csr_matrix(y.X)).nnz == 0
+        pd.testing.assert_frame_equal(x.obs, y.obs)
+    peaks = []
+    for n, inputs in ((4_000, 1), (32_000, 1)):  # 8x the cells of one input, streamed
+        tracemalloc.start()
+        write_synthetic_atlas(tmp_path / f"n{n}", n, inputs, seed=5, **kw)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 2 * peaks[0], peaks
+    with pytest.raises(ValueError, match="n_inputs >= 3"):
+        write_synthetic_atlas(tmp_path / "big", 2_500_000, 2, progress=False)
