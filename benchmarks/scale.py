@@ -1,0 +1,458 @@
+"""Atlas scale: the writer, opening, first batches, epochs, samplers, resume and append
+measured at growing n_obs on many-input synthetic atlases (issue 31).
+
+Usage::
+
+    python benchmarks/scale.py [--sizes 1e5,1e6,1e7] [--n-inputs 100] [--data-dir DIR]
+                               [--only writer,open,...] [--max-batches 200] [--keep]
+                               [--out benchmarks/results/scale]
+
+For each size, ``datasets.write_synthetic_atlas`` writes the inputs (reused when present),
+then every measurement runs in a fresh Python process (``--child``):
+
+* ``writer``: ``create_anndata_collection(inputs, var_join="outer")`` wall s, cells/s,
+  VmHWM against ``max_memory``, peak extra disk on the collection's file system while it
+  writes (inputs excluded), files and bytes per cell of the collection;
+* ``open``: ``open_collection`` s (the import excluded) and VmRSS after it;
+* ``first_batch``: construction of ``AnnBatchDataset`` to its first batch with 0 workers,
+  and with 2 workers of a plain ``DataLoader(batch_size=None)`` (fork and spawn);
+* ``epoch``: cells/s over ``--max-batches`` batches after 2 (a whole epoch when smaller),
+  sparse and dense, 0 and 2 workers, warm (the collection read through first, when it fits
+  in half the RAM) and cold (page cache dropped; root); peak RSS of the main process and of
+  the largest worker;
+* ``samplers``: ``ClassBalancedSampler("cell_type")`` and a 10% ``SubsetSampler``: bind
+  seconds (construction with the sampler less without) and traced peak memory;
+* ``resume``: ``state_dict()`` bytes (pickled) after 5 batches (fewer in a collection of
+  fewer), chunked and sampling mode,
+  and the seconds from ``load_state_dict`` to the next batch in a new dataset;
+* ``obs_names_at``: 10,000 random rows;
+* ``append`` (last, it grows the collection): 100,000 new cells (one input, new cell types)
+  appended, against writing those cells alone.
+
+Writes ``OUT.json``, ``OUT.md`` (one column per size, the fitted log-log exponent of each
+cost) and ``OUT.png`` (the costs against n_obs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SELECTOR = {"x": "X", "y": "obs/cell_type"}
+
+
+# --- measurements, each run in a fresh process --------------------------------------------
+
+def _vm(key: str) -> float:
+    """VmHWM / VmRSS of this process in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _rss_monitor() -> tuple[dict[str, float], threading.Event]:
+    """Peak RSS (MiB) of this process and of its largest child, sampled every 0.1 s."""
+    import psutil
+
+    peaks = {"main_rss_mb": 0.0, "worker_rss_mb": 0.0}
+    stop = threading.Event()
+    me = psutil.Process()
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                peaks["main_rss_mb"] = max(peaks["main_rss_mb"], me.memory_info().rss / 2**20)
+                for c in me.children(recursive=True):
+                    peaks["worker_rss_mb"] = max(peaks["worker_rss_mb"],
+                                                 c.memory_info().rss / 2**20)
+            except psutil.Error:
+                pass
+            stop.wait(0.1)
+
+    threading.Thread(target=run, daemon=True).start()
+    return peaks, stop
+
+
+def task_generate(a: dict[str, Any]) -> dict[str, Any]:
+    from annbatch_torch.datasets import write_synthetic_atlas
+
+    t = time.perf_counter()
+    write_synthetic_atlas(a["inputs"], a["n_obs"], a["n_inputs"], seed=0, progress=False)
+    return {"generate_s": time.perf_counter() - t}
+
+
+def _inputs(folder: str) -> list[str]:
+    meta = json.loads((Path(folder) / "atlas.json").read_text())
+    return [str(Path(folder) / r["path"]) for r in meta["inputs"]]
+
+
+def task_writer(a: dict[str, Any]) -> dict[str, Any]:
+    import annbatch_torch as abt
+
+    kw: dict[str, Any] = {}
+    if a.get("max_memory"):
+        kw["max_memory"] = a["max_memory"]
+    if a.get("scheduler"):
+        kw.update(scheduler=a["scheduler"], n_workers=2)
+    t = time.perf_counter()
+    abt.create_anndata_collection(_inputs(a["inputs"]), a["store"], var_join="outer",
+                                  overwrite=True, progress=False, **kw)
+    dt = time.perf_counter() - t
+    files = [p for p in Path(a["store"]).rglob("*") if p.is_file()]
+    nbytes = sum(p.stat().st_size for p in files)
+    params = __import__("inspect").signature(abt.create_anndata_collection).parameters
+    return {"writer_s": dt, "writer_cells_s": a["n_obs"] / dt, "writer_vmhwm_mb": _vm("VmHWM"),
+            "max_memory": str(a.get("max_memory") or params["max_memory"].default),
+            "files": len(files), "files_per_1e6_cells": len(files) / a["n_obs"] * 1e6,
+            "bytes_per_cell": nbytes / a["n_obs"]}
+
+
+def task_open(a: dict[str, Any]) -> dict[str, Any]:
+    import annbatch_torch as abt
+
+    rss0 = _vm("VmRSS")
+    t = time.perf_counter()
+    c = abt.open_collection(a["store"])
+    dt = time.perf_counter() - t
+    return {"open_s": dt, "open_rss_mb": _vm("VmRSS") - rss0, "n_obs": int(c.n_obs)}
+
+
+def task_first_batch(a: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    import annbatch_torch as abt
+
+    t = time.perf_counter()
+    ds = abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096)
+    if a["workers"]:
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a["workers"],
+                                         multiprocessing_context=a["context"])
+        next(iter(dl))
+    else:
+        next(iter(ds))
+    return {"first_batch_s": time.perf_counter() - t}
+
+
+def task_epoch(a: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    import annbatch_torch as abt
+
+    store = Path(a["store"])
+    if a["cold"]:
+        _drop_caches()
+    else:
+        size = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+        import psutil
+
+        if size > psutil.virtual_memory().total / 2:
+            return {"skipped": f"{size / 2**30:.1f} GiB do not stay in the page cache"}
+        for p in store.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    while f.read(1 << 24):
+                        pass
+    peaks, stop = _rss_monitor()
+    ds = abt.AnnBatchDataset(store, selector=SELECTOR, batch_size=4096, densify=a["dense"])
+    it = iter(ds if not a["workers"] else torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=a["workers"]))
+    n = k = 0
+    t = time.perf_counter()
+    for b in it:
+        k += 1
+        if k == 2:
+            t = time.perf_counter()
+        elif k > 2:
+            n += b["x"].shape[0]
+        if k >= a["max_batches"] + 2:
+            break
+    dt = time.perf_counter() - t
+    del it
+    stop.set()
+    return {"cells_s": n / dt, "batches": k - 2, **peaks}
+
+
+def task_samplers(a: dict[str, Any]) -> dict[str, Any]:
+    import tracemalloc
+
+    import numpy as np
+
+    import annbatch_torch as abt
+
+    t = time.perf_counter()
+    abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096)
+    plain = time.perf_counter() - t
+    out: dict[str, Any] = {}
+    n = a["n_obs"]
+    rows = np.sort(np.random.default_rng(0).choice(n, size=n // 10, replace=False))
+    for name, make in (("class_balanced", lambda: abt.ClassBalancedSampler("cell_type")),
+                       ("subset_10pct", lambda: abt.SubsetSampler(rows))):
+        sampler = make()
+        tracemalloc.start()
+        t = time.perf_counter()
+        ds = abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096,
+                                 sampler=sampler)
+        dt = time.perf_counter() - t
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        out[f"{name}_bind_s"] = max(0.0, dt - plain)
+        out[f"{name}_bind_peak_mb"] = peak / 2**20
+        out[f"{name}_bytes_per_row"] = peak / n
+        del ds
+    return out
+
+
+def task_resume(a: dict[str, Any]) -> dict[str, Any]:
+    import pickle
+
+    import annbatch_torch as abt
+
+    out: dict[str, Any] = {}
+    for mode, kw in (("chunked", {}),
+                     ("sampling", {"sampler": abt.ClassBalancedSampler("cell_type")})):
+        ds = abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096, **kw)
+        it = iter(ds)
+        for _ in range(min(5, len(ds) - 1)):  # mid-epoch, also in a small collection
+            next(it)
+        sd = ds.state_dict()
+        del it
+        out[f"{mode}_state_dict_bytes"] = len(pickle.dumps(sd))
+        new = abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096, **kw)
+        t = time.perf_counter()
+        new.load_state_dict(sd)
+        next(iter(new))
+        out[f"{mode}_resume_s"] = time.perf_counter() - t
+    return out
+
+
+def task_obs_names_at(a: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    import annbatch_torch as abt
+
+    src = abt.open_source(a["store"])
+    rows = np.random.default_rng(1).choice(a["n_obs"], size=10_000, replace=False)
+    t = time.perf_counter()
+    names = src.obs_names_at(rows)
+    dt = time.perf_counter() - t
+    assert len(names) == 10_000
+    return {"obs_names_at_10k_s": dt}
+
+
+def task_append(a: dict[str, Any]) -> dict[str, Any]:
+    import annbatch_torch as abt
+    from annbatch_torch.datasets import write_synthetic_atlas
+
+    new = Path(a["store"]).parent / "append_input"
+    if not (new / "atlas.json").exists():
+        write_synthetic_atlas(new, 100_000, 1, seed=99, n_cell_types=600, progress=False)
+    paths = _inputs(str(new))
+    alone = Path(a["store"]).parent / "append_alone"
+    t = time.perf_counter()
+    abt.create_anndata_collection(paths, alone, var_join="outer", overwrite=True,
+                                  progress=False)
+    alone_s = time.perf_counter() - t
+    shutil.rmtree(alone, ignore_errors=True)
+    t = time.perf_counter()
+    abt.append_to_collection(a["store"], paths, progress=False)
+    append_s = time.perf_counter() - t
+    return {"append_1e5_s": append_s, "write_1e5_alone_s": alone_s,
+            "append_vs_alone": append_s / alone_s}
+
+
+TASKS = {name[5:]: fn for name, fn in globals().items() if name.startswith("task_")}
+
+
+# --- the driver ---------------------------------------------------------------------------
+
+def _child(task: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, "--child", task, json.dumps(args)],
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else
+                f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _disk_peak(path: Path, stop: threading.Event, out: dict[str, float]) -> None:
+    base = shutil.disk_usage(path).used
+    peak = base
+    while not stop.is_set():
+        peak = max(peak, shutil.disk_usage(path).used)
+        stop.wait(0.25)
+    out["writer_peak_extra_disk_gb"] = (peak - base) / 1e9
+
+
+def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    folder = args.data_dir / f"atlas_{n}"
+    inputs, store = folder / "inputs", folder / "collection"
+    a = {"n_obs": n, "n_inputs": min(args.n_inputs, n), "inputs": str(inputs),
+         "store": str(store)}
+    res: dict[str, Any] = {"n_obs": n, "n_inputs": a["n_inputs"]}
+    only = set(args.only.split(",")) if args.only else None
+
+    def want(name: str) -> bool:
+        return only is None or name in only
+
+    def run(task: str, key: str | None = None, timeout: float = 7200, **extra: Any) -> None:
+        t = time.perf_counter()
+        r = _child(task, {**a, **extra}, timeout)
+        label = key or task
+        res[label] = r
+        log(f"  {n:,} {label}: {json.dumps(r)} ({time.perf_counter() - t:.0f} s)")
+
+    if not (inputs / "atlas.json").exists():
+        run("generate")
+    if want("writer") or not (store / "manifest.json").exists():
+        stop, disk = threading.Event(), {}
+        th = threading.Thread(target=_disk_peak, args=(folder, stop, disk), daemon=True)
+        th.start()
+        run("writer")
+        stop.set()
+        th.join()
+        res["writer"].update(disk)
+        if args.max_memory:
+            run("writer", "writer_max_memory", max_memory=args.max_memory)
+    if want("open"):
+        run("open")
+    if want("first_batch"):
+        run("first_batch", "first_batch_w0", workers=0, context=None)
+        for ctx in ("fork", "spawn"):
+            run("first_batch", f"first_batch_w2_{ctx}", workers=2, context=ctx)
+    if want("epoch"):
+        for cold in (False, True):
+            if cold and os.geteuid() != 0:
+                continue
+            for dense in (False, True):
+                for workers in (0, 2):
+                    if cold and (dense or workers):  # cold: sparse, 0 workers
+                        continue
+                    key = (f"epoch_{'cold' if cold else 'warm'}_"
+                           f"{'dense' if dense else 'sparse'}_w{workers}")
+                    run("epoch", key, cold=cold, dense=dense, workers=workers,
+                        max_batches=args.max_batches)
+    if want("samplers"):
+        run("samplers")
+    if want("resume"):
+        run("resume")
+    if want("obs_names_at"):
+        run("obs_names_at")
+    if want("parallel_writer") and n == args.parallel_at:
+        for sched in ("threads", "processes"):
+            run("writer", f"writer_{sched}", scheduler=sched,
+                store=str(folder / f"collection_{sched}"))
+            shutil.rmtree(folder / f"collection_{sched}", ignore_errors=True)
+    if want("append"):
+        run("append")
+    return res
+
+
+def _flat(res: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, val in res.items():
+        if isinstance(val, dict):
+            for k, v in val.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[f"{key}.{k}"] = float(v)
+    return out
+
+
+def report(results: list[dict[str, Any]], out: Path) -> None:
+    import numpy as np
+
+    sizes = [r["n_obs"] for r in results]
+    flats = [_flat(r) for r in results]
+    keys = list(dict.fromkeys(k for f in flats for k in f))
+    lines = ["| figure | " + " | ".join(f"{n:,}" for n in sizes) + " | exponent |",
+             "|---|" + "---:|" * (len(sizes) + 1)]
+    exps: dict[str, float] = {}
+    for k in keys:
+        vals = [f.get(k) for f in flats]
+        ok = [(n, v) for n, v in zip(sizes, vals) if v is not None and v > 0]
+        exp = ""
+        if len(ok) >= 2:
+            e = float(np.polyfit(np.log([n for n, _ in ok]), np.log([v for _, v in ok]), 1)[0])
+            exps[k] = e
+            exp = f"{e:.2f}"
+        cells = ["" if v is None else (f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}")
+                 for v in vals]
+        lines.append(f"| {k} | " + " | ".join(cells) + f" | {exp} |")
+    md = (f"# Atlas scale (benchmarks/scale.py)\n\n{time.strftime('%Y-%m-%d %H:%M')}, "
+          f"load {os.getloadavg()[0]:.2f} at the end. Exponent: slope of log(figure) on "
+          f"log(n_obs) (1 = linear for totals; 0 = flat for rates and per-cell costs).\n\n"
+          + "\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    if len(sizes) >= 2:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plot = ["writer.writer_s", "open.open_s", "first_batch_w0.first_batch_s",
+                "first_batch_w2_fork.first_batch_s", "obs_names_at.obs_names_at_10k_s",
+                "samplers.class_balanced_bind_s", "resume.chunked_resume_s",
+                "append.append_1e5_s"]
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for k in plot:
+            pts = [(n, f[k]) for n, f in zip(sizes, flats) if f.get(k)]
+            if len(pts) >= 2:
+                ax.plot(*zip(*pts), marker="o", label=f"{k} (exponent {exps.get(k, 0):.2f})")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("cells (n_obs)")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=120)
+    print(md)
+
+
+def main() -> None:
+    if len(sys.argv) >= 2 and sys.argv[1] == "--child":
+        print(json.dumps(TASKS[sys.argv[2]](json.loads(sys.argv[3]))))
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="1e5,1e6")
+    p.add_argument("--n-inputs", type=int, default=100)
+    p.add_argument("--data-dir", type=Path, default=HERE / "data" / "scale")
+    p.add_argument("--only", default=None, help="comma-separated measurements")
+    p.add_argument("--max-batches", type=int, default=200)
+    p.add_argument("--max-memory", default=None, help="also write with this max_memory")
+    p.add_argument("--parallel-at", type=float, default=1e6)
+    p.add_argument("--keep", action="store_true", help="keep each size's data")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "scale")
+    args = p.parse_args()
+    args.parallel_at = int(args.parallel_at)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    print(f"load average at the start: {os.getloadavg()[0]:.2f}", flush=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    results = []
+    for n in sizes:
+        results.append(measure_size(n, args, log))
+        report(results, args.out)
+        if not args.keep:
+            shutil.rmtree(args.data_dir / f"atlas_{n}", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
