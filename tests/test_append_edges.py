@@ -114,6 +114,42 @@ def test_append_widens_narrow_category_codes(wide_labels: tuple[Path, Path, ad.A
     _labels_equal(coll, [_read(p0), a1])
 
 
+@pytest.mark.parametrize("how", ["serial", "threads"])
+def test_append_past_the_stored_code_width(tmp_path: Path, how: str) -> None:
+    """A collection with 100 categories stores int8 codes; an append bringing 60 more needs
+    int16: the new shard stores int16, the field widens, the old shard's codes are read
+    widened, and every label (the loader's, obs_at's, a sampler's) stays right."""
+    old_cats = [f"o{k:03d}" for k in range(100)]
+    a0 = _adata("a", 300, pd.Categorical(np.tile(old_cats, 3), categories=old_cats))
+    p0 = _write(a0, tmp_path / "in0.h5ad")
+    new_cats = [f"n{k:03d}" for k in range(60)] + old_cats[:5]
+    a1 = _adata("b", 130, pd.Categorical(np.tile(new_cats, 2)), seed=1)
+    p1 = _write(a1, tmp_path / "in1.h5ad")
+    store = tmp_path / "store"
+    abt.create_anndata_collection([p0], store, seed=0, progress=False)
+    assert abt.open_collection(store).manifest.fields["obs/ct"].dtype == "int8"
+    kw: dict[str, Any] = {} if how == "serial" else {"scheduler": "threads", "n_workers": 2}
+    coll = abt.append_to_collection(store, [p1], progress=False, **kw)
+    assert coll.manifest.fields["obs/ct"].dtype == "int16"
+    assert len(coll.categories("ct")) == 160
+    _labels_equal(coll, [_read(p0), a1])
+    # a sampler's view of the column (read shard by shard) agrees too
+    ds = abt.AnnBatchDataset(coll, selector={"y": A.obs["ct"]}, batch_size=64,
+                             return_index=True, sampler=abt.ClassBalancedSampler("ct"))
+    cats = np.asarray(coll.categories("ct"), dtype=object)
+    whole = pd.concat([a.obs["ct"].astype(str) for a in (_read(p0), a1)])
+    seen = set()
+    for b in ds:
+        names = coll.obs_names_at(b["index"].numpy())
+        assert list(cats[b["y"].numpy()]) == list(whole[names])
+        seen.update(cats[b["y"].numpy()])
+    assert {"n000", "o099"} <= seen
+    # every shard opens in anndata as it is
+    for s in coll.manifest.shards:
+        got = ad.read_zarr(store / s.path)
+        assert set(got.obs["ct"].astype(str)) <= set(cats)
+
+
 # -- 2: raw ------------------------------------------------------------------------------
 def _with_raw(tag: str, n: int, raw_genes: list[str], seed: int) -> ad.AnnData:
     """raw: integer counts of ``raw_genes``; X: the log of its first four genes (g0-g3)."""

@@ -654,6 +654,8 @@ class PoolReader:
             return values
         if info.kind != "categorical":  # one dtype for every pool, whatever the shard
             return np.asarray(values).astype(np.dtype(info.dtype), copy=False)
+        # shards appended with more categories store wider codes than the older ones
+        values = np.asarray(values).astype(np.dtype(info.dtype), copy=False)
         tables = [(p, self.source.code_map(p.shard, field)) for p in pieces]
         n_global = len(info.categories or ())
         for p, table in tables:

@@ -144,10 +144,10 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
                          f"than the {MAX_LABEL_CATEGORIES} a label may have (readers would "
                          "leave it out). Fix: drop the column from the collection (rewrite it).")
     codes = pd.Categorical([], categories=range(len(grown))).codes.dtype
-    if codes.itemsize > dtype.itemsize:
-        raise InputError(f"{f.key}: {len(grown)} categories need {codes} codes, the stored "
-                         f"shards of {where} hold {dtype}; appending cannot widen them. Fix: "
-                         "rewrite the collection from all inputs.")
+    # more categories than the stored codes can index (e.g. 128 with int8 codes): the new
+    # shards store wider codes, the field's dtype widens, and the old shards' codes (a
+    # narrower integer, the same values) are widened as they are read
+    dtype = max(dtype, codes, key=lambda d: d.itemsize)
     if stored.ordered and grown != old:
         raise InputError(f"{f.key}: an ordered categorical cannot take new categories "
                          f"({[c for c in grown if c not in known][:5]}) at the end of "
@@ -156,7 +156,8 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
     luts = None if f.luts is None else [
         None if lut is None else np.where(lut >= 0, remap[np.maximum(lut, 0)], -1).astype(
             lut.dtype) for lut in f.luts]
-    # the stored code dtype, not the new inputs' (narrower when they have fewer categories)
+    # the stored code dtype (or wider, above), not the new inputs' (narrower when they have
+    # fewer categories)
     return dataclasses.replace(f, dtype=dtype, categories=grown, luts=luts)
 
 
@@ -371,8 +372,9 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         layout = (shard_obs, block_obs)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, scheduler, n_workers, first)
-        differ = {k: (v, manifest.fields[k].dtype) for k, v in dtypes.items()
-                  if k in manifest.fields and v != manifest.fields[k].dtype}
+        want = {f.key: str(f.dtype) for f in schema.fields}  # the stored ones, codes wider
+        differ = {k: (v, want[k]) for k, v in dtypes.items()
+                  if k in manifest.fields and v != want[k]}
         if differ:  # never a shard the collection's readers would read as another type
             raise InputError(f"the new shards would store {differ} (new, stored); nothing "
                              f"was added to {coll.describe()}. Fix: convert those fields in the "
@@ -508,7 +510,8 @@ def _publish(root: Path, tmp: Path, manifest: Manifest, shards: list[ShardInfo],
     fields = dict(manifest.fields)
     for f in schema.fields if schema is not None else ():
         if f.kind == "categorical":
-            fields[f.key] = dataclasses.replace(fields[f.key], categories=tuple(f.categories))
+            fields[f.key] = dataclasses.replace(fields[f.key], categories=tuple(f.categories),
+                                                dtype=str(np.dtype(f.dtype)))
     appended = list(manifest.extra.get("appended") or [])
     appended.append({"generation": generation, "seed": seed, "n_obs": sum(s.n_obs for s in
                                                                             shards)})
