@@ -680,3 +680,33 @@ def test_an_outlier_widens_only_the_shard_it_lands_in(
     got = _rows(coll, shuffle=True, seed=1)
     for r, row in src.items():
         np.testing.assert_array_equal(got[r], row.astype(np.float32))
+
+
+@pytest.mark.parametrize("scheduler", [None, "threads"])
+def test_integer_inputs_beside_float32_ones_are_delivered_as_float32(
+        tmp_path: Path, scheduler: str | None) -> None:
+    """Counts saved as int32 in one input and float32 in another: np.result_type says
+    float64, which doubled every pool and dense batch; the writer sees every value exact
+    in float32 and records float32. A count float32 cannot hold keeps float64."""
+    small = _inputs([np.arange(1, 40, dtype=np.int64)], "int32", 50, seed=0)[0]
+    other = _inputs([np.arange(1, 30, dtype=np.int64) * 3], "float32", 50, seed=1)[0]
+    other.obs_names = [f"o{j}" for j in range(other.n_obs)]
+    other.obs["rid"] += 1000
+    kw: dict[str, Any] = {"progress": False}
+    if scheduler:
+        kw.update(scheduler=scheduler, n_workers=2)
+    coll = create_anndata_collection([small, other], tmp_path / "c", **kw)
+    assert coll.manifest.fields["X"].dtype == "float32"
+    got, want = _rows(coll), _source_rows([small, other])
+    assert sorted(got) == sorted(want)
+    for r in want:
+        np.testing.assert_array_equal(got[r], want[r])
+    # dense batches come in float32 straight from a float32 pool
+    ds = abt.AnnBatchDataset(coll, selector={"x": "X"}, batch_size=16, densify=True)
+    assert all(b["x"].dtype == torch.float32 for b in ds)
+    big = _inputs([np.array([2**24 + 1, 5])], "int32", 50, seed=2)[0]
+    big.obs_names = [f"b{j}" for j in range(big.n_obs)]
+    wide = create_anndata_collection([big, other], tmp_path / "w", **kw)
+    assert wide.manifest.fields["X"].dtype == "float64"  # 2**24 + 1 is not a float32
+    only_float = create_anndata_collection([other], tmp_path / "f", **kw)
+    assert only_float.manifest.fields["X"].dtype == "float32"

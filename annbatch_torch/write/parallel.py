@@ -390,6 +390,7 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                 for key, seen in ranges.items():
                     schema.ranges.setdefault(key, ValueRange()).merge(seen)
             task_dirs = [str(folder / f"t{t.task:05d}") for t in tasks]
+            schema.settle_float32()
             # each task gets its own shard's dtypes, not every shard's value ranges
             stored = [schema.stored_in(s) for s in range(n_shards)]
             lean = copy.copy(schema)

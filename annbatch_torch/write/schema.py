@@ -58,6 +58,16 @@ class OutField:
     ordered: bool = False
     luts: list[np.ndarray | None] | None = None  # local -> global codes, per input
     requested: bool = True  # named by the user (or X): a bad value is an error
+    #: float64 only because integer inputs meet float32 ones (``Harmonized.mixed``)
+    mixed: bool = False
+    #: the dtype readers deliver when not ``dtype`` (set after pass 1 by
+    #: :meth:`Schema.settle_float32`; ``dtype`` stays what the pass-1 buckets hold)
+    delivered: np.dtype | None = None
+
+    @property
+    def logical(self) -> np.dtype:
+        """The dtype readers deliver: the collection's record of this field."""
+        return self.dtype if self.delivered is None else self.delivered
 
 
 @dataclass
@@ -113,6 +123,25 @@ class Schema:
             if asked is not None:
                 stored_dtype(key, values.dtype, seen, asked)  # raises if it cannot
 
+    def settle_float32(self) -> list[str]:
+        """After pass 1: CSR fields that are float64 only because integer inputs met
+        float32 ones (``OutField.mixed``: counts saved as int32 in some inputs, float32 in
+        others) are delivered as float32 when pass 1 found every value exact in float32,
+        as each input alone would be; returns their keys. Half the bytes of every batch,
+        dense ones above all."""
+        settled = []
+        for f in self.kept:
+            if f.kind != "csr" or not f.mixed or f.dtype != np.float64:
+                continue
+            seen = [r for (key, _), r in self.ranges.items() if key == f.key]
+            if all(r.fits_float32 for r in seen):
+                f.delivered = np.dtype(np.float32)
+                settled.append(f.key)
+        if settled:
+            logger.info("%s: integer and float32 inputs, every value exact in float32: "
+                        "delivered as float32 (np.result_type would say float64).", settled)
+        return settled
+
     def stored_in(self, shard: int) -> dict[str, tuple[np.dtype, np.dtype]]:
         """``{field: (values dtype, indices dtype)}`` of the CSR fields of shard ``shard``
         of this write: the narrowest that holds what pass 1 saw of that shard's values (an
@@ -121,7 +150,7 @@ class Schema:
         for f in self.kept:
             if f.kind == "csr":
                 out[f.key] = (
-                    stored_dtype(f.key, f.dtype, self.ranges.get((f.key, shard)),
+                    stored_dtype(f.key, f.logical, self.ranges.get((f.key, shard)),
                                  self.storage.get("data_dtype")),
                     stored_index_dtype(int(f.width), self.storage.get("index_dtype")))
         return out
@@ -432,7 +461,8 @@ def resolve_schema(sources: list[InputSource], var_join: str, obs_columns: list[
         asked = group == "X" or requested[group] not in (None, False)
         if info.kind in ("csr", "dense"):
             fields.append(OutField(name, info.kind, np.dtype(info.dtype),
-                                   width=int(info.shape[1] or 0), requested=asked))
+                                   width=int(info.shape[1] or 0), requested=asked,
+                                   mixed=h.mixed))
             continue
         luts = None
         if h.code_tables is not None:

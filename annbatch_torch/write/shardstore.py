@@ -335,7 +335,7 @@ class ShardStore:
         dtypes: dict[str, str] = {}
         for f in self.fields:
             if f.kind in ("csr", "dense"):
-                dtypes[f.key] = str(f.dtype)
+                dtypes[f.key] = str(f.logical)
                 if f.kind == "csr":
                     csr = self._csr[f.key]
                     dtypes[f"{f.key}/data"] = str(csr.data.array.dtype)

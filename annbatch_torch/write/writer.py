@@ -457,6 +457,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
     finally:
         buckets.close()
     del dest
+    schema.settle_float32()
     shards, dtypes = [], {}
     with _progress(n_total, "shuffle 2/2: write", progress) as bar:
         for s in range(-(-n_total // shard_obs)):
@@ -487,7 +488,7 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
     for f in schema.kept:
         shape = (None, int(f.width)) if f.kind in ("csr", "dense") else (None,)
         fields[f.key] = FieldInfo(
-            kind=f.kind, dtype=dtypes.get(f.key, str(f.dtype)), shape=shape,
+            kind=f.kind, dtype=dtypes.get(f.key, str(f.logical)), shape=shape,
             categories=tuple(f.categories) if f.kind == "categorical" else None,
             ordered=f.ordered,
         )

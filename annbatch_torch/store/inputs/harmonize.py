@@ -26,7 +26,9 @@ Values
     Numbers only: dtype kinds ``b``, ``i``, ``u``, ``f``. Complex numbers, dates and
     durations (``datetime64`` / ``timedelta64``), objects are refused with the conversion
     to run (a collection's manifest and torch batches hold real numbers). dtype:
-    ``np.result_type`` of the inputs' dtypes; a CSR field of float16 becomes float32
+    ``np.result_type`` of the inputs' dtypes (float64 for integer counts beside float32
+    ones; the writer, which sees every value, delivers float32 when each is exact in it,
+    ``Harmonized.mixed``); a CSR field of float16 becomes float32
     (scipy.sparse has no float16); uint64 becomes int64, what torch batches carry (torch
     has no uint64): an obs column holding a value of 2**63 or more (it would wrap to a
     negative number) is refused with the fix (float64, exact up to 2**53, or labels). The
@@ -166,6 +168,9 @@ class Harmonized:
     info: FieldInfo
     code_tables: list[np.ndarray] | None = None
     local_categories: list[tuple[Any, ...]] | None = None
+    #: a matrix field that is float64 only because integer inputs meet float32 ones (no
+    #: input holds float64): a writer that sees every value may deliver float32 instead
+    mixed: bool = False
 
 
 # -- names and messages ------------------------------------------------------------------
@@ -473,7 +478,11 @@ def harmonize_field(field: str, inputs: Sequence[InputField], omit: str,
     kind = target_kind(field)
     if kind is not None:
         shape = _row_shape(field, inputs, omit)
-        return Harmonized(FieldInfo(kind, str(_dtype(kind, inputs)), (None, *shape)))
+        dtype = _dtype(kind, inputs)
+        mixed = dtype == np.float64 and all(np.dtype(f.dtype).itemsize <= 4 or np.dtype(
+            f.dtype).kind in "iub" for f in inputs) and any(
+            np.dtype(f.dtype).kind == "f" for f in inputs)
+        return Harmonized(FieldInfo(kind, str(dtype), (None, *shape)), mixed=mixed)
     column = field.partition("/")[2]
     kind = column_kind(column, inputs, omit)
     if kind != "categorical":
