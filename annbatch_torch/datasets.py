@@ -481,7 +481,8 @@ def write_synthetic_atlas(
       subset, so the categories of a column differ between inputs), ``donor_id`` (about one
       donor per 1,000 cells, unique to its input), ``assay`` (10 in all, 1-2 per input),
       ``tissue`` (30 in all, 1-3 per input) and a numeric ``n_counts``; obs_names are
-      unique across inputs (``a{input}_c{row}``).
+      unique across inputs, and across atlases of other seeds (``s{seed}_a{input}_c{row}``:
+      an atlas of another seed can be appended to a collection of this one).
 
     Parameters
     ----------
@@ -580,7 +581,7 @@ def write_synthetic_atlas(
             "tissue": pd.Categorical(np.asarray(ATLAS_TISSUES, dtype=object)[
                 tissues[irng.integers(0, len(tissues), size=n)]]),
             "n_counts": n_counts,
-        }, index=pd.Index([f"a{i}_c{j}" for j in range(n)]))
+        }, index=pd.Index([f"s{seed}_a{i}_c{j}" for j in range(n)]))
         if fmt[i] in ("csr", "zarr"):
             _finish_streamed(path, obs, var)
         else:
