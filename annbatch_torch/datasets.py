@@ -575,7 +575,7 @@ def write_synthetic_atlas(
             bar.update(b - a)
         obs = pd.DataFrame({
             "cell_type": pd.Categorical(type_names[types]),
-            "donor_id": pd.Categorical(np.char.add(f"d{i}_", donors.astype(str))),
+            "donor_id": pd.Categorical(np.char.add(f"s{seed}_d{i}_", donors.astype(str))),
             "assay": pd.Categorical(np.asarray(ATLAS_ASSAYS, dtype=object)[
                 assays[irng.integers(0, len(assays), size=n)]]),
             "tissue": pd.Categorical(np.asarray(ATLAS_TISSUES, dtype=object)[

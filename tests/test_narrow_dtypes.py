@@ -710,3 +710,22 @@ def test_integer_inputs_beside_float32_ones_are_delivered_as_float32(
     assert wide.manifest.fields["X"].dtype == "float64"  # 2**24 + 1 is not a float32
     only_float = create_anndata_collection([other], tmp_path / "f", **kw)
     assert only_float.manifest.fields["X"].dtype == "float32"
+
+
+def test_mixed_inputs_append_to_a_float64_collection(tmp_path: Path) -> None:
+    """A float64 collection takes an append of int32 + float32 inputs: the stored dtype wins
+    (the new shards are not settled to float32, which the dtype check would refuse)."""
+    base = _inputs([np.array([0.5, 2.0, 3.25])], "float64", 50, seed=0)[0]
+    coll = create_anndata_collection([base], tmp_path / "c", progress=False)
+    assert coll.manifest.fields["X"].dtype == "float64"
+    ints = _inputs([np.arange(1, 20, dtype=np.int64)], "int32", 50, seed=1)[0]
+    flts = _inputs([np.arange(1, 10, dtype=np.int64) * 2], "float32", 50, seed=2)[0]
+    for k, a in enumerate((ints, flts)):
+        a.obs_names = [f"n{k}_{j}" for j in range(a.n_obs)]
+        a.obs["rid"] += 100 * (k + 1)
+    coll = abt.append_to_collection(coll, [ints, flts], progress=False)
+    assert coll.manifest.fields["X"].dtype == "float64"
+    got, want = _rows(coll), _source_rows([base, ints, flts])
+    assert sorted(got) == sorted(want)
+    for r in want:
+        np.testing.assert_array_equal(got[r], want[r])

@@ -57,8 +57,12 @@ class _Reused:
             _Reused.__init__(self, self.keep)
 
     def _free_owners(self) -> list[np.ndarray]:
-        # references to a free array: the list, the loop variable, getrefcount's argument
-        return [o for o in self._owners if sys.getrefcount(o) <= 3]
+        # a free array is referenced by the list and the loop only; how many references
+        # that makes depends on the interpreter (3.14 borrows the loop variable's), so it
+        # is measured on a probe held the same way
+        probe = [np.empty(0)]
+        floor = [sys.getrefcount(o) for o in probe][0]
+        return [o for o in self._owners if sys.getrefcount(o) <= floor]
 
     def _remember(self, owner: np.ndarray, free: list[np.ndarray]) -> None:
         """Count a fresh ``owner`` and keep it for reuse, in place of a free one when

@@ -654,8 +654,6 @@ class PoolReader:
             return values
         if info.kind != "categorical":  # one dtype for every pool, whatever the shard
             return np.asarray(values).astype(np.dtype(info.dtype), copy=False)
-        # shards appended with more categories store wider codes than the older ones
-        values = np.asarray(values).astype(np.dtype(info.dtype), copy=False)
         tables = [(p, self.source.code_map(p.shard, field)) for p in pieces]
         n_global = len(info.categories or ())
         for p, table in tables:
@@ -671,6 +669,9 @@ class PoolReader:
                     f"{int(values[sl][bad][0])} at shard row {row} (shard {p.shard}), outside "
                     f"[-1, {n_cats}); the categorical is damaged, rewrite the store."
                 )
+        # shards appended with more categories store wider codes than the older ones: one
+        # dtype for every pool (after the check above, which sees the codes as stored)
+        values = np.asarray(values).astype(np.dtype(info.dtype), copy=False)
         if any(t is not None for _, t in tables):
             values = values.astype(np.int64)  # a copy: never write into a source's buffer
             for p, table in tables:

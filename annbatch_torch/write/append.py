@@ -131,8 +131,8 @@ def _merge_field(f: OutField, stored: FieldInfo, where: str) -> OutField:
     if f.kind in ("csr", "dense") and stored.shape[1] != f.width:
         raise InputError(f"{f.key}: {f.width} columns in the new inputs, {stored.shape[1]} in "
                          f"{where}.")
-    if f.kind != "categorical":
-        return dataclasses.replace(f, dtype=dtype)
+    if f.kind != "categorical":  # the stored dtype wins (never settled to float32 anew)
+        return dataclasses.replace(f, dtype=dtype, mixed=False)
     old = list(stored.categories or ())
     if bool(stored.ordered) != bool(f.ordered):
         raise InputError(f"{f.key}: ordered={f.ordered} in the new inputs, "
