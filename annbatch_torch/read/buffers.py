@@ -61,7 +61,7 @@ class _Reused:
         # that makes depends on the interpreter (3.14 borrows the loop variable's), so it
         # is measured on a probe held the same way
         probe = [np.empty(0)]
-        floor = [sys.getrefcount(o) for o in probe][0]
+        floor = [sys.getrefcount(o) for o in probe][0]  # noqa: RUF015 (same shape as below)
         return [o for o in self._owners if sys.getrefcount(o) <= floor]
 
     def _remember(self, owner: np.ndarray, free: list[np.ndarray]) -> None:
