@@ -11,8 +11,10 @@ For each size, ``datasets.write_synthetic_atlas`` writes the inputs (reused when
 then every measurement runs in a fresh Python process (``--child``):
 
 * ``writer``: ``create_anndata_collection(inputs, var_join="outer")`` wall s, cells/s,
-  VmHWM against ``max_memory``, peak extra disk on the collection's file system while it
-  writes (inputs excluded), files and bytes per cell of the collection;
+  VmHWM of the writing process against ``max_memory`` and the peak RSS of its largest
+  child (Dask workers with ``scheduler="processes"``), peak extra disk on the collection's
+  file system while it writes (inputs excluded), files and bytes per cell of the
+  collection;
 * ``open``: ``open_collection`` s (the import excluded) and VmRSS after it;
 * ``first_batch``: construction of ``AnnBatchDataset`` to its first batch with 0 workers,
   and with 2 workers of a plain ``DataLoader(batch_size=None)`` (fork and spawn);
@@ -21,13 +23,15 @@ then every measurement runs in a fresh Python process (``--child``):
   in half the RAM) and cold (page cache dropped; root); peak RSS of the main process and of
   the largest worker;
 * ``samplers``: ``ClassBalancedSampler("cell_type")`` and a 10% ``SubsetSampler``: bind
-  seconds (construction with the sampler less without) and traced peak memory;
+  seconds (construction with the sampler less without, both after a first construction)
+  and traced peak memory (in a construction of its own);
 * ``resume``: ``state_dict()`` bytes (pickled) after 5 batches (fewer in a collection of
   fewer), chunked and sampling mode,
   and the seconds from ``load_state_dict`` to the next batch in a new dataset;
 * ``obs_names_at``: 10,000 random rows;
 * ``append`` (last, it grows the collection): 100,000 new cells (one input, new cell types)
-  appended, against writing those cells alone.
+  appended, against writing those cells alone (the collection must hold every gene of the
+  new input: an outer join of 100 inputs does from ~10^5 cells; a smaller one may not).
 
 Writes ``OUT.json``, ``OUT.md`` (one column per size, the fitted log-log exponent of each
 cost) and ``OUT.png`` (the costs against n_obs).
@@ -109,15 +113,18 @@ def task_writer(a: dict[str, Any]) -> dict[str, Any]:
         kw["max_memory"] = a["max_memory"]
     if a.get("scheduler"):
         kw.update(scheduler=a["scheduler"], n_workers=2)
+    peaks, stop = _rss_monitor()  # Dask worker processes too
     t = time.perf_counter()
     abt.create_anndata_collection(_inputs(a["inputs"]), a["store"], var_join="outer",
                                   overwrite=True, progress=False, **kw)
     dt = time.perf_counter() - t
+    stop.set()
     files = [p for p in Path(a["store"]).rglob("*") if p.is_file()]
     nbytes = sum(p.stat().st_size for p in files)
     params = __import__("inspect").signature(abt.create_anndata_collection).parameters
     return {"writer_s": dt, "writer_cells_s": a["n_obs"] / dt, "writer_vmhwm_mb": _vm("VmHWM"),
             "max_memory": str(a.get("max_memory") or params["max_memory"].default),
+            "writer_worker_rss_mb": peaks["worker_rss_mb"],
             "files": len(files), "files_per_1e6_cells": len(files) / a["n_obs"] * 1e6,
             "bytes_per_cell": nbytes / a["n_obs"]}
 
@@ -194,26 +201,25 @@ def task_samplers(a: dict[str, Any]) -> dict[str, Any]:
 
     import annbatch_torch as abt
 
-    t = time.perf_counter()
-    abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096)
-    plain = time.perf_counter() - t
+    def make_ds(**kw: Any) -> float:
+        t = time.perf_counter()
+        abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096, **kw)
+        return time.perf_counter() - t
+
+    make_ds()  # one-time costs (imports, the first open) out of both figures
+    plain = make_ds()
     out: dict[str, Any] = {}
     n = a["n_obs"]
     rows = np.sort(np.random.default_rng(0).choice(n, size=n // 10, replace=False))
     for name, make in (("class_balanced", lambda: abt.ClassBalancedSampler("cell_type")),
                        ("subset_10pct", lambda: abt.SubsetSampler(rows))):
-        sampler = make()
-        tracemalloc.start()
-        t = time.perf_counter()
-        ds = abt.AnnBatchDataset(a["store"], selector=SELECTOR, batch_size=4096,
-                                 sampler=sampler)
-        dt = time.perf_counter() - t
+        out[f"{name}_bind_s"] = max(0.0, make_ds(sampler=make()) - plain)
+        tracemalloc.start()  # memory in a run of its own: tracing slows Python down
+        make_ds(sampler=make())
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        out[f"{name}_bind_s"] = max(0.0, dt - plain)
         out[f"{name}_bind_peak_mb"] = peak / 2**20
         out[f"{name}_bytes_per_row"] = peak / n
-        del ds
     return out
 
 
@@ -246,11 +252,12 @@ def task_obs_names_at(a: dict[str, Any]) -> dict[str, Any]:
     import annbatch_torch as abt
 
     src = abt.open_source(a["store"])
-    rows = np.random.default_rng(1).choice(a["n_obs"], size=10_000, replace=False)
+    k = min(10_000, a["n_obs"])  # fewer in a smoke run's tiny collection
+    rows = np.random.default_rng(1).choice(a["n_obs"], size=k, replace=False)
     t = time.perf_counter()
     names = src.obs_names_at(rows)
     dt = time.perf_counter() - t
-    assert len(names) == 10_000
+    assert len(names) == k
     return {"obs_names_at_10k_s": dt}
 
 
@@ -262,6 +269,9 @@ def task_append(a: dict[str, Any]) -> dict[str, Any]:
     if not (new / "atlas.json").exists():
         write_synthetic_atlas(new, 100_000, 1, seed=99, n_cell_types=600, progress=False)
     paths = _inputs(str(new))
+    recorded = {str(r.get("path")) for r in abt.open_collection(a["store"]).manifest.inputs}
+    if any(str(Path(p).resolve()) in recorded or p in recorded for p in paths):
+        return {"skipped": "appended already (a collection kept by --keep): write it anew"}
     alone = Path(a["store"]).parent / "append_alone"
     t = time.perf_counter()
     abt.create_anndata_collection(paths, alone, var_join="outer", overwrite=True,

@@ -85,3 +85,28 @@ def test_a_case_reports_its_own_peak_not_its_parents() -> None:
                          timeout=60, check=True).stdout
     assert big.sum() > 0
     assert float(out) < 200, out  # an interpreter with numpy; the parent is above 400
+
+
+@pytest.mark.timeout(400)
+def test_scale_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks/scale.py at two tiny sizes: every measurement asked for reports figures
+    (no child fails), the table carries an exponent per figure, the chart is drawn."""
+    out = tmp_path / "scale"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--sizes", "3e3,6e3",
+           "--n-inputs", "8", "--max-batches", "2", "--data-dir", str(tmp_path / "data"),
+           "--only", "writer,open,resume,obs_names_at,samplers", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=380, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [r["n_obs"] for r in res] == [3000, 6000]
+    for r in res:
+        errors = {k: v["error"] for k, v in r.items() if isinstance(v, dict) and "error" in v}
+        assert not errors, errors
+        assert r["open"]["n_obs"] == r["n_obs"]
+        assert r["writer"]["files"] > 0
+        assert r["resume"]["chunked_state_dict_bytes"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "| writer.writer_s |" in md
+    assert "exponent" in md
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert not (tmp_path / "data" / "atlas_3000").exists()  # removed without --keep
