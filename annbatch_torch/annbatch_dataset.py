@@ -40,7 +40,6 @@ from .read.device_pool import check_device
 from .read.genes import GeneSelection
 from .read.pool_stream import PoolStream
 from .read.reader import PoolReader, default_read_threads
-from .read.scatter import load_scatter_loop
 from .resume import MAX_EPOCH, Resumer
 from .sampling import ChunkPlan, EpochPlan, SamplePlan, Sampler, Segment
 from .store.collection import Collection
@@ -295,8 +294,6 @@ class AnnBatchDataset(IterableDataset):
         #: workers, see DensifyPolicy.for_workers).
         self.densify_policy = DensifyPolicy.for_dataset(self.densify, self.device)
         self._stream: PoolStream | None = None  # made in the process that iterates
-        # the compiled scatter loop loads while the caller sets up (forked workers inherit it)
-        load_scatter_loop()
         # exact resume (torchdata Stateful): what this copy yielded of the current epoch
         self._resumer = Resumer()
         self._iterations = 0  # iter() calls on this copy: only the newest iterator runs

@@ -895,37 +895,3 @@ def test_covering_reads_of_drawn_rows_span_a_bounded_number_of_bytes(
         assert_same(got[f], full[f][rows], f)
     assert max(spans["obsm/X_pca"]) == 1  # gaps of 9 rows of X_pca exceed the budget
     assert max(spans["obs/n_counts"]) > 10  # a narrow column's gaps are bridged
-
-
-def test_scatter_loop_loads_in_the_background_once_per_pair() -> None:
-    """A dataset starts loading the compiled loop while its caller sets up; each (source,
-    destination) pair is asked for once per process, and a forked child asks again."""
-    import subprocess
-    import sys
-
-    code = r"""
-import os, threading, numpy as np
-from annbatch_torch.read import scatter
-def loaders():
-    return [t for t in threading.enumerate() if t.name == "annbatch-scatter-load"]
-scatter.warm_up([(np.uint8, np.float64), (np.uint8, np.float64)])
-first = loaders()
-assert len(first) == 1, first
-scatter.warm_up([(np.uint8, np.float64)])  # asked for already: no second thread
-assert len(loaders()) <= 1
-first[0].join(120)
-sigs = [str(s) for s in scatter._scatter.signatures]
-assert any("uint8" in s and "float64" in s for s in sigs), sigs
-with scatter._warm_lock:  # forked while another thread asks: the child has a lock of its own
-    pid = os.fork()
-    if pid == 0:
-        fresh = not scatter._warmed
-        scatter.warm_up([(np.uint8, np.float64)])  # would hang on the copied lock
-        os._exit(0 if fresh and scatter._warmed else 3)
-assert os.waitpid(pid, 0)[1] == 0
-print("ok")
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"

@@ -35,7 +35,7 @@ from ..store.elements import CSCElement, CSRElement
 from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
-from .scatter import scatter_rows, scratch, warm_up
+from .scatter import scatter_rows, scratch
 
 __all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "default_read_threads",
            "read_fused", "IO_DEPTH", "GATHER_PIECES", "GATHER_GAP_BYTES", "SCRATCH_ELEMS",
@@ -428,9 +428,6 @@ class PoolReader:
                              for el in by_shard.values())
                 scatter = order is not None and raw
                 fused = raw and (narrow or (scatter and FUSED_SCATTER))
-                if fused:  # numba loads the loop while the first reads wait for the disk
-                    warm_up({(el.data.dtype, dtypes[0]) for el in by_shard.values()}
-                            | {(el.indices.dtype, dtypes[1]) for el in by_shard.values()})
                 jobs[field], job_els[field] = self._submit_csr(
                     ex, field, pieces, els, csr_buffers, order if scatter else None,
                     random_access, dtypes, fused)

@@ -12,10 +12,8 @@ an element index of 8 bytes per non-zero) and one more pass over the pool.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-from collections.abc import Iterable
 
 import numba
 import numpy as np
@@ -23,9 +21,7 @@ from numba.core.compiler_lock import global_compiler_lock
 
 from .buffers import fresh_bytes
 
-__all__ = ["load_scatter_loop", "scatter_rows", "scratch", "warm_up"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["scatter_rows", "scratch"]
 
 
 def _scatter_py(src, starts, lens, out, dests):  # type: ignore[no-untyped-def]  # pragma: no cover
@@ -103,53 +99,3 @@ def scratch(n: int, dtype: np.dtype, slot: int) -> np.ndarray:
     if buf is None or buf.nbytes < nbytes:
         buf = bufs[slot] = fresh_bytes(max(nbytes, 1))
     return buf[:nbytes].view(dtype)
-
-
-_warmed: set[tuple[np.dtype, np.dtype]] = set()  # pairs this process has loaded or asked for
-_warm_lock = threading.Lock()
-
-
-def _forget_in_child() -> None:
-    """A forked child has no loading thread: pairs are asked for again (those its parent
-    had loaded cost nothing), under a lock of its own (the parent's may be copied held)."""
-    global _warm_lock
-    _warm_lock = threading.Lock()
-    _warmed.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _load(pairs: list[tuple[np.dtype, np.dtype]]) -> None:
-    zero = np.zeros(1, dtype=np.int64)
-    for src, out in pairs:
-        try:  # one row of length 0 at 0: nothing is copied
-            _scatter(np.zeros(1, src), zero, zero, np.zeros(1, out), zero)
-        except Exception:  # pragma: no cover - the real call will raise it again
-            logger.debug("loading the scatter loop for %s -> %s failed", src, out,
-                         exc_info=True)
-
-
-def warm_up(pairs: Iterable[tuple[np.dtype, np.dtype]]) -> None:
-    """Have numba load (from its cache) or compile the loop for these (source, destination)
-    dtype pairs in a background thread, once per pair and process.
-
-    The first call of a pair in a process costs 0.2 s (0.45 s on a cold disk: numba's cache
-    files and the modules it imports lazily are read then); started when a pool's reads
-    are submitted, that overlaps the reads' wait for the disk instead of following it. A
-    scatter that comes before the loading ends waits for it (numba's lock).
-    """
-    with _warm_lock:
-        todo = [(np.dtype(a), np.dtype(b)) for a, b in pairs]
-        todo = [p for p in dict.fromkeys(todo) if p not in _warmed]
-        _warmed.update(todo)
-    if todo:
-        threading.Thread(target=_load, args=(todo,), name="annbatch-scatter-load",
-                         daemon=True).start()
-
-
-def load_scatter_loop() -> None:
-    """Start loading the loop in the background for its most common pair (``uint16`` counts
-    to ``float32``): the first pair a process loads initialises numba's code generator,
-    most of the cost (the next pairs load in milliseconds)."""
-    warm_up([(np.dtype(np.uint16), np.dtype(np.float32))])
