@@ -540,3 +540,21 @@ def test_batches_densified_in_the_main_process_reuse_arrays_once_let_go(
         np.testing.assert_array_equal(x[0], ref[int(i[0])])
         n += 1
     assert it._dense.allocations <= 4 < n
+
+
+def test_loader_never_reads_a_shards_own_categories(small_collection: Collection) -> None:
+    """Codes of a collection's shards index the manifest's categories: an epoch opens every
+    shard's categorical without reading its category strings (~15 ms a shard), while
+    obs_at, which labels rows from the shard, still gets them."""
+    from annbatch_torch.store.elements import CategoricalElement
+
+    coll = abt.open_collection(small_collection.path)
+    ds = abt.AnnBatchDataset(coll, selector={"y": "obs/cell_type", "b": "obs/batch"},
+                             batch_size=256)
+    labels = np.concatenate([b["y"].numpy() for b in ds])
+    assert len(labels) == coll.n_obs
+    cats = [el for el in ds.source._elements.values() if isinstance(el, CategoricalElement)]
+    assert len(cats) == 2 * len(coll.shard_sizes)
+    assert all(callable(el._categories) for el in cats)  # not read
+    got = coll.obs_at(np.arange(coll.n_obs), "cell_type")["cell_type"]
+    assert set(got.astype(str)) <= set(coll.categories("cell_type"))

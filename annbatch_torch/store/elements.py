@@ -11,6 +11,7 @@ The writer uses it to stream inputs block by block; the dataset uses it to read 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,19 +309,31 @@ class DenseElement(Element):
         return np.asarray(self.array[start:stop])
 
 
-@dataclass
 class CategoricalElement(Element):
-    """A categorical obs column: integer ``codes`` plus its ``categories``."""
+    """A categorical obs column: integer ``codes`` plus its ``categories``.
 
-    codes: Any
-    categories: list[Any]
-    ordered: bool = False
-    name: str = "obs"
-    kind: str = "categorical"
+    ``categories`` may be given as a function that reads them: they are then read on first
+    use. A loader reading a collection's codes never uses a shard's own categories (every
+    shard's codes index the manifest's), and reading them cost ~15 ms per shard open (500
+    strings): 1.2 s of the first batches at 10^7 cells in 77 shards.
+    """
 
-    def __post_init__(self) -> None:
-        self.n_rows = int(self.codes.shape[0])
-        self.dtype = np.dtype(self.codes.dtype)
+    kind = "categorical"
+
+    def __init__(self, codes: Any, categories: list[Any] | Callable[[], list[Any]],
+                 ordered: bool = False, name: str = "obs") -> None:
+        self.codes = codes
+        self._categories = categories
+        self.ordered = ordered
+        self.name = name
+        self.n_rows = int(codes.shape[0])
+        self.dtype = np.dtype(codes.dtype)
+
+    @property
+    def categories(self) -> list[Any]:
+        if callable(self._categories):
+            self._categories = self._categories()
+        return self._categories
 
     def read(self, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.codes[start:stop])
@@ -366,8 +379,8 @@ class StringCodesElement(CategoricalElement):
     def __init__(self, strings: Element, categories: list[Any], name: str) -> None:
         self.strings = strings
         self.codes = None  # codes are computed from the strings on read
-        self.categories = list(categories)
-        self._index = pd.Index(self.categories, dtype=object)
+        self._categories = list(categories)
+        self._index = pd.Index(self._categories, dtype=object)
         self.ordered = False
         self.name = name
         self.kind = "categorical"
@@ -481,9 +494,10 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
         if enc == "csc_matrix":
             return CSCElement(node, name, source)
         if enc == "categorical":
-            cats = _decode_strings(np.asarray(node["categories"][...])).tolist()
+            cats_node = node["categories"]
             return CategoricalElement(
-                node["codes"], cats, bool(node.attrs.get("ordered", False)), name=name
+                node["codes"], lambda: _decode_strings(np.asarray(cats_node[...])).tolist(),
+                bool(node.attrs.get("ordered", False)), name=name
             )
         if enc in ("nullable-integer", "nullable-boolean"):
             return _nullable(node, name)
