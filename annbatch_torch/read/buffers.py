@@ -3,6 +3,7 @@ them."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -14,23 +15,42 @@ import numpy as np
 __all__ = ["BufferCache", "DenseBuffers", "fresh_bytes"]
 
 
-def fresh_bytes(nbytes: int) -> np.ndarray:
-    """A writeable ``uint8`` array of ``nbytes`` zero bytes in memory of its own (an
-    anonymous private map on POSIX systems), faulted in page by page as it is first written.
+def _libc_madvise() -> Any:
+    if not sys.platform.startswith("linux"):  # pragma: no cover - Linux only
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
-    What ``np.empty`` does not do: numpy asks the kernel for transparent huge pages on every
-    allocation of 4 MiB or more (``madvise(MADV_HUGEPAGE)``), and where the kernel's THP
-    ``defrag`` setting is ``madvise`` (the common default) each first touch of such memory may
-    stall while the kernel compacts memory to build a 2-MiB page: several times the cost of
-    plain pages when the page cache fills RAM, as it does while a loader reads. Pool buffers
-    are written front to back and reused, so huge pages bring them nothing back.
-    Views of the returned array keep the map alive; it is unmapped when the last goes.
+
+_MADVISE = _libc_madvise()
+_MADV_NOHUGEPAGE = 15  # Linux <sys/mman.h>
+
+
+def fresh_bytes(nbytes: int) -> np.ndarray:
+    """An uninitialised ``uint8`` array of ``nbytes``, on plain pages (Linux).
+
+    numpy asks the kernel for transparent huge pages on every allocation of 4 MiB or more
+    (``madvise(MADV_HUGEPAGE)``), and where the kernel's THP ``defrag`` setting is
+    ``madvise`` (the common default) each first touch of such memory may stall while the
+    kernel compacts memory to build a 2-MiB page: several times the cost of plain pages
+    when the page cache fills RAM, as it does while a loader reads. Pool buffers and read
+    scratch are written front to back and reused, so huge pages bring them nothing back:
+    this takes numpy's allocation (which malloc reuses once freed) and declines huge pages
+    for it (``MADV_NOHUGEPAGE``) before anything touches it.
     """
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # pragma: no cover - not POSIX
-        return np.zeros(nbytes, dtype=np.uint8)
-    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    out = np.frombuffer(m, dtype=np.uint8)
-    return out if nbytes else out[:0]
+    out = np.empty(nbytes, dtype=np.uint8)
+    if _MADVISE is not None and nbytes >= 1 << 22:
+        page = mmap.PAGESIZE
+        addr = out.ctypes.data
+        start, stop = -(-addr // page) * page, (addr + nbytes) // page * page
+        if stop > start:
+            _MADVISE(start, stop - start, _MADV_NOHUGEPAGE)  # advice: a failure is harmless
+    return out
 
 
 class _Reused:
