@@ -372,7 +372,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         layout = (shard_obs, block_obs)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, scheduler, n_workers, first)
-        want = {f.key: str(f.dtype) for f in schema.fields}  # the stored ones, codes wider
+        want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
         differ = {k: (v, want[k]) for k, v in dtypes.items()
                   if k in manifest.fields and v != want[k]}
         if differ:  # never a shard the collection's readers would read as another type

@@ -123,15 +123,15 @@ class Schema:
             if asked is not None:
                 stored_dtype(key, values.dtype, seen, asked)  # raises if it cannot
 
-    def settle_float32(self) -> list[str]:
+    def settle_float32(self) -> None:
         """After pass 1: CSR fields that are float64 only because integer inputs met
         float32 ones (``OutField.mixed``: counts saved as int32 in some inputs, float32 in
         others) are delivered as float32 when pass 1 found every value exact in float32,
-        as each input alone would be; returns their keys. Half the bytes of every batch,
-        dense ones above all."""
+        as each input alone would be. Half the bytes of every batch, dense ones above
+        all."""
         settled = []
         for f in self.kept:
-            if f.kind != "csr" or not f.mixed or f.dtype != np.float64:
+            if f.kind != "csr" or not f.mixed:  # mixed: float64 from the inputs' dtypes
                 continue
             seen = [r for (key, _), r in self.ranges.items() if key == f.key]
             if all(r.fits_float32 for r in seen):
@@ -140,7 +140,6 @@ class Schema:
         if settled:
             logger.info("%s: integer and float32 inputs, every value exact in float32: "
                         "delivered as float32 (np.result_type would say float64).", settled)
-        return settled
 
     def stored_in(self, shard: int) -> dict[str, tuple[np.dtype, np.dtype]]:
         """``{field: (values dtype, indices dtype)}`` of the CSR fields of shard ``shard``

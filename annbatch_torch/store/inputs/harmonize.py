@@ -479,9 +479,8 @@ def harmonize_field(field: str, inputs: Sequence[InputField], omit: str,
     if kind is not None:
         shape = _row_shape(field, inputs, omit)
         dtype = _dtype(kind, inputs)
-        mixed = dtype == np.float64 and all(np.dtype(f.dtype).itemsize <= 4 or np.dtype(
-            f.dtype).kind in "iub" for f in inputs) and any(
-            np.dtype(f.dtype).kind == "f" for f in inputs)
+        floats = [np.dtype(f.dtype) for f in inputs if np.dtype(f.dtype).kind == "f"]
+        mixed = dtype == np.float64 and bool(floats) and all(d.itemsize <= 4 for d in floats)
         return Harmonized(FieldInfo(kind, str(dtype), (None, *shape)), mixed=mixed)
     column = field.partition("/")[2]
     kind = column_kind(column, inputs, omit)
