@@ -519,6 +519,21 @@ def test_obs_names_shared_by_inputs_are_a_warning(tmp_path: Path,
                          r"<AnnData #0> and <AnnData #1>\).*row ids", w)
 
 
+def test_obs_names_repeated_in_an_input_are_a_warning_with_distinct_examples(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a, b = _adata(10, "c"), _adata(8, "d")
+    # c5 three times, c2 twice: 2 names, 5 rows; the examples in row order, each once
+    a.obs_names = ["c0", "c5", "c2", "c5", "c4", "c2", "c6", "c5", "c8", "c9"]
+    caplog.set_level(logging.WARNING, logger="annbatch_torch")
+    coll = abt.create_anndata_collection([a, b], tmp_path / "out", progress=False)
+    assert sorted(coll.obs_names_at(np.arange(18))) == sorted([*a.obs_names, *b.obs_names])
+    warned = [r.getMessage() for r in caplog.records if "more than once" in r.getMessage()]
+    assert len(warned) == 1
+    assert re.search(r"<AnnData #0>: 2 obs_names appear more than once in this input \(5 "
+                     r"rows share them; e\.g\. 'c5', 'c2'\)", warned[0]), warned[0]
+    assert not [r for r in caplog.records if "more than one input" in r.getMessage()]
+
+
 # -- A6: in place reads like a collection -------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
 def test_a_dense_x_reads_in_place_as_csr_like_a_collection(tmp_path: Path, dtype: Any,

@@ -46,6 +46,8 @@ __all__ = [
 BLOCK = 1 << 16
 #: Seed tag of a block of the sample stream: ``default_rng([seed, epoch, block, TAG_SAMPLE])``.
 TAG_SAMPLE = 0x53414D50  # "SAMP"
+#: Rows per block of :class:`_ClassTable`'s counting sort (its temporaries: ~40 bytes a row).
+_GROUP_BLOCK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -270,17 +272,34 @@ class _BlockSampler(Sampler):
 
 
 class _ClassTable:
-    """Rows grouped by class, to draw a class and then a row of it in ``O(1)``."""
+    """Rows grouped by class, to draw a class and then a row of it in ``O(1)``.
+
+    Built by a counting sort over blocks of :data:`_GROUP_BLOCK` rows: it holds 4 bytes per
+    row (8 from 2**31 rows) and needs only a block's temporaries beyond them, where an
+    ``argsort`` of the whole column would hold 8 bytes per row more while it runs.
+    """
 
     def __init__(self, codes: np.ndarray, n_classes: int) -> None:
         codes = np.asarray(codes)
         index = np.int32 if len(codes) < 2**31 else np.int64
-        order = np.argsort(codes, kind="stable").astype(index)
-        counts = np.bincount(codes[codes >= 0], minlength=n_classes)
-        n_missing = int((codes < 0).sum())
-        self.rows = order[n_missing:].copy()  # rows of class 0, then class 1, ...
-        self.counts = counts.astype(np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        counts = np.zeros(n_classes, dtype=np.int64)
+        for a in range(0, len(codes), _GROUP_BLOCK):
+            block = codes[a: a + _GROUP_BLOCK]
+            counts += np.bincount(block[block >= 0], minlength=n_classes)[:n_classes]
+        self.counts = counts
+        self.starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        # rows of class 0 in row order, then class 1, ... (what a stable argsort gives)
+        self.rows = np.empty(int(counts.sum()), dtype=index)
+        fill = self.starts.copy()
+        for a in range(0, len(codes), _GROUP_BLOCK):
+            block = codes[a: a + _GROUP_BLOCK]
+            order = np.argsort(block, kind="stable")
+            order = order[block[order] >= 0]
+            cls = block[order].astype(np.int64)
+            here = np.bincount(cls, minlength=n_classes)[:n_classes]
+            rank = np.arange(len(cls)) - (np.cumsum(here) - here)[cls]
+            self.rows[fill[cls] + rank] = order + a
+            fill += here
 
     def draw(self, rng: np.random.Generator, class_cdf: np.ndarray, n: int) -> np.ndarray:
         """``n`` rows: a class from ``class_cdf``, then a row of it uniformly."""

@@ -421,7 +421,7 @@ def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
             total += int(there.sum())
             logger.warning("%s: %d obs_names are in %s already (e.g. %s). %s", s.label,
                            int(there.sum()), coll.describe(),
-                           ", ".join(map(repr, names.examples(i, names.first[i][there]))),
+                           ", ".join(map(repr, names.examples(i, names.unique[i][there]))),
                            NAMES_FIX)
     return total
 

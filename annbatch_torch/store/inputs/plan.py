@@ -132,31 +132,53 @@ def name_hashes(names: Any) -> np.ndarray:
 @dataclass
 class InputNames:
     """The obs_names of a list of inputs, each input read once (:data:`NAME_BLOCK` names at
-    a time) and hashed: per input, its distinct hashes (sorted), the row of each one's
-    first occurrence and how many rows hold it. The duplicate-name checks share it."""
+    a time) and hashed: per input, its distinct hashes (sorted, 8 bytes per distinct name)
+    and, for names it holds more than once, their hashes and row counts. The duplicate-name
+    checks share it; the rows of an example are found by reading that input again
+    (:meth:`examples`), so nothing per row is kept beyond the hashes."""
 
     sources: Sequence[InputSource]
     unique: list[np.ndarray]
-    first: list[np.ndarray]
-    counts: list[np.ndarray]
+    repeated: list[tuple[np.ndarray, np.ndarray]]
 
     @classmethod
     def read(cls, sources: Sequence[InputSource], block: int = NAME_BLOCK) -> InputNames:
-        unique, first, counts = [], [], []
+        unique, repeated = [], []
+        # every input's hashes in one array allocated first: long-lived arrays made one per
+        # input between the freed names of the next would keep the heap from shrinking
+        store = np.empty(sum(s.n_obs for s in sources), dtype=np.uint64)
+        at = 0
         for s in sources:
-            parts = [name_hashes(s.names(a, min(s.n_obs, a + block)))
-                     for a in range(0, s.n_obs, block)]
-            h = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
-            u, pos, n = np.unique(h, return_index=True, return_counts=True)
-            unique.append(u)
-            first.append(pos)
-            counts.append(n)
-        return cls(sources, unique, first, counts)
+            u, n = np.unique(_hashes(s, block), return_counts=True)
+            twice = n > 1
+            unique.append(store[at: at + len(u)])
+            unique[-1][:] = u
+            repeated.append((u[twice], n[twice]))
+            at += len(u)
+        return cls(sources, unique, repeated)
 
-    def examples(self, i: int, rows: np.ndarray, k: int = 3) -> list[str]:
-        """obs_names of input ``i`` at the first ``k`` of ``rows`` (in row order)."""
-        s = self.sources[i]
-        return [str(s.names(int(r), int(r) + 1)[0]) for r in np.sort(rows)[:k]]
+    def examples(self, i: int, hashes: np.ndarray, k: int = 3) -> list[str]:
+        """The first ``k`` distinct obs_names of input ``i`` (in row order) whose hash is
+        among ``hashes``; reads that input's names again, a block at a time, until it has them."""
+        s, out = self.sources[i], []
+        wanted = np.unique(np.asarray(hashes, dtype=np.uint64))
+        for names in s.name_blocks(NAME_BLOCK):
+            for j in np.flatnonzero(np.isin(name_hashes(names), wanted)):
+                if str(names[j]) not in out:  # a repeated name once
+                    out.append(str(names[j]))
+                    if len(out) == k:
+                        return out
+        return out
+
+
+def _hashes(s: InputSource, block: int) -> np.ndarray:
+    """The name hashes of every row of ``s``, read ``block`` names at a time."""
+    h = np.empty(s.n_obs, dtype=np.uint64)
+    a = 0
+    for names in s.name_blocks(block):
+        h[a: a + len(names)] = name_hashes(names)
+        a += len(names)
+    return h
 
 
 def warn_shared_obs_names(names: InputNames) -> int:
@@ -166,20 +188,19 @@ def warn_shared_obs_names(names: InputNames) -> int:
     sources = names.sources
     if len(sources) < 2:
         return 0
-    all_h = np.concatenate(names.unique)
-    order = np.argsort(all_h, kind="stable")
-    sorted_h = all_h[order]
-    dup = np.flatnonzero(sorted_h[1:] == sorted_h[:-1])
-    if not dup.size:
+    all_h = np.concatenate(names.unique)  # each input's hashes once: a repeat is shared
+    all_h.sort()
+    dup = all_h[1:] == all_h[:-1]
+    if not dup.any():
         return 0
-    n_shared = int(np.unique(sorted_h[dup]).size)
-    src_of = np.concatenate([np.full(len(u), i, dtype=np.int64)
-                             for i, u in enumerate(names.unique)])[order]
-    pos_of = np.concatenate(names.first)[order]
-    k = int(dup[0])
-    a, b = sources[int(src_of[k])], sources[int(src_of[k + 1])]
-    row = int(pos_of[k])
-    name = str(a.names(row, row + 1)[0])
+    shared = all_h[1:][dup]
+    del all_h, dup
+    n_shared = int(np.unique(shared).size)
+    h = shared[:1]
+    holders = [i for i, u in enumerate(names.unique)
+               if (j := int(np.searchsorted(u, h[0]))) < len(u) and u[j] == h[0]][:2]
+    a, b = sources[holders[0]], sources[holders[1]]
+    name = names.examples(holders[0], h, k=1)[0]
     logger.warning(
         "%d obs_names appear in more than one input (e.g. %r in %s and %s). Nothing is "
         "refused: collections and in-place reading identify rows by row ids (the global row "
@@ -196,16 +217,13 @@ def warn_repeated_obs_names(names: InputNames) -> int:
     :func:`warn_shared_obs_names`."""
     total = 0
     for i, s in enumerate(names.sources):
-        counts = names.counts[i]
-        twice = counts > 1
-        if not twice.any():
+        hashes, counts = names.repeated[i]
+        if not hashes.size:
             continue
-        n = int(twice.sum())
-        total += n
+        total += hashes.size
         logger.warning("%s: %d obs_names appear more than once in this input (%d rows share "
-                       "them; e.g. %s). %s", s.label, n, int(counts[twice].sum()),
-                       ", ".join(map(repr, names.examples(i, names.first[i][twice]))),
-                       NAMES_FIX)
+                       "them; e.g. %s). %s", s.label, hashes.size, int(counts.sum()),
+                       ", ".join(map(repr, names.examples(i, hashes))), NAMES_FIX)
     return total
 
 

@@ -1,0 +1,123 @@
+"""What must not grow with the number of cells (issue 31), checked with in-process counters
+(tracemalloc's blocks and bytes), never with wall time: opening a collection builds no
+Python object per row, grouping rows by class holds 4 bytes a row, and the writer's
+obs_names check keeps 8 bytes per name at most."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import annbatch_torch as abt
+from annbatch_torch.sampling.samplers import _ClassTable
+from annbatch_torch.store.inputs.plan import InputNames, open_inputs
+
+
+def _collection(n: int, path: Path) -> Path:
+    rng = np.random.default_rng(n)
+    x = sp.random(n, 30, density=0.2, format="csr", random_state=n, dtype=np.float32)
+    obs = pd.DataFrame({"ct": pd.Categorical(rng.choice(list("abcdefgh"), n))},
+                       index=[f"cell{i}" for i in range(n)])
+    a = ad.AnnData(x, obs=obs, var=pd.DataFrame(index=[f"g{i}" for i in range(30)]))
+    abt.create_anndata_collection([a], path, progress=False, n_obs_per_shard=1 << 17)
+    return path
+
+
+def _open_and_read_one_batch(path: Path) -> tuple[int, int]:
+    """Blocks and bytes that opening ``path``, making a dataset and reading its first batch
+    leave allocated (tracemalloc: numpy's buffers count as one block each)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        coll = abt.open_collection(path)
+        ds = abt.AnnBatchDataset(coll, selector={"x": "X", "y": "obs/ct"}, batch_size=512,
+                                chunk_size=256, preload_nchunks=4)  # pools below 10^4 rows
+        batch = next(iter(ds))
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    assert batch["x"].shape[0] == 512
+    diff = after.compare_to(before, "filename")
+    return sum(d.count_diff for d in diff), sum(d.size_diff for d in diff)
+
+
+def test_opening_a_collection_builds_no_python_object_per_row(tmp_path: Path) -> None:
+    small, large = _collection(10_000, tmp_path / "small"), _collection(100_000, tmp_path / "large")
+    _open_and_read_one_batch(small)  # one-time costs (imports, numba's load) out of both
+    blocks_s, bytes_s = _open_and_read_one_batch(small)
+    blocks_l, bytes_l = _open_and_read_one_batch(large)
+    # 90,000 more rows: a str or int per row would be 90,000 more blocks
+    assert blocks_l - blocks_s < 2_000, (blocks_s, blocks_l)
+    # the shard's row offsets (indptr, 8 bytes a row of an open shard) and nothing else
+    assert bytes_l - bytes_s < 9 * 90_000 + 256_000, (bytes_s, bytes_l)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-1, 6), max_size=3000), st.integers(7, 9),
+       st.sampled_from([1, 7, 1 << 10]))
+def test_class_table_groups_rows_as_a_stable_sort(codes: list[int], n_classes: int,
+                                                  block: int) -> None:
+    arr = np.asarray(codes, dtype=np.int16)
+    import annbatch_torch.sampling.samplers as samplers
+
+    old, samplers._GROUP_BLOCK = samplers._GROUP_BLOCK, block
+    try:
+        table = _ClassTable(arr, n_classes)
+    finally:
+        samplers._GROUP_BLOCK = old
+    order = np.argsort(arr, kind="stable")
+    want = order[arr[order] >= 0]
+    np.testing.assert_array_equal(table.rows, want)
+    np.testing.assert_array_equal(table.counts, np.bincount(arr[arr >= 0], minlength=n_classes))
+    assert table.rows.dtype == np.int32
+
+
+def test_class_table_holds_four_bytes_a_row() -> None:
+    n = 3_000_000
+    codes = np.random.default_rng(0).integers(-1, 500, n).astype(np.int16)
+    tracemalloc.start()
+    try:
+        table = _ClassTable(codes, 500)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert table.rows.nbytes <= 4 * n
+    assert peak < 4 * n + 48 * (1 << 18), peak / n  # the rows and one block's temporaries
+
+
+@pytest.mark.parametrize("repeats", [False, True])
+def test_input_names_keep_eight_bytes_a_name(tmp_path: Path, repeats: bool) -> None:
+    n = 200_000
+    names = [f"cell_{i}" for i in range(n)]
+    if repeats:
+        names[5:10] = names[:5]
+    a = ad.AnnData(sp.csr_matrix((n, 3), dtype=np.float32),
+                   obs=pd.DataFrame(index=names), var=pd.DataFrame(index=["a", "b", "c"]))
+    a.write_h5ad(tmp_path / "a.h5ad")
+    (src,) = open_inputs([tmp_path / "a.h5ad"])
+    try:
+        tracemalloc.start()
+        try:
+            got = InputNames.read([src])
+            kept = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert kept < 8 * n + 64_000, kept / n
+        assert got.unique[0].size == n - 5 * repeats
+        assert got.repeated[0][0].size == 5 * repeats
+        if repeats:
+            assert got.examples(0, got.repeated[0][0]) == names[:3]
+        # the input reads as before once its index was refreshed
+        assert list(src.names(n - 2, n)) == names[-2:]
+    finally:
+        src.close()
