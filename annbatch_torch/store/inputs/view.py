@@ -486,25 +486,24 @@ class InputSource:
             return pd.DataFrame(index=pd.Index(names, dtype=object))
 
     def names(self, a: int, b: int) -> np.ndarray:
-        """obs_names of rows ``[a, b)`` as an object array of str."""
-        if self.adata is not None:
-            return np.asarray(self.adata.obs_names[a:b], dtype=object)
-        return StringElement(self._obs_index, "obs_names").read(a, b)
-
-    def name_blocks(self, block: int) -> Iterator[np.ndarray]:
-        """Every obs_name, in row order, as object arrays of str of ``block`` rows at most.
+        """obs_names of rows ``[a, b)`` as an object array of str.
 
         HDF5 keeps what it read of a string dataset (its global heap) for as long as the
-        dataset's file is open, ~60 MB a million names, and the writer keeps its inputs open
-        through the whole write: an HDF5 input's index is refreshed (``H5Drefresh``) once
-        read, which lets that go.
+        file is open, ~40 MB a million names, and the writer keeps its inputs open
+        through the whole write: an HDF5 input's index is refreshed (``H5Drefresh``) after
+        each read, which lets that go.
         """
-        try:
-            for a in range(0, self.n_obs, block):
-                yield self.names(a, min(self.n_obs, a + block))
-        finally:
-            if self._h5 is not None and not self.legacy:
-                self._obs_index.id.refresh()
+        if self.adata is not None:
+            return np.asarray(self.adata.obs_names[a:b], dtype=object)
+        out = StringElement(self._obs_index, "obs_names").read(a, b)
+        if self._h5 is not None and not self.legacy:
+            self._obs_index.id.refresh()
+        return out
+
+    def name_blocks(self, block: int) -> Iterator[np.ndarray]:
+        """Every obs_name, in row order, as object arrays of str of ``block`` rows at most."""
+        for a in range(0, self.n_obs, block):
+            yield self.names(a, min(self.n_obs, a + block))
 
     # -- bookkeeping ----------------------------------------------------------------
     def record(self) -> dict[str, Any]:
