@@ -235,13 +235,17 @@ class Collection(Source):
             return
         # zarr reads a missing chunk file as its fill value (zeros): without this check a
         # deleted chunk would yield wrong numbers silently. The writer wrote every chunk.
-        arrays = [(field, node)] if hasattr(node, "nchunks") else [
-            (f"{field}/{k}", node[k]) for k in node.array_keys()
-        ]
+        if hasattr(node, "nchunks"):
+            arrays: list[tuple[str, Any]] = [(field, node)]
+        else:  # a group's arrays: counted from their metadata where that is enough
+            census = getattr(node, "chunk_files", None)
+            arrays = [(f"{field}/{k}", (census and census(k)) or node[k])
+                      for k in node.array_keys()]
         for name, arr in arrays:
             if hasattr(arr, "require_chunks"):  # rawzarr: an absent inner chunk is damage too
                 arr.require_chunks = True
-            have, want = int(arr.nchunks_initialized), int(arr.nchunks)
+            have, want = arr if isinstance(arr, tuple) else (int(arr.nchunks_initialized),
+                                                             int(arr.nchunks))
             if have < want:
                 raise CollectionError(
                     f"{self.shard_name(shard)}: array {name!r} has {have} of its {want} chunk "

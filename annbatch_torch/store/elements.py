@@ -493,9 +493,9 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
         if enc == "csc_matrix":
             return CSCElement(node, name, source)
         if enc == "categorical":
-            cats_node = node["categories"]
-            return CategoricalElement(
-                node["codes"], lambda: _decode_strings(np.asarray(cats_node[...])).tolist(),
+            return CategoricalElement(  # categories opened on first use too (zarr: ~1 ms)
+                node["codes"],
+                lambda: _decode_strings(np.asarray(node["categories"][...])).tolist(),
                 bool(node.attrs.get("ordered", False)), name=name
             )
         if enc in ("nullable-integer", "nullable-boolean"):
