@@ -32,6 +32,7 @@ from .buckets import (
     load_bucket,
 )
 from .budget import release_memory
+from .remap import remap_rows
 
 if TYPE_CHECKING:
     from ..store.inputs.view import InputSource
@@ -42,8 +43,13 @@ __all__ = ["check_int64", "iter_blocks", "route_block", "route_rows", "write_sha
 
 # -- pass 1: route rows to buckets -----------------------------------------------------
 def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
-           dtype: np.dtype) -> sp.csr_matrix:
-    """Block rows in the collection's var order and dtype (sparse in, sparse out)."""
+           dtype: np.dtype, order: np.ndarray | None) -> sp.csr_matrix:
+    """Block rows ``order`` (``None``: all, in order) in the collection's var order and
+    dtype (sparse in, sparse out)."""
+    if col_map is not None and sp.issparse(m) and m.format == "csr":
+        out = remap_rows(m, col_map, n_out, dtype, order)  # one compiled pass
+        if out is not None:
+            return out
     if not sp.issparse(m):
         m = sp.csr_matrix(np.asarray(m, dtype=dtype))  # scipy has no float16: cast first
     # a copy when sorting in place below (the block may view an in-memory input's arrays);
@@ -62,7 +68,7 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
     if not is_sorted:
         out.has_sorted_indices = False
         out.sort_indices()
-    return out
+    return out if order is None else out[order]
 
 
 def _placeholder(f: Any, n: int) -> tuple[str, Any]:
@@ -142,8 +148,8 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                 value_check(src.label, f.key, block)
             if f.kind == "csr":
                 axis = schema.axis(f.key)
-                block = take(_remap(block, axis.maps[i], axis.sorted[i], int(f.width),
-                                    f.dtype))
+                block = _remap(block, axis.maps[i], axis.sorted[i], int(f.width), f.dtype,
+                               order)
                 # what each shard's values can be stored as (.narrow)
                 schema.observe(f.key, block.data, block.indptr, shard, src.label)
                 parts.append((f.kind, block))
