@@ -4,7 +4,8 @@ measured at growing n_obs on many-input synthetic atlases (issue 31).
 Usage::
 
     python benchmarks/scale.py [--sizes 1e5,1e6,1e7] [--n-inputs 100] [--data-dir DIR]
-                               [--only writer,open,...] [--max-batches 200] [--keep]
+                               [--only writer,open,...] [--max-batches N]
+                               [--max-batches-dense 200] [--keep]
                                [--out benchmarks/results/scale]
 
 For each size, ``datasets.write_synthetic_atlas`` writes the inputs (reused when present),
@@ -18,8 +19,9 @@ then every measurement runs in a fresh Python process (``--child``):
 * ``open``: ``open_collection`` s (the import excluded) and VmRSS after it;
 * ``first_batch``: construction of ``AnnBatchDataset`` to its first batch with 0 workers,
   and with 2 workers of a plain ``DataLoader(batch_size=None)`` (fork and spawn);
-* ``epoch``: cells/s over ``--max-batches`` batches after 2 (a whole epoch when smaller),
-  sparse and dense, 0 and 2 workers, warm (the collection read through first, when it fits
+* ``epoch``: cells/s over the batches after the first 2, sparse and dense, 0 and 2 workers:
+  a whole epoch when sparse (``--max-batches`` caps it), ``--max-batches-dense`` batches
+  when dense (a whole 10^7-cell dense epoch through 2 workers would take ~10 minutes), warm (the collection read through first, when it fits
   in half the RAM) and cold (page cache dropped; root); peak RSS of the main process and of
   the largest worker;
 * ``samplers``: ``ClassBalancedSampler("cell_type")`` and a 10% ``SubsetSampler``: bind
@@ -186,7 +188,7 @@ def task_epoch(a: dict[str, Any]) -> dict[str, Any]:
             t = time.perf_counter()
         elif k > 2:
             n += b["x"].shape[0]
-        if k >= a["max_batches"] + 2:
+        if a["max_batches"] is not None and k >= a["max_batches"] + 2:
             break
     dt = time.perf_counter() - t
     del it
@@ -355,7 +357,7 @@ def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                     key = (f"epoch_{'cold' if cold else 'warm'}_"
                            f"{'dense' if dense else 'sparse'}_w{workers}")
                     run("epoch", key, cold=cold, dense=dense, workers=workers,
-                        max_batches=args.max_batches)
+                        max_batches=args.max_batches_dense if dense else args.max_batches)
     if want("samplers"):
         run("samplers")
     if want("resume"):
@@ -443,7 +445,9 @@ def main() -> None:
     p.add_argument("--n-inputs", type=int, default=100)
     p.add_argument("--data-dir", type=Path, default=HERE / "data" / "scale")
     p.add_argument("--only", default=None, help="comma-separated measurements")
-    p.add_argument("--max-batches", type=int, default=200)
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="cap of a sparse epoch (default: the whole epoch)")
+    p.add_argument("--max-batches-dense", type=int, default=200)
     p.add_argument("--max-memory", default=None, help="also write with this max_memory")
     p.add_argument("--parallel-at", type=float, default=1e6)
     p.add_argument("--keep", action="store_true", help="keep each size's data")
