@@ -4,6 +4,7 @@ same rows, columns, values and dtype, duplicates and dropped genes included."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,18 +32,23 @@ def _blocks(draw: st.DrawFn) -> tuple[sp.csr_matrix, np.ndarray, int, np.dtype, 
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     density = draw(st.floats(0, 1))
-    dense = (rng.random((n_rows, n_in)) < density) * rng.integers(1, 70_000, (n_rows, n_in))
-    in_dtype = draw(st.sampled_from([np.float32, np.float64, np.int32, np.uint16]))
+    in_dtype = np.dtype(draw(st.sampled_from(
+        [np.float32, np.float64, np.int32, np.int64, np.uint16, np.int8, np.uint64, np.bool_])))
+    values = (rng.standard_normal((n_rows, n_in)) * 1e3 if in_dtype.kind == "f"
+              else rng.integers(1, 120, (n_rows, n_in)))  # floats that round in float32
+    dense = (rng.random((n_rows, n_in)) < density) * values
     m = sp.csr_matrix(dense.astype(in_dtype))
+    if draw(st.booleans()):
+        m.indices, m.indptr = m.indices.astype(np.int64), m.indptr.astype(np.int64)
     if draw(st.booleans()):  # each row's entries in a random order, as some inputs store
         for r in range(n_rows):
             lo, hi = m.indptr[r], m.indptr[r + 1]
             p = lo + rng.permutation(hi - lo)
             m.indices[lo:hi], m.data[lo:hi] = m.indices[p], m.data[p]
         m.has_sorted_indices = False
-    col_map = rng.permutation(n_out)[:n_in].astype(np.int64)
+    col_map = rng.permutation(n_out)[:n_in].astype(draw(st.sampled_from([np.int32, np.int64])))
     col_map[rng.random(n_in) < draw(st.floats(0, 0.5))] = -1  # genes the collection drops
-    dtype = np.dtype(draw(st.sampled_from([np.float32, np.float64, np.int32])))
+    dtype = np.dtype(draw(st.sampled_from([np.float32, np.float64, np.int32, np.int64])))
     order = rng.permutation(n_rows) if draw(st.booleans()) else None
     return m, col_map, n_out, dtype, order
 
@@ -54,7 +60,9 @@ def test_remap_rows_equals_scipy(block: tuple) -> None:
     got = remap_rows(m, col_map, n_out, dtype, order)
     want = _reference(m, col_map, n_out, dtype, order)
     assert got is not None
-    assert got.has_sorted_indices and got.shape == want.shape and got.dtype == dtype
+    assert got.has_sorted_indices
+    assert got.shape == want.shape
+    assert got.dtype == dtype
     np.testing.assert_array_equal(got.indptr, want.indptr)
     np.testing.assert_array_equal(got.indices, want.indices)
     np.testing.assert_array_equal(got.data, want.data)
@@ -65,10 +73,21 @@ def test_a_column_twice_in_a_row_is_left_to_scipy_which_keeps_both() -> None:
                        np.array([0, 3])), shape=(1, 4))
     col_map = np.array([3, 2, 1, 0])
     assert remap_rows(m, col_map, 4, np.dtype(np.float32)) is None
-    # the writer's path falls back to scipy: both entries kept, columns sorted
-    out = _remap(m, col_map, False, 4, np.dtype(np.float32), None)
-    assert out.indices.tolist() == [0, 0, 2] and sorted(out.data.tolist()[:2]) == [1.0, 5.0]
-    # and the next call (same scratch state) is exact again
-    ok = sp.csr_matrix(np.array([[0, 7, 0, 9]], np.float32))
-    np.testing.assert_array_equal(remap_rows(ok, col_map, 4, np.dtype(np.float32)).toarray(),
-                                  [[9, 0, 7, 0]])
+    # the writer's path falls back to scipy: both entries kept, columns sorted, rows in order
+    two = sp.vstack([sp.csr_matrix(np.array([[0, 7, 0, 9]], np.float32)), m]).tocsr()
+    two.has_canonical_format = False
+    out = _remap(two, col_map, False, 4, np.dtype(np.float32), np.array([1, 0]))
+    assert out.indptr.tolist() == [0, 3, 5]
+    assert out.indices.tolist() == [0, 0, 2, 0, 2]
+    assert sorted(out.data.tolist()[:2]) == [1.0, 5.0]
+    assert out.data.tolist()[2:] == [2, 9, 7]
+
+
+def test_bad_order_or_col_map_is_refused_before_the_compiled_loop() -> None:
+    m = sp.csr_matrix(np.array([[1, 0, 2], [0, 3, 0]], np.float32))
+    with pytest.raises(ValueError, match="order"):
+        remap_rows(m, np.array([0, 1, 2]), 3, np.dtype(np.float32), np.array([0, 2]))
+    with pytest.raises(ValueError, match="col_map"):
+        remap_rows(m, np.array([0, 1, 3]), 3, np.dtype(np.float32))
+    with pytest.raises(ValueError, match="col_map"):
+        remap_rows(m, np.array([0, 1]), 3, np.dtype(np.float32))

@@ -300,6 +300,7 @@ class _ClassTable:
             rank = np.arange(len(cls)) - (np.cumsum(here) - here)[cls]
             self.rows[fill[cls] + rank] = order + a
             fill += here
+            del order, cls, rank  # one block's temporaries alive at a time
 
     def draw(self, rng: np.random.Generator, class_cdf: np.ndarray, n: int) -> np.ndarray:
         """``n`` rows: a class from ``class_cdf``, then a row of it uniformly."""

@@ -108,18 +108,26 @@ class FastGroup:
         meta = self._meta(key)
         if self.mirror is not None or meta.get("node_type") != "array":
             return None
-        if isinstance(self._children.get(key), RawZarrArray) or open_raw(self.path / key):
+        child = self._children.get(key)
+        if child is None:
+            raw = open_raw(self.path / key)
+            if raw is not None:  # kept: ``group[key]`` hands out this very array
+                raw.attrs = meta.get("attributes", {})
+                child = self._children.setdefault(key, raw)
+        if isinstance(child, RawZarrArray):
             return None
-        grid = meta.get("chunk_grid", {})
+        grid = meta.get("chunk_grid")
         enc = meta.get("chunk_key_encoding", {"name": "default"})
-        shape = [int(n) for n in meta.get("shape", ())]
+        if not isinstance(grid, dict) or not isinstance(enc, dict):
+            return None
         try:
+            shape = [int(n) for n in meta.get("shape", ())]
             chunks = [int(c) for c in grid["configuration"]["chunk_shape"]]
         except (KeyError, TypeError, ValueError):
             return None
         if grid.get("name") != "regular" or len(chunks) != len(shape) or min(chunks, default=1) < 1:
             return None
-        name, conf = enc.get("name"), enc.get("configuration", {})
+        name, conf = enc.get("name"), enc.get("configuration") or {}
         if name not in ("default", "v2"):
             return None
         sep = conf.get("separator", "/" if name == "default" else ".")

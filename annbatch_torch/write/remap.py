@@ -60,30 +60,51 @@ except RuntimeError:  # nowhere writable to cache it: compiled in each process i
     _remap = numba.njit(nogil=True)(_remap_py)
 
 
+def _compiled_kind(dtype: np.dtype) -> bool:
+    return dtype.kind in "biuf" and dtype.isnative and dtype.itemsize <= 8 and dtype != np.float16
+
+
 def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtype,
                order: np.ndarray | None = None) -> sp.csr_matrix | None:
     """Rows ``order`` of CSR ``m`` (default: all, in order) with column ``j`` moved to
     ``col_map[j]`` (``-1``: dropped), each row's columns sorted, values cast to ``dtype``.
 
-    Returns ``None`` when a row of ``m`` holds a column twice (a non-canonical matrix): the
-    caller sorts it with scipy, which keeps both entries.
+    Returns ``None`` where the compiled loop does not apply and scipy must do it: a row of
+    ``m`` holds a column twice (a non-canonical matrix; scipy keeps both entries), a dtype
+    numba has no loop for (float16, longdouble), or numba's JIT is disabled
+    (``NUMBA_DISABLE_JIT``).
+
+    Raises
+    ------
+    ValueError
+        If ``order`` names a row outside ``m``, or ``col_map`` does not map every column
+        of ``m`` into ``[-1, n_out)`` (checked before the compiled loop, which does not).
     """
     dtype = np.dtype(dtype)
     indptr = np.asarray(m.indptr, dtype=np.int64)
     n_rows = m.shape[0]
     rows = (np.arange(n_rows, dtype=np.int64) if order is None
             else np.asarray(order, dtype=np.int64))
-    if m.data.dtype == np.float16 or dtype == np.float16:  # numba has no float16
+    col_map = np.asarray(col_map, dtype=np.int64)
+    if numba.config.DISABLE_JIT or not (_compiled_kind(m.data.dtype) and _compiled_kind(dtype)):
         return None
-    nnz = int(indptr[-1])
+    if rows.ndim != 1 or (rows.size and (int(rows.min()) < 0 or int(rows.max()) >= n_rows)):
+        raise ValueError(f"remap_rows: order must hold row numbers of the {n_rows} rows")
+    if col_map.shape != (m.shape[1],) or (col_map.size and (
+            int(col_map.min()) < -1 or int(col_map.max()) >= n_out)):
+        raise ValueError(f"remap_rows: col_map must map each of the {m.shape[1]} columns "
+                         f"into [-1, {n_out})")
+    indices = np.asarray(m.indices)
+    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= m.shape[1]):
+        raise ValueError(f"remap_rows: column indices outside [0, {m.shape[1]})")
+    nnz = int((indptr[rows + 1] - indptr[rows]).sum())
     out_indptr = np.zeros(rows.size + 1, dtype=np.int64)
     out_indices = np.empty(nnz, dtype=np.int32)
     out_data = np.empty(nnz, dtype=dtype)
     words = np.zeros(-(-max(n_out, 1) // 64), dtype=np.uint64)
     vals = np.empty(max(n_out, 1), dtype=m.data.dtype)
-    kept = _remap(indptr, np.asarray(m.indices), np.asarray(m.data),
-                  np.asarray(col_map, dtype=np.int64), rows, words, vals, out_indptr,
-                  out_indices, out_data)
+    kept = _remap(indptr, indices, np.asarray(m.data), col_map, rows, words,
+                  vals, out_indptr, out_indices, out_data)
     if kept < 0:
         return None
     if kept < nnz:

@@ -162,11 +162,14 @@ class InputNames:
         among ``hashes``; reads that input's names again, a block at a time, until it has them."""
         s, out = self.sources[i], []
         wanted = np.unique(np.asarray(hashes, dtype=np.uint64))
+        need = min(k, wanted.size)  # stop there: one repeated name need not read it all
+        if not need:
+            return out
         for names in s.name_blocks(NAME_BLOCK):
             for j in np.flatnonzero(np.isin(name_hashes(names), wanted)):
                 if str(names[j]) not in out:  # a repeated name once
                     out.append(str(names[j]))
-                    if len(out) == k:
+                    if len(out) == need:
                         return out
         return out
 
@@ -200,7 +203,7 @@ def warn_shared_obs_names(names: InputNames) -> int:
     holders = [i for i, u in enumerate(names.unique)
                if (j := int(np.searchsorted(u, h[0]))) < len(u) and u[j] == h[0]][:2]
     a, b = sources[holders[0]], sources[holders[1]]
-    name = names.examples(holders[0], h, k=1)[0]
+    name = next(iter(names.examples(holders[0], h, k=1)), "?")  # "?": the file changed
     logger.warning(
         "%d obs_names appear in more than one input (e.g. %r in %s and %s). Nothing is "
         "refused: collections and in-place reading identify rows by row ids (the global row "

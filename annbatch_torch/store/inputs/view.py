@@ -83,7 +83,10 @@ def _interned(names: np.ndarray) -> np.ndarray:
     """``names`` (an object array of str) with each str interned: the inputs of an atlas
     share most genes, and an input's names stay open for the whole write (a hundred
     inputs of 25,000 genes hold 2.5 million names; interned, one str per distinct gene)."""
-    return np.fromiter((sys.intern(v) for v in names), dtype=object, count=len(names))
+    if names.dtype != object:  # a numeric index, as read
+        return names
+    return np.fromiter((sys.intern(v) if type(v) is str else v for v in names),
+                       dtype=object, count=len(names))
 
 
 def _probe_disk_matrix(node: Any) -> MatrixProbe:
