@@ -28,7 +28,10 @@ def _collection(n: int, path: Path) -> Path:
     obs = pd.DataFrame({"ct": pd.Categorical(rng.choice(list("abcdefgh"), n))},
                        index=[f"cell{i}" for i in range(n)])
     a = ad.AnnData(x, obs=obs, var=pd.DataFrame(index=[f"g{i}" for i in range(30)]))
-    abt.create_anndata_collection([a], path, progress=False, n_obs_per_shard=1 << 17)
+    # chunks far smaller than either size: per-chunk buffers (a reading thread's scratch,
+    # sized by the chunk) are then alike at both sizes, and what differs is per row
+    abt.create_anndata_collection([a], path, progress=False, n_obs_per_shard=1 << 17,
+                                  zarr_chunk_elems=1 << 12)
     return path
 
 
