@@ -136,3 +136,31 @@ def test_interned_var_names_keep_non_strings_as_read() -> None:
     assert mixed.tolist() == ["g1", 3, None]
     a, b = _interned(np.array(["gene" + str(7)], object)), _interned(np.array(["gene7"], object))
     assert a[0] is b[0]  # one str per distinct name
+
+
+def test_a_pass1_task_carries_only_its_own_gene_map() -> None:
+    import pickle
+
+    from annbatch_torch.write.schema import resolve_schema
+
+    rng = np.random.default_rng(0)
+    genes = [f"g{i}" for i in range(2000)]
+    adatas = []
+    for k in range(12):  # each input its own gene order: twelve maps of 2,000 columns
+        order = rng.permutation(2000)
+        adatas.append(ad.AnnData(sp.random(5, 2000, density=0.01, format="csr",
+                                           dtype=np.float32, random_state=k),
+                                 obs=pd.DataFrame(index=[f"c{k}_{j}" for j in range(5)]),
+                                 var=pd.DataFrame(index=[genes[i] for i in order])))
+    sources = open_inputs(adatas)
+    schema = resolve_schema(sources, "outer", None, None, None, None, None)
+    whole = len(pickle.dumps(schema))
+    for i in (0, 7):
+        task = schema.for_input(i)
+        assert len(pickle.dumps(task)) < whole / 4
+        own = schema.genes.maps[i]
+        np.testing.assert_array_equal(task.genes.maps[i], own)
+        others = [m for k, m in enumerate(task.genes.maps) if k != i]
+        assert all(m is not None and m.size == 0 for m in others)  # never "identity"
+    assert all(m.size == 0 for m in schema.for_input(None).genes.maps)
+    assert schema.genes.maps[3].size == 2000  # the writer's own schema is untouched

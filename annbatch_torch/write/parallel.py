@@ -382,7 +382,8 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                   unit="tasks", disable=not progress, dynamic_ncols=True, leave=False) as bar:
             calls = [(_describe(t, sources), route_task, (
                 t, objs[t.source], None if dest is None
-                else dest[t.offset + t.start: t.offset + t.stop], schema, layout, work,
+                else dest[t.offset + t.start: t.offset + t.stop], schema.for_input(t.source),
+                layout, work,
                 str(folder), value_check)) for t in tasks]
             for dropped, ranges in _run(client, calls, bar, folder / ABANDONED, grace):
                 for key, reason in dropped.items():
@@ -393,7 +394,7 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
             schema.settle_float32()
             # each task gets its own shard's dtypes, not every shard's value ranges
             stored = [schema.stored_in(s) for s in range(n_shards)]
-            lean = copy.copy(schema)
+            lean = schema.for_input(None)  # no gene maps: pass 2 reads them from buckets
             lean.ranges = {}
             calls = [(_describe(s, sources), write_shard, (
                 s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,
