@@ -276,3 +276,26 @@ def test_duplicate_obs_names_within_an_input_are_warned(tmp_path: Path,
     p2 = _write(_adata("c", 20, pd.Categorical(["C"] * 20)), tmp_path / "clean.h5ad")
     abt.append_to_collection(store, [p2], progress=False)
     assert not [m for m in _warnings(caplog) if "obs_names" in m]
+
+
+# -- inputs without cells among the new ones -----------------------------------------------
+@pytest.mark.parametrize("scheduler", [None, "threads"])
+def test_append_with_an_empty_input_first_keeps_each_inputs_genes(tmp_path: Path,
+                                                                 scheduler: Any) -> None:
+    """Gene maps are indexed by input: an empty input before the others (it takes no part)
+    must not shift them (pass 1 looked up the next input's map, then ran off the list)."""
+    base = _adata("base", 30, pd.Categorical(["x"] * 30))
+    coll = abt.create_anndata_collection([_write(base, tmp_path / "base.h5ad")],
+                                         tmp_path / "coll", progress=False)
+    empty = _adata("e", 0, pd.Categorical([], categories=["x"]))
+    new = []
+    for k, order in enumerate([N_GENES - 1 - np.arange(N_GENES), np.roll(np.arange(N_GENES), 5)]):
+        a = _adata(f"n{k}_", 20 + k, pd.Categorical(["x"] * (20 + k)), seed=k + 1)
+        new.append(a[:, order].copy())  # each its own gene order
+    paths = [_write(a, tmp_path / f"new{k}.h5ad") for k, a in enumerate([empty, *new])]
+    abt.append_to_collection(coll.path, paths, progress=False, scheduler=scheduler,
+                             **({"n_workers": 1} if scheduler else {}))
+    genes = [f"g{g}" for g in range(N_GENES)]
+    want = {n: row for a in (base, *new)
+            for n, row in zip(a.obs_names, a[:, genes].X.toarray())}
+    _rows_equal(abt.open_collection(coll.path), A.X, want)

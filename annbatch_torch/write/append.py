@@ -171,8 +171,11 @@ _APPEND_OMIT = {"X": _REWRITE.format("overwrite=True)) from inputs without X"),
 
 
 def _append_schema(sources: list[InputSource], coll: Collection) -> Schema:
+    """The schema of an append of ``sources`` (every new input, in order: the gene maps are
+    indexed by input, and pass 1 looks an input's up by its index; inputs without cells
+    take no part in the checks)."""
     manifest, where = coll.manifest, coll.describe()
-    _check_genes(sources, manifest, where)
+    _check_genes([s for s in sources if s.n_obs], manifest, where)
     lists = _field_lists(manifest)
     # raw's genes are aligned to the collection's raw genes, as X's to its var_names
     raw = RAW_X in manifest.fields and manifest.raw_var_names is not None
@@ -343,7 +346,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
                            ", ".join(s.label for s in sources))
             _publish(root, root, manifest, [], None, sources, seed)
             return
-        schema = _append_schema([s for s in sources if s.n_obs], coll)
+        schema = _append_schema(sources, coll)
         with_cells = [s for s in sources if s.n_obs]
         names = InputNames.read(with_cells)  # every new input's names read once
         warn_shared_obs_names(names)
