@@ -266,17 +266,13 @@ def task_obs_names_at(a: dict[str, Any]) -> dict[str, Any]:
     return {"obs_names_at_10k_s": dt}
 
 
-def _append_input(a: dict[str, Any]) -> list[str]:
+def task_append_input(a: dict[str, Any]) -> dict[str, Any]:
     from annbatch_torch.datasets import write_synthetic_atlas
 
     new = Path(a["store"]).parent / "append_input"
     if not (new / "atlas.json").exists():
         write_synthetic_atlas(new, 100_000, 1, seed=99, n_cell_types=600, progress=False)
-    return _inputs(str(new))
-
-
-def task_append_input(a: dict[str, Any]) -> dict[str, Any]:
-    return {"paths": _append_input(a)}
+    return {"paths": _inputs(str(new))}
 
 
 def task_write_alone(a: dict[str, Any]) -> dict[str, Any]:

@@ -493,7 +493,7 @@ def open_element(node: Any, name: str, source: str = "<memory>") -> Element:
         if enc == "csc_matrix":
             return CSCElement(node, name, source)
         if enc == "categorical":
-            return CategoricalElement(  # categories opened on first use too (zarr: ~1 ms)
+            return CategoricalElement(  # categories opened on first use too
                 node["codes"],
                 lambda: _decode_strings(np.asarray(node["categories"][...])).tolist(),
                 bool(node.attrs.get("ordered", False)), name=name

@@ -102,7 +102,7 @@ class FastGroup:
 
     def chunk_files(self, key: str) -> tuple[int, int] | None:
         """``(present, expected)`` chunk files of array ``key``, counted from its metadata
-        and the folder without opening it through zarr (~1 ms an array); ``None`` for a
+        and the folder, without opening it through zarr; ``None`` for a
         raw array (it counts its own, see :attr:`RawZarrArray.nchunks_initialized`), in
         a mirror, or for a layout this count does not know."""
         meta = self._meta(key)

@@ -170,7 +170,7 @@ class Schema:
         """A copy for a task that routes input ``index`` only (``None``: none, as pass 2):
         its gene axes keep that input's column map and an empty one for every other input
         (a task that used one would fail, not misplace genes). A Dask task's arguments are
-        pickled one by one: a hundred inputs' maps are ~10 MB, which every task carried."""
+        pickled one by one: every task would otherwise carry every input's map."""
         def slim(axis: GeneAxis | None) -> GeneAxis | None:
             if axis is None:
                 return None

@@ -144,17 +144,11 @@ class InputNames:
     @classmethod
     def read(cls, sources: Sequence[InputSource], block: int = NAME_BLOCK) -> InputNames:
         unique, repeated = [], []
-        # every input's hashes in one array allocated first: long-lived arrays made one per
-        # input between the freed names of the next would keep the heap from shrinking
-        store = np.empty(sum(s.n_obs for s in sources), dtype=np.uint64)
-        at = 0
         for s in sources:
             u, n = np.unique(_hashes(s, block), return_counts=True)
             twice = n > 1
-            unique.append(store[at: at + len(u)])
-            unique[-1][:] = u
+            unique.append(u)
             repeated.append((u[twice], n[twice]))
-            at += len(u)
         return cls(sources, unique, repeated)
 
     def examples(self, i: int, hashes: np.ndarray, k: int = 3) -> list[str]:

@@ -492,9 +492,9 @@ class InputSource:
         """obs_names of rows ``[a, b)`` as an object array of str.
 
         HDF5 keeps what it read of a string dataset (its global heap) for as long as the
-        file is open, ~40 MB a million names, and the writer keeps its inputs open
-        through the whole write: an HDF5 input's index is refreshed (``H5Drefresh``) after
-        each read, which lets that go.
+        file is open, and the writer keeps its inputs open through the whole write: an
+        HDF5 input's index is refreshed (``H5Drefresh``) after each read, which lets that
+        go.
         """
         if self.adata is not None:
             return np.asarray(self.adata.obs_names[a:b], dtype=object)
