@@ -105,6 +105,50 @@ def _int_array(name: str, values: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+#: the dtypes ``out_dtype`` may name (numpy dtypes torch has tensors of)
+_OUT_DTYPES = tuple(np.dtype(t) for t in ("uint8", "int8", "int16", "int32", "int64",
+                                          "float32", "float64"))
+
+
+def _out_dtype(value: Any, source: Source, paths: Sequence[str],
+               device: torch.device | None) -> np.dtype | None:
+    """``AnnBatchDataset(out_dtype=value)`` checked: ``None`` for float32 (the default);
+    refused when it cannot hold a value some shard stores in a selected sparse field."""
+    if value is None:
+        return None
+    try:
+        dtype = (torch.empty(0, dtype=value).numpy().dtype if isinstance(value, torch.dtype)
+                 else np.dtype(value))
+    except (TypeError, RuntimeError):
+        dtype = None
+    if dtype is None or dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {[str(d) for d in _OUT_DTYPES]} (or None "
+                         f"for float32), got {value!r}.")
+    if dtype == np.float32:
+        return None
+    if device is not None:
+        raise ValueError(
+            f"out_dtype={str(dtype)!r} cannot be combined with device={str(device)!r}: a "
+            "device pool holds float32 values on the device. Leave out_dtype unset there, "
+            "or read on the host (device=None) and move batches with to_device.")
+    for path in paths:
+        if source.fields[path].kind != "csr":
+            continue
+        for shard, stored in enumerate(source.stored_value_dtypes(path)):
+            if np.can_cast(stored, dtype, "safe"):
+                continue
+            fits = [str(d) for d in _OUT_DTYPES if np.can_cast(stored, d, "safe")]
+            fix = (f"use out_dtype={fits[0]!r} or wider" if fits and stored.kind in "iu" else
+                   "leave out_dtype unset (float32) or use 'float64'; a collection stores "
+                   "integer values as integers when written with data_dtype='auto' (the "
+                   "default) from inputs whose values are all whole numbers")
+            raise ValueError(
+                f"AnnBatchDataset(out_dtype={str(dtype)!r}) on {source.describe()}: field "
+                f"{path!r} of {source.PART} {source.shard_name(shard)} stores {stored} "
+                f"values, which {dtype} cannot hold exactly: {fix}.")
+    return dtype
+
+
 class AnnBatchDataset(IterableDataset):
     """Minibatches of AnnData rows, read chunk-wise and shuffled within pools.
 
@@ -187,6 +231,19 @@ class AnnBatchDataset(IterableDataset):
         down to whole batches) is read by random access. ``shuffle=False`` then keeps the
         stream's batch order with DataLoader workers. Default ``None``: chunked mode.
         Cannot be combined with ``chunk_ids`` (give the rows to a ``SubsetSampler``).
+    out_dtype
+        The dtype of sparse fields' values (X, layers, raw/X) in batches: ``"uint8"``,
+        ``"int8"``, ``"int16"``, ``"int32"``, ``"int64"``, ``"float32"`` or ``"float64"``
+        (a numpy or torch dtype, or its name), e.g. integer counts for a count model, or
+        fewer bytes from workers to the training loop. Pools are filled in it as they are
+        read (the reader widens a collection's narrow stored values anyway), CSR and
+        densified batches keep it, and so does the default ``batch_converter`` for keys
+        without a transform (a transform sees values in ``out_dtype``; its result is
+        converted as usual: CSR values to float32, integer arrays to int64). It must hold
+        every value the selected fields store, in every shard (checked here, from the
+        manifest: a collection written with ``data_dtype="auto"`` stores integer counts
+        as integers; float values need a float dtype). Not with ``device``. Default
+        ``None``: float32.
     """
 
     def __init__(
@@ -213,6 +270,7 @@ class AnnBatchDataset(IterableDataset):
         device: str | torch.device | None = None,
         var_names: Sequence[str] | None = None,
         sampler: Sampler | TorchSampler | None = None,
+        out_dtype: str | np.dtype | torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = check_int("batch_size", batch_size, 1)
@@ -238,6 +296,7 @@ class AnnBatchDataset(IterableDataset):
         self.selector = normalize_selector(selector)
         self._validate_selector()
         paths = {f.path for f in self.selector.values()}
+        self.out_dtype = _out_dtype(out_dtype, self.source, sorted(paths), self.device)
         by_var = any(p == "X" or p.startswith("layers/") for p in paths)
         # each gene axis the selector reads is cut to var_names (and must hold them)
         self.genes = (GeneSelection(self.source.var_names, var_names, self.source.describe())
@@ -491,7 +550,8 @@ class AnnBatchDataset(IterableDataset):
     def _pool_stream(self) -> PoolStream:
         if self._stream is None:
             paths = [f.path for f in self.selector.values()]
-            reader = PoolReader(self.source, paths, threads=self.read_threads)
+            reader = PoolReader(self.source, paths, threads=self.read_threads,
+                                values_dtype=self.out_dtype)
             self._stream = PoolStream(reader, self.device, self._gene_cuts())
         return self._stream
 
@@ -556,7 +616,8 @@ class AnnBatchDataset(IterableDataset):
         return BatchAssembler(
             self.source, self.selector, self.densify_policy, in_worker=world.in_worker,
             converter=self.batch_converter, index=self.return_index,
-            mask_key=self.mask_key if self.even_batches == "pad" else None)
+            mask_key=self.mask_key if self.even_batches == "pad" else None,
+            out_dtype=self.out_dtype)
 
     def __repr__(self) -> str:
         sel = {k: str(v) for k, v in self.selector.items()}

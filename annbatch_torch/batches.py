@@ -12,6 +12,7 @@ memory, the per-field transforms, the ``"index"`` and padding-mask keys, then th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,10 @@ class BatchAssembler:
     mask_key
         Add this key, the boolean "real row" mask (``False`` in a padding batch); ``None``:
         no mask.
+    out_dtype
+        The dtype of sparse fields' values (``AnnBatchDataset(out_dtype=...)``): densified
+        in it, and kept by the default converter for the keys without a transform;
+        ``None``: float32.
     """
 
     source: Source
@@ -74,10 +79,17 @@ class BatchAssembler:
     converter: Callable[[dict[str, Any]], Any] | None = None
     index: bool = False
     mask_key: str | None = None
+    out_dtype: np.dtype | None = None
 
     def batches(self, item: WorkItem, pool: HostPool | DevicePool) -> Iterator[Any]:
         """The batches of ``item`` cut out of ``pool`` (its rows), converted."""
-        converter = self.converter or batch_dict_converter
+        converter = self.converter
+        if converter is None:
+            keep = () if self.out_dtype is None else frozenset(
+                key for key, f in self.selector.items() if f.transform is None
+                and getattr(self.source.fields.get(f.path), "kind", None) == "csr")
+            converter = functools.partial(batch_dict_converter, keep_dtype=keep)
+        dense_dtype = np.dtype(np.float32 if self.out_dtype is None else self.out_dtype)
         policy = self.policy
         on_device = isinstance(pool, DevicePool)
         dense = {key: policy.pool_densifies(key, self.in_worker) for key in self.selector}
@@ -94,7 +106,8 @@ class BatchAssembler:
             for key, f in self.selector.items():  # every key its own memory, then transforms
                 value = values[f.path]
                 if dense[key] and sp.issparse(value):
-                    value = densify_csr(value, shared=self.in_worker)  # fresh
+                    value = densify_csr(value, dtype=dense_dtype,  # fresh
+                                        shared=self.in_worker)
                 elif f.path in taken:  # one field under two keys: never the same memory
                     value = own_copy(value)
                 else:

@@ -13,7 +13,7 @@ returns ``dict[str, torch.Tensor]``. Compose with it in your own converter::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -59,20 +59,24 @@ def csr_to_torch(m: sp.csr_matrix | sp.csr_array, dtype: Any = np.float32) -> to
     return torch.sparse_csr_tensor(crow, col, values, size=m.shape, check_invariants=False)
 
 
-def to_tensor(value: Any) -> torch.Tensor | Any:
+def to_tensor(value: Any, keep_dtype: bool = False) -> torch.Tensor | Any:
     """Convert one batch value: CSR -> sparse CSR tensor; arrays -> tensors with float
-    kept as float32, integers as int64 and bools as bool. Other objects pass through."""
+    kept as float32, integers as int64 and bools as bool. Other objects pass through.
+    ``keep_dtype``: numbers keep their dtype (sparse values and arrays alike)."""
     if isinstance(value, torch.Tensor):
         return value
     if sp.issparse(value):
         if value.format != "csr":
             value = value.tocsr()
-        return csr_to_torch(value)
+        return csr_to_torch(value, dtype=value.dtype if keep_dtype else np.float32)
     if isinstance(value, np.ndarray):
-        if value.dtype == np.float32 or value.dtype.kind == "b" or value.dtype == np.int64:
+        if (value.dtype == np.float32 or value.dtype.kind == "b" or value.dtype == np.int64
+                or (keep_dtype and value.dtype.kind in "iuf")):
             same = _tensor_of(value)
             if same is not None:
                 return same
+            if keep_dtype:
+                return torch.from_numpy(np.ascontiguousarray(value))
         kind = value.dtype.kind
         if kind == "f" and value.dtype != np.float32:
             value = value.astype(np.float32)
@@ -108,7 +112,8 @@ except ImportError:  # pragma: no cover - a torch without collate_fn_map
     pass
 
 
-def batch_dict_converter(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def batch_dict_converter(batch: Mapping[str, Any], *, keep_dtype: Collection[str] = ()
+                         ) -> dict[str, torch.Tensor]:
     """Default ``batch_converter``: ``{key: numpy/scipy}`` -> ``{key: Tensor}``.
 
     Sparse matrices become ``torch.sparse_csr_tensor`` with float32 values (as dense
@@ -121,6 +126,9 @@ def batch_dict_converter(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     batch
         One batch as the dataset assembled it: each key of the selector (and ``"index"``,
         ``"mask"`` when asked for) mapped to a numpy array or a scipy CSR matrix.
+    keep_dtype
+        Keys whose numbers keep their dtype (sparse values and arrays alike): the dataset
+        passes the matrix keys of ``AnnBatchDataset(out_dtype=...)``.
 
     Returns
     -------
@@ -128,7 +136,7 @@ def batch_dict_converter(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         A ``Batch`` (a ``dict`` subclass that torch's ``default_collate`` passes through
         unchanged) with one tensor per key.
     """
-    return Batch({k: to_tensor(v) for k, v in batch.items()})
+    return Batch({k: to_tensor(v, k in keep_dtype) for k, v in batch.items()})
 
 
 def to_device(
@@ -180,7 +188,7 @@ def to_device(
             if densify:  # on the CPU by scipy: torch's CPU to_dense is ~9x slower
                 # dense float32 on every device, whatever the stored dtype (int counts,
                 # float64): the CPU and GPU paths give the same batches
-                t = (csr_tensor_to_dense(t) if device.type == "cpu"
+                t = (csr_tensor_to_dense(t, dtype=np.float32) if device.type == "cpu"
                      else t.to_dense().to(torch.float32))
             out[k] = t
         else:

@@ -138,9 +138,12 @@ def row_slice(value: Any, lo: int, hi: int) -> Any:
                     (hi - lo, value.shape[1]))
 
 
-def csr_tensor_to_dense(t: torch.Tensor, buffers: DenseBuffers | None = None) -> torch.Tensor:
-    """Densify a CPU ``torch.sparse_csr_tensor`` with scipy (float32 stays float32);
-    ``buffers``: into a reused array (see :func:`densify_csr`)."""
-    m = csr_view(t.values().numpy(), t.col_indices().numpy(), t.crow_indices().numpy(),
+def csr_tensor_to_dense(t: torch.Tensor, buffers: DenseBuffers | None = None,
+                        dtype: Any = None) -> torch.Tensor:
+    """Densify a CPU ``torch.sparse_csr_tensor`` with scipy, into ``dtype`` (``None``: the
+    tensor's values' dtype); ``buffers``: into a reused array (see :func:`densify_csr`)."""
+    values = t.values().numpy()
+    m = csr_view(values, t.col_indices().numpy(), t.crow_indices().numpy(),
                  (int(t.shape[0]), int(t.shape[1])))
-    return torch.from_numpy(densify_csr(m, buffers=buffers))
+    return torch.from_numpy(densify_csr(m, dtype=values.dtype if dtype is None else dtype,
+                                        buffers=buffers))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import numpy as np
 import scipy.sparse as sp
 
 from .buffers import DenseBuffers
@@ -33,11 +34,15 @@ class HostPool:
         Densify into shared memory (set in DataLoader workers).
     dense
         Dense batch arrays to reuse once the consumer let go of them (not with ``shared``).
+    dtype
+        The dtype of densified CSR fields (``AnnBatchDataset(out_dtype=...)``); ``None``:
+        float32.
     """
 
     def __init__(self, values: Mapping[str, Any], *, shared: bool = False,
-                 dense: DenseBuffers | None = None) -> None:
+                 dense: DenseBuffers | None = None, dtype: np.dtype | None = None) -> None:
         self.values: dict[str, Any] = dict(values)
+        self.dtype = np.dtype(np.float32 if dtype is None else dtype)
         self.shared = shared
         self.dense = None if shared else dense
         self.n_pool_rows = next((int(v.shape[0]) for v in self.values.values()), 0)
@@ -59,15 +64,16 @@ class HostPool:
         start, stop
             Row range of the pool.
         densify
-            ``True`` (as :meth:`DevicePool.batch`): every CSR field as a dense float32
-            array; a collection of field paths: those; ``False``: none (CSR views of the
-            pool).
+            ``True`` (as :meth:`DevicePool.batch`): every CSR field as a dense array
+            (float32, or the pool's ``dtype``); a collection of field paths: those;
+            ``False``: none (CSR views of the pool).
         """
         out: dict[str, Any] = {}
         for path, value in self.values.items():
             part = row_slice(value, start, stop)
             if sp.issparse(part) and (densify is True or (densify and path in densify)):
-                part = densify_csr(part, shared=self.shared, buffers=self.dense)
+                part = densify_csr(part, dtype=self.dtype, shared=self.shared,
+                                   buffers=self.dense)
             out[path] = part
         return out
 

@@ -88,7 +88,8 @@ class PoolStream:
                       for p, v in values.items()}
         if self.device is not None:  # uploaded here: overlaps the current pool's batches
             return DevicePool(values, self.device)
-        return HostPool(values, shared=shared, dense=self.dense)
+        return HostPool(values, shared=shared, dense=self.dense,
+                        dtype=self.reader.values_dtype)
 
     def pools(self, items: Sequence[WorkItem], *, prefetch: bool, shared: bool = False,
               upcoming: Callable[[], WorkItem | None] | None = None

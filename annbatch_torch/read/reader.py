@@ -280,11 +280,16 @@ class PoolReader:
         5% or more of the previous pool's reads waited for the disk (and the first pool);
         when they came from the page cache, the next pool is read by ``threads`` threads
         (extra threads cost warm loaders about 20%, measured).
+    values_dtype
+        The dtype of sparse fields' values in pools (``AnnBatchDataset(out_dtype=...)``:
+        the caller checked that it holds every stored value); ``None``: each field's
+        dtype.
     """
 
     def __init__(self, source: Source, fields: list[str], threads: int = 4,
-                 io_depth: int | None = None) -> None:
+                 io_depth: int | None = None, values_dtype: np.dtype | None = None) -> None:
         self.source = source
+        self.values_dtype = None if values_dtype is None else np.dtype(values_dtype)
         self.fields = list(dict.fromkeys(fields))
         self.threads = max(1, int(threads))
         self.io_depth = max(self.threads, int(io_depth or IO_DEPTH))
@@ -564,11 +569,12 @@ class PoolReader:
         return None
 
     def _pool_dtypes(self, field: str, els: list[Any]) -> tuple[np.dtype, np.dtype]:
-        """The (data, indices) dtypes of field ``field``'s pools: the field's dtype (what
-        readers deliver, whatever a shard stores) and int32 (int64 where a shard's indices
-        are wider, or the matrix too wide)."""
+        """The (data, indices) dtypes of field ``field``'s pools: :attr:`values_dtype`, else
+        the field's dtype (what readers deliver, whatever a shard stores), and int32 (int64
+        where a shard's indices are wider, or the matrix too wide)."""
         info = self.source.fields.get(field)
-        data = np.dtype(info.dtype) if info is not None else els[0].dtype
+        data = (self.values_dtype if self.values_dtype is not None
+                else np.dtype(info.dtype) if info is not None else els[0].dtype)
         index = np.result_type(np.int32, *{el.indices.dtype for el in els})
         if index.kind == "u" or max(el.n_cols for el in els) >= np.iinfo(np.int32).max:
             index = np.dtype(np.int64)

@@ -162,6 +162,13 @@ class Collection(Source):
             return f"{self.url}/{self.manifest.shards[shard].path}"
         return str(self.shard_path(shard))
 
+    def stored_value_dtypes(self, field: str) -> list[np.dtype]:
+        """As :meth:`Source.stored_value_dtypes`, from the manifest (no shard opened):
+        a shard's recorded ``stored`` dtype, else the field's (collections written
+        before)."""
+        logical = self.check_field(field).dtype
+        return [np.dtype(s.stored.get(f"{field}/data", logical)) for s in self.manifest.shards]
+
     # -- cell and gene metadata (never X; see store/metadata.py) ---------------------
     def _read_obs_names(self, shard: int) -> np.ndarray:
         return shard_obs_names(

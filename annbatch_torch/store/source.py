@@ -267,6 +267,12 @@ class Source:
             f"{available}."
         )
 
+    def stored_value_dtypes(self, field: str) -> list[np.dtype]:
+        """The dtype of the values of sparse field ``field`` as each shard stores them (one
+        per shard, in order): what readers widen from. Opens each shard's element; a
+        collection answers from its manifest."""
+        return [np.dtype(self.element(s, field).dtype) for s in range(len(self.shard_sizes))]
+
     @property
     def unavailable(self) -> dict[str, str]:
         """Fields present in the inputs but not offered, with the reason (see check_field)."""
