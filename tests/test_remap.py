@@ -9,6 +9,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from annbatch_torch.write import remap as remap_module
 from annbatch_torch.write.passes import _remap
 from annbatch_torch.write.remap import remap_rows
 
@@ -54,10 +55,15 @@ def _blocks(draw: st.DrawFn) -> tuple[sp.csr_matrix, np.ndarray, int, np.dtype, 
 
 
 @settings(max_examples=200, deadline=None)
-@given(_blocks())
-def test_remap_rows_equals_scipy(block: tuple) -> None:
+@given(_blocks(), st.sampled_from([1, 2]))
+def test_remap_rows_equals_scipy(block: tuple, threads: int) -> None:
+    """One thread, or two (the second half of the rows by a helper thread; split from any
+    size here), give scipy's rows."""
     m, col_map, n_out, dtype, order = block
-    got = remap_rows(m, col_map, n_out, dtype, order)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(remap_module, "SPLIT_NNZ", 0)
+        mp.setattr(remap_module, "usable_cpus", lambda: 2)
+        got = remap_rows(m, col_map, n_out, dtype, order, threads=threads)
     want = _reference(m, col_map, n_out, dtype, order)
     assert got is not None
     assert got.has_sorted_indices
@@ -73,6 +79,13 @@ def test_a_column_twice_in_a_row_is_left_to_scipy_which_keeps_both() -> None:
                        np.array([0, 3])), shape=(1, 4))
     col_map = np.array([3, 2, 1, 0])
     assert remap_rows(m, col_map, 4, np.dtype(np.float32)) is None
+    with pytest.MonkeyPatch.context() as mp:  # in the half the helper thread remaps
+        mp.setattr(remap_module, "SPLIT_NNZ", 0)
+        mp.setattr(remap_module, "usable_cpus", lambda: 2)
+        ok = sp.csr_matrix(np.array([[0, 7, 0, 9]], np.float32))
+        for rows in ([ok, m], [m, ok]):
+            assert remap_rows(sp.vstack(rows).tocsr(), col_map, 4, np.dtype(np.float32),
+                              threads=2) is None
     # the writer's path falls back to scipy: both entries kept, columns sorted, rows in order
     two = sp.vstack([sp.csr_matrix(np.array([[0, 7, 0, 9]], np.float32)), m]).tocsr()
     two.has_canonical_format = False

@@ -43,11 +43,11 @@ __all__ = ["check_int64", "iter_blocks", "route_block", "route_rows", "write_sha
 
 # -- pass 1: route rows to buckets -----------------------------------------------------
 def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
-           dtype: np.dtype, order: np.ndarray | None) -> sp.csr_matrix:
+           dtype: np.dtype, order: np.ndarray | None, threads: int = 1) -> sp.csr_matrix:
     """Block rows ``order`` (``None``: all, in order) in the collection's var order and
-    dtype (sparse in, sparse out)."""
+    dtype (sparse in, sparse out); ``threads``: see :func:`remap_rows`."""
     if col_map is not None and sp.issparse(m) and m.format == "csr":
-        out = remap_rows(m, col_map, n_out, dtype, order)  # one compiled pass
+        out = remap_rows(m, col_map, n_out, dtype, order, threads)  # one compiled pass
         if out is not None:
             return out
     if not sp.issparse(m):
@@ -102,9 +102,11 @@ def check_int64(source: str, field: str, block: Any, first_row: int = 0) -> None
 def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
                  obs_readers: dict[str, Any], a: int, b: int, ips: dict[str, np.ndarray],
                  dest: np.ndarray, shard_obs: int, block_obs: int, buckets: BucketWriter,
-                 value_check: Callable[[str, str, Any], None] | None) -> None:
+                 value_check: Callable[[str, str, Any], None] | None, threads: int = 1
+                 ) -> None:
     """Pass 1 for rows ``[a, b)`` of ``src``: read every field, align genes and category
-    codes to the schema, and append the rows to the buckets of their position blocks.
+    codes to the schema, and append the rows to the buckets of their position blocks
+    (``threads``: for a CSR block's remap, :func:`remap_rows`).
 
     ``dest`` holds the rows' output positions; shard ``s`` gets ``[s*shard_obs, ...)``,
     written in blocks of ``block_obs`` positions: bucket :func:`bucket_id` ``(s, j)`` holds
@@ -149,7 +151,7 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
             if f.kind == "csr":
                 axis = schema.axis(f.key)
                 block = _remap(block, axis.maps[i], axis.sorted[i], int(f.width), f.dtype,
-                               order)
+                               order, threads)
                 # what each shard's values can be stored as (.narrow)
                 schema.observe(f.key, block.data, block.indptr, shard, src.label)
                 parts.append((f.kind, block))
@@ -223,14 +225,16 @@ def route_rows(src: InputSource, schema: Schema, rows: tuple[int, int],
                dest: np.ndarray | None, offset: int, layout: tuple[int, int], work: int,
                buckets: BucketWriter, value_check: Callable[[str, str, Any], None] | None, *,
                stop_if: Callable[[], bool] | None = None,
-               on_block: Callable[[int], Any] | None = None) -> bool:
+               on_block: Callable[[int], Any] | None = None, threads: int = 1) -> bool:
     """Pass 1 for rows ``[start, stop)`` of ``src``: read in blocks that fit ``work`` and
     routed (:func:`route_block`) into ``buckets``.
 
     ``dest[i]`` is the output position of row ``start + i`` (``None``: in order, row ``r`` at
     ``offset + r``); ``layout`` is ``(shard_obs, block_obs)``. ``stop_if`` is asked before
     each block (``False`` is returned when it says stop); ``on_block`` gets each block's
-    row count. Returns ``True`` when every row was routed.
+    row count; ``threads``: 2 lets a block's gene remap use a helper thread (the serial
+    writer; a parallel writer's tasks keep to one). Returns ``True`` when every row was
+    routed.
     """
     start, stop = rows
     shard_obs, block_obs = layout
@@ -244,7 +248,7 @@ def route_rows(src: InputSource, schema: Schema, rows: tuple[int, int],
         d = (np.arange(offset + a, offset + b, dtype=np.int64) if dest is None
              else dest[a - start: b - start].astype(np.int64))
         route_block(src, schema, readers, obs, a, b, ips, d, shard_obs, block_obs, buckets,
-                    value_check)
+                    value_check, threads)
         del d, ips
         release_memory()
         if on_block is not None:

@@ -11,6 +11,10 @@ writer's threads remap in parallel.
 
 from __future__ import annotations
 
+import os
+import threading
+from typing import Any
+
 import numba
 import numpy as np
 import scipy.sparse as sp
@@ -64,10 +68,25 @@ def _compiled_kind(dtype: np.dtype) -> bool:
     return dtype.kind in "biuf" and dtype.isnative and dtype.itemsize <= 8 and dtype != np.float16
 
 
+#: non-zeros from which a block is remapped by two threads (when the process may use two
+#: CPUs and the caller asks for them)
+SPLIT_NNZ = 1 << 20
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtype,
-               order: np.ndarray | None = None) -> sp.csr_matrix | None:
+               order: np.ndarray | None = None, threads: int = 1) -> sp.csr_matrix | None:
     """Rows ``order`` of CSR ``m`` (default: all, in order) with column ``j`` moved to
-    ``col_map[j]`` (``-1``: dropped), each row's columns sorted, values cast to ``dtype``.
+    ``col_map[j]`` (``-1``: dropped), each row's columns sorted, values cast to ``dtype``;
+    ``threads=2``: the second half of the rows by a second thread (blocks of at least
+    :data:`SPLIT_NNZ` non-zeros, on a process with two CPUs or more).
 
     Returns ``None`` where the compiled loop does not apply and scipy must do it: a row of
     ``m`` holds a column twice (a non-canonical matrix; scipy keeps both entries), a dtype
@@ -97,14 +116,50 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     indices = np.asarray(m.indices)
     if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= m.shape[1]):
         raise ValueError(f"remap_rows: column indices outside [0, {m.shape[1]})")
-    nnz = int((indptr[rows + 1] - indptr[rows]).sum())
+    lens = indptr[rows + 1] - indptr[rows]
+    nnz = int(lens.sum())
     out_indptr = np.zeros(rows.size + 1, dtype=np.int64)
     out_indices = np.empty(nnz, dtype=np.int32)
     out_data = np.empty(nnz, dtype=dtype)
-    words = np.zeros(-(-max(n_out, 1) // 64), dtype=np.uint64)
-    vals = np.empty(max(n_out, 1), dtype=m.data.dtype)
-    kept = _remap(indptr, indices, np.asarray(m.data), col_map, rows, words,
-                  vals, out_indptr, out_indices, out_data)
+    data = np.asarray(m.data)
+
+    def run(r0: int, r1: int, o: int) -> int:
+        """Rows ``rows[r0:r1]`` into the output from entry ``o`` (their indptr relative to
+        ``o``); the count kept, -1 for a column twice in a row."""
+        words = np.zeros(-(-max(n_out, 1) // 64), dtype=np.uint64)  # each thread its own
+        vals = np.empty(max(n_out, 1), dtype=data.dtype)
+        return int(_remap(indptr, indices, data, col_map, rows[r0:r1], words, vals,
+                          out_indptr[r0:], out_indices[o:], out_data[o:]))
+
+    h = rows.size // 2
+    if threads > 1 and nnz >= SPLIT_NNZ and h and usable_cpus() > 1:
+        bound = int(lens[:h].sum())  # the first half's entries, before any is dropped
+        got: list[Any] = []  # the helper's count, or what it raised
+
+        def second() -> None:
+            try:
+                got.append(run(h, rows.size, bound))
+            except BaseException as e:  # re-raised in the caller's thread
+                got.append(e)
+
+        helper = threading.Thread(target=second, name="annbatch-remap")
+        helper.start()  # a thread per block (joined below): nothing lingers to fork with
+        try:
+            first = run(0, h, 0)
+        finally:
+            helper.join()
+        if isinstance(got[0], BaseException):
+            raise got[0]
+        tail = int(got[0])
+        if first < 0 or tail < 0:
+            return None
+        if first < bound:  # genes the collection does not keep: close the gap
+            out_indices[first : first + tail] = out_indices[bound : bound + tail]
+            out_data[first : first + tail] = out_data[bound : bound + tail]
+        out_indptr[h + 1 :] += first
+        kept = first + tail
+    else:
+        kept = run(0, rows.size, 0)
     if kept < 0:
         return None
     if kept < nnz:
@@ -112,3 +167,4 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     out = sp.csr_matrix((out_data, out_indices, out_indptr), shape=(rows.size, n_out))
     out.has_sorted_indices = True
     return out
+

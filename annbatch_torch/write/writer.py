@@ -453,7 +453,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
                 if src.n_obs:  # one without takes no part (it may lack others' fields)
                     route_rows(src, schema, (0, src.n_obs), None if dest is None
                                else dest[offset: offset + src.n_obs], offset, layout, work,
-                               buckets, value_check, on_block=bar.update)
+                               buckets, value_check, on_block=bar.update, threads=2)
                 offset += src.n_obs
     finally:
         buckets.close()
