@@ -110,6 +110,15 @@ _OUT_DTYPES = tuple(np.dtype(t) for t in ("uint8", "int8", "int16", "int32", "in
                                           "float32", "float64"))
 
 
+def _holds(stored: np.dtype, out: np.dtype) -> bool:
+    """Whether ``out`` holds every value of ``stored`` exactly (integers in a float: up to
+    its mantissa, so int64 does not go into float64)."""
+    if out.kind == "f" and stored.kind in "iu":
+        bits = stored.itemsize * 8 - (stored.kind == "i")
+        return bits <= np.finfo(out).nmant + 1
+    return bool(np.can_cast(stored, out, "safe"))
+
+
 def _out_dtype(value: Any, source: Source, paths: Sequence[str],
                device: torch.device | None) -> np.dtype | None:
     """``AnnBatchDataset(out_dtype=value)`` checked: ``None`` for float32 (the default);
@@ -130,22 +139,31 @@ def _out_dtype(value: Any, source: Source, paths: Sequence[str],
         raise ValueError(
             f"out_dtype={str(dtype)!r} cannot be combined with device={str(device)!r}: a "
             "device pool holds float32 values on the device. Leave out_dtype unset there, "
-            "or read on the host (device=None) and move batches with to_device.")
+            "or read on the host (device=None) and move the batches yourself: to_device "
+            "with densify=False keeps the dtype (its densify=True gives float32).")
     for path in paths:
         if source.fields[path].kind != "csr":
             continue
-        for shard, stored in enumerate(source.stored_value_dtypes(path)):
-            if np.can_cast(stored, dtype, "safe"):
-                continue
-            fits = [str(d) for d in _OUT_DTYPES if np.can_cast(stored, d, "safe")]
-            fix = (f"use out_dtype={fits[0]!r} or wider" if fits and stored.kind in "iu" else
-                   "leave out_dtype unset (float32) or use 'float64'; a collection stores "
-                   "integer values as integers when written with data_dtype='auto' (the "
-                   "default) from inputs whose values are all whole numbers")
-            raise ValueError(
-                f"AnnBatchDataset(out_dtype={str(dtype)!r}) on {source.describe()}: field "
-                f"{path!r} of {source.PART} {source.shard_name(shard)} stores {stored} "
-                f"values, which {dtype} cannot hold exactly: {fix}.")
+        stored = source.stored_value_dtypes(path)
+        bad = [i for i, d in enumerate(stored) if not _holds(d, dtype)]
+        if not bad:
+            continue
+        worst = max(bad, key=lambda i: (stored[i].kind == "f", stored[i].itemsize))
+        fits = [str(d) for d in _OUT_DTYPES if all(_holds(s, d) for s in set(stored))]
+        if stored[worst].kind == "f":
+            fix = ("use 'float64'" if stored[worst] == np.float32 or "float64" in fits
+                   else "leave out_dtype unset")
+            fix += (": it holds integer counts as integers only in a collection written "
+                    "by create_anndata_collection(..., data_dtype='auto') (the default) from "
+                    "inputs whose values are all whole numbers")
+        else:
+            fix = (f"use out_dtype={fits[0]!r} (or a wider one), which holds what every "
+                   f"{source.PART} stores" if fits else "leave out_dtype unset")
+        raise ValueError(
+            f"AnnBatchDataset(out_dtype={str(dtype)!r}) on {source.describe()}: field "
+            f"{path!r} of {source.PART} {source.shard_name(worst)} stores {stored[worst]} "
+            f"values ({len(bad)} of {len(stored)} {source.PART}s store values that "
+            f"{dtype} cannot hold exactly): {fix}.")
     return dtype
 
 
@@ -182,7 +200,8 @@ class AnnBatchDataset(IterableDataset):
         remainder (fewer than ``world_size`` batches per epoch in all), ``"pad"`` gives the
         short ranks one padding batch whose rows are flagged ``False`` under ``mask_key``.
     densify
-        Yield sparse fields as dense float32 (densified by scipy in the worker) instead of
+        Yield sparse fields as dense float32 (or ``out_dtype``; densified by scipy in the
+        worker) instead of
         ``torch.sparse_csr_tensor``.
     return_index
         Add an ``"index"`` key with the global row ids (positions in the source).
@@ -242,8 +261,12 @@ class AnnBatchDataset(IterableDataset):
         converted as usual: CSR values to float32, integer arrays to int64). It must hold
         every value the selected fields store, in every shard (checked here, from the
         manifest: a collection written with ``data_dtype="auto"`` stores integer counts
-        as integers; float values need a float dtype). Not with ``device``. Default
-        ``None``: float32.
+        as integers; float values need a float dtype). Not with ``device``; note that
+        :func:`~annbatch_torch.to_device` densifies into float32 (``densify=False`` keeps
+        the dtype). A converter of your own that composes with
+        :func:`~annbatch_torch.batch_dict_converter` passes it ``keep_dtype=`` (the
+        sparse keys) to keep it. Default ``None`` (and ``"float32"``): float32, as
+        without it.
     """
 
     def __init__(
@@ -626,5 +649,6 @@ class AnnBatchDataset(IterableDataset):
             f"chunk_size={self.chunk_size}, preload_nchunks={self.preload_nchunks}, "
             f"shuffle={self.shuffle}, "
             + (f"sampler={self.sampler!r}, " if self.sampler is not None else "")
+            + (f"out_dtype={str(self.out_dtype)!r}, " if self.out_dtype is not None else "")
             + f"rank={self._rank}/{self._world_size}, pid={os.getpid()})"
         )

@@ -84,7 +84,7 @@ class BatchAssembler:
     def batches(self, item: WorkItem, pool: HostPool | DevicePool) -> Iterator[Any]:
         """The batches of ``item`` cut out of ``pool`` (its rows), converted."""
         converter = self.converter
-        if converter is None:
+        if converter is None or converter is batch_dict_converter:
             keep = () if self.out_dtype is None else frozenset(
                 key for key, f in self.selector.items() if f.transform is None
                 and getattr(self.source.fields.get(f.path), "kind", None) == "csr")

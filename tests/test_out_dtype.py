@@ -4,6 +4,7 @@ dtype that cannot hold what a shard stores is refused before anything is read.""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +108,19 @@ def test_a_custom_converter_sees_the_dtype_and_float64_is_kept(narrow: abt.Colle
         got.append(batch["counts"])
         return batch
 
-    ds = abt.AnnBatchDataset(narrow, selector=SEL, batch_size=256, out_dtype="uint8"
-                             if narrow.manifest.shards[0].stored["layers/counts/data"]
-                             == "uint8" else "int16", batch_converter=keep)
+    ds = abt.AnnBatchDataset(narrow, selector=SEL, batch_size=256, out_dtype="int32",
+                             batch_converter=keep)
     next(iter(ds))
     assert sp.issparse(got[0])
-    assert got[0].dtype.kind in "iu"
+    assert got[0].dtype == np.int32
+    # the default converter named explicitly is the default; composed, it is told the keys
+    ds = abt.AnnBatchDataset(narrow, selector=SEL, batch_size=256, out_dtype="int32",
+                             batch_converter=abt.batch_dict_converter)
+    assert next(iter(ds))["counts"].dtype == torch.int32
+    ds = abt.AnnBatchDataset(narrow, selector=SEL, batch_size=256, out_dtype="int32",
+                             densify=True, batch_converter=functools.partial(
+                                 abt.batch_dict_converter, keep_dtype={"counts"}))
+    assert next(iter(ds))["counts"].dtype == torch.int32
     ds = abt.AnnBatchDataset(narrow, selector={"x": "X"}, batch_size=256,
                              out_dtype=torch.float64, densify=True, seed=3)
     wide = abt.AnnBatchDataset(narrow, selector={"x": "X"}, batch_size=256, densify=True,
@@ -142,11 +150,13 @@ def test_a_dtype_that_cannot_hold_a_stored_value_is_refused_naming_the_shard(
     abt.append_to_collection(coll, [tmp_path / "b.h5ad"], progress=False)
     coll = abt.open_collection(tmp_path / "c")
     assert [s.stored["X/data"] for s in coll.manifest.shards] == ["uint8", "uint16"]
-    with pytest.raises(ValueError, match="cannot hold exactly") as e:
-        abt.AnnBatchDataset(coll, out_dtype="uint8")
-    msg = str(e.value)
-    assert f"field 'X' of shard {coll.shard_name(1)} stores uint16 values" in msg
-    assert "out_dtype='int32'" in msg
+    for asked in ("uint8", "int8"):  # int8 fails both shards: uint16's is named
+        with pytest.raises(ValueError, match="cannot hold exactly") as e:
+            abt.AnnBatchDataset(coll, out_dtype=asked)
+        msg = str(e.value)
+        assert f"field 'X' of shard {coll.shard_name(1)} stores uint16 values" in msg
+        assert "use out_dtype='int32' (or a wider one), which holds what every shard" in msg
+    abt.AnnBatchDataset(coll, out_dtype="int32")  # what it suggests is accepted
     batches = list(abt.AnnBatchDataset(coll, out_dtype="int32", batch_size=7,
                                        return_index=True))
     rows = np.concatenate([b["X"].to_dense().numpy() for b in batches])
@@ -173,3 +183,30 @@ def test_float_values_old_layouts_devices_and_unknown_dtypes_are_refused(
             abt.AnnBatchDataset(narrow, selector=SEL, out_dtype=bad)  # type: ignore[arg-type]
     # float32 is the default: accepted everywhere, also with a device pool
     abt.AnnBatchDataset(narrow, selector={"x": "X"}, out_dtype="float32", device="cpu")
+
+
+def test_inputs_read_in_place_keep_integers_and_no_handle_stays_open(tmp_path: Path) -> None:
+    """An in-place h5ad of int32 counts (CSR) and one of uint8 (CSC): int32 batches equal to
+    the inputs; building the dataset leaves no file open; int64 counts fit no float."""
+    rng = np.random.default_rng(3)
+    dense = (rng.random((60, 9)) < 0.4) * rng.integers(1, 200, (60, 9))
+    a = ad.AnnData(X=sp.csr_matrix(dense[:40].astype(np.int32)))
+    b = ad.AnnData(X=sp.csc_matrix(dense[40:].astype(np.uint8)))
+    for i, x in enumerate((a, b)):
+        x.obs_names = [f"{'ab'[i]}{j}" for j in range(x.n_obs)]
+        x.var_names = [f"g{j}" for j in range(9)]
+        x.write_h5ad(tmp_path / f"{'ab'[i]}.h5ad")
+    paths = [tmp_path / "a.h5ad", tmp_path / "b.h5ad"]
+    ds = abt.AnnBatchDataset(paths, out_dtype="int32", batch_size=16, shuffle=False,
+                             densify=True)
+    assert not ds.source.has_open_handles
+    rows = np.concatenate([bt["X"].numpy() for bt in ds])
+    assert rows.dtype == np.int32
+    np.testing.assert_array_equal(rows, dense)
+    with pytest.raises(ValueError, match=r"input .*a\.h5ad stores int32 values"):
+        abt.AnnBatchDataset(paths, out_dtype="int16")
+    c = ad.AnnData(X=sp.csr_matrix(dense.astype(np.int64)))
+    c.write_h5ad(tmp_path / "c.h5ad")
+    with pytest.raises(ValueError, match=r"stores int64 values .*: use out_dtype='int64'"):
+        abt.AnnBatchDataset(tmp_path / "c.h5ad", out_dtype="float64")
+    assert abt.AnnBatchDataset(tmp_path / "c.h5ad", out_dtype="int64").out_dtype == np.int64

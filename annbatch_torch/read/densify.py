@@ -1,6 +1,7 @@
 """Where sparse fields become dense: one policy, decided once.
 
-``AnnBatchDataset(densify=True)`` yields sparse fields as dense float32. Where that happens
+``AnnBatchDataset(densify=True)`` yields sparse fields as dense float32 (or the dataset's
+``out_dtype``: the main process densifies in the CSR values' dtype). Where that happens
 is a :class:`DensifyPolicy`:
 
 * ``"pool"``: where the pool lives, when a batch is cut (:meth:`HostPool.batch`; inside a

@@ -269,9 +269,15 @@ class Source:
 
     def stored_value_dtypes(self, field: str) -> list[np.dtype]:
         """The dtype of the values of sparse field ``field`` as each shard stores them (one
-        per shard, in order): what readers widen from. Opens each shard's element; a
-        collection answers from its manifest."""
-        return [np.dtype(self.element(s, field).dtype) for s in range(len(self.shard_sizes))]
+        per shard, in order): what readers widen from. Opens each shard's element (and
+        closes what it opened); a collection answers from its manifest."""
+        opened = self.has_open_handles
+        try:
+            return [np.dtype(self.element(s, field).dtype)
+                    for s in range(len(self.shard_sizes))]
+        finally:
+            if not opened:
+                self.close()
 
     @property
     def unavailable(self) -> dict[str, str]:

@@ -26,7 +26,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 __all__ = ["SCVIDataModule"]
 
 #: AnnBatchDataset arguments this module sets itself
-_OWN = ("selector", "batch_converter", "return_index", "densify", "device", "even_batches")
+_OWN = ("selector", "batch_converter", "return_index", "densify", "device", "even_batches",
+        "out_dtype")
 #: AnnBatchDataModule arguments that may come in through ``**dataset_kwargs``
 _MODULE_ARGS = ("chunk_size", "preload_nchunks")
 
@@ -126,7 +127,7 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         own = sorted(set(dataset_kwargs) & set(_OWN))
         if own:
             raise ValueError(f"SCVIDataModule sets {own} itself (the batches must carry "
-                             "scvi-tools' keys); remove them.")
+                             "scvi-tools' keys, as float32); remove them.")
         if model_name not in MODELS:
             raise ValueError(f"model_name must be one of {list(MODELS)}, got {model_name!r}.")
         val_fraction, test_fraction = _split_fractions(train_size, validation_size)
