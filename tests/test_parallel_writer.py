@@ -15,6 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import annbatch_torch as abt
 from annbatch_torch import InputError
@@ -166,7 +168,8 @@ def test_tasks_run_again_change_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "tmp" / ".buckets"
     folder.mkdir(parents=True)
     t = tasks[3]
-    args = (t, paths[t.source], dest[t.offset + t.start: t.offset + t.stop], schema, layout,
+    args = (t, [paths[p.source] for p in t.pieces],
+            [dest[p.offset + p.start: p.offset + p.stop] for p in t.pieces], schema, layout,
             work, str(folder), None)
     parallel.route_task(*args)
     first = {p.name: load_bucket(p, parallel.segments_of(schema))
@@ -184,9 +187,9 @@ def test_tasks_run_again_change_nothing(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["t00003", "t00003.part-dead"]
     for task in tasks:
         if task.task != 3:
-            parallel.route_task(task, paths[task.source],
-                                dest[task.offset + task.start: task.offset + task.stop],
-                                schema, layout, work, str(folder), None)
+            parallel.route_task(task, [paths[p.source] for p in task.pieces],
+                                [dest[p.offset + p.start: p.offset + p.stop]
+                                 for p in task.pieces], schema, layout, work, str(folder), None)
     dirs = [str(folder / f"t{task.task:05d}") for task in tasks]
     opts = {"zarr_format": 3, "chunk_elems": 1 << 16, "shard_elems": None, "compressors": None}
     info, dtypes = parallel.write_shard(1, SHARD, str(folder.parent), dirs, schema, layout, opts)
@@ -197,3 +200,54 @@ def test_tasks_run_again_change_nothing(tmp_path: Path) -> None:
                                 opts) == (info, dtypes)
     for s in sources:
         s.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=40), st.integers(1, 8))
+def test_pass1_tasks_cover_every_row_once_in_tasks_of_about_equal_size(
+        n_obs: list[int], workers: int) -> None:
+    """Large inputs in pieces, small ones taken together: every row of every input in
+    exactly one piece, in order; no task much larger than the others; and no more tasks
+    than about four per worker (a hundred small inputs are not a hundred tasks)."""
+    from annbatch_torch.write.parallel import TASKS_PER_WORKER, pass1_tasks
+
+    tasks = pass1_tasks(n_obs, workers)
+    total = sum(n_obs)
+    size = -(-total // (TASKS_PER_WORKER * workers)) if total else 1
+    assert [t.task for t in tasks] == list(range(len(tasks)))
+    assert len(tasks) <= -(-total // size)
+    offsets = np.concatenate([[0], np.cumsum(n_obs)])
+    seen = [p for t in tasks for p in t.pieces]
+    for t in tasks:
+        assert t.pieces
+        assert sum(p.stop - p.start for p in t.pieces) <= size
+    got: dict[int, list[tuple[int, int]]] = {}
+    for p in seen:
+        assert p.offset == offsets[p.source]
+        assert 0 <= p.start < p.stop <= n_obs[p.source]
+        got.setdefault(p.source, []).append((p.start, p.stop))
+    for i, n in enumerate(n_obs):
+        spans = got.get(i, [])
+        if not n:
+            assert not spans  # an input without rows takes no part
+            continue
+        assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]]  # contiguous
+        assert spans[-1][1] == n
+
+
+def test_a_routing_task_opens_inputs_without_reading_their_genes(tmp_path: Path) -> None:
+    """The parallel writer's pass-1 tasks open inputs ``lean``: the gene names (tens of
+    thousands of strings per input, read and checked by the caller already) are read only
+    if asked for."""
+    from annbatch_torch.store.inputs.view import open_input
+
+    path = _inputs(tmp_path, False, False)[0]
+    full, lean = open_input(path, 0), open_input(path, 0, lean=True)
+    try:
+        assert lean._var_names is None
+        assert lean.n_obs == full.n_obs
+        assert lean.matrices == full.matrices
+        np.testing.assert_array_equal(lean.var_names, full.var_names)  # read when asked
+    finally:
+        full.close()
+        lean.close()

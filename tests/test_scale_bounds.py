@@ -156,11 +156,11 @@ def test_a_pass1_task_carries_only_its_own_gene_map() -> None:
     schema = resolve_schema(sources, "outer", None, None, None, None, None)
     whole = len(pickle.dumps(schema))
     for i in (0, 7):
-        task = schema.for_input(i)
+        task = schema.for_inputs([i])
         assert len(pickle.dumps(task)) < whole / 4
         own = schema.genes.maps[i]
         np.testing.assert_array_equal(task.genes.maps[i], own)
         others = [m for k, m in enumerate(task.genes.maps) if k != i]
         assert all(m is not None and m.size == 0 for m in others)  # never "identity"
-    assert all(m.size == 0 for m in schema.for_input(None).genes.maps)
+    assert all(m.size == 0 for m in schema.for_inputs(()).genes.maps)
     assert schema.genes.maps[3].size == 2000  # the writer's own schema is untouched

@@ -6,9 +6,10 @@ one process. Both passes are parallel by nature, and here they run as tasks on a
 ``"threads"``) or the caller's ``Client`` (a cluster whose workers share the file system
 holding the inputs and the output).
 
-* **Pass 1** is cut into tasks of contiguous input rows (:func:`pass1_tasks`: about four
-  per worker). A task routes its rows (the very :func:`~.passes.route_block` of the serial
-  writer, positions from the one permutation the caller drew) into bucket files of its own
+* **Pass 1** is cut into tasks of about equal rows (:func:`pass1_tasks`: about four per
+  worker; a large input in pieces, small ones together). A task routes its rows (the very
+  :func:`~.passes.route_block` of the serial writer, positions from the one permutation
+  the caller drew) into bucket files of its own
   (``.buckets/t<task>/``), written in a part folder renamed into place when the task is done:
   a task run again after its worker died starts afresh, and pass 2 never sees half a task.
 * **Pass 2** is one task per shard: it reads the shard's buckets from every pass-1 task's
@@ -51,7 +52,7 @@ from .passes import route_rows, write_shard_blocks
 from .schema import Schema
 from .shardstore import stored_arrays
 
-__all__ = ["Pass1Task", "pass1_tasks", "run_parallel", "open_scheduler", "SCHEDULERS"]
+__all__ = ["Pass1Task", "Piece", "pass1_tasks", "run_parallel", "open_scheduler", "SCHEDULERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,30 +75,52 @@ ABANDON_WAIT_S = 300
 TASKS_PER_WORKER = 4
 
 
-class Pass1Task(NamedTuple):
+class Piece(NamedTuple):
     """Rows ``[start, stop)`` of input ``source``; ``offset``: the global input row of its
     row 0 (the permutation is indexed by global input rows)."""
 
-    task: int
     source: int
     start: int
     stop: int
     offset: int
 
 
+class Pass1Task(NamedTuple):
+    """Pass-1 task ``task``: its pieces of inputs, routed into one set of bucket files."""
+
+    task: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def sources(self) -> list[int]:
+        """The inputs it reads, in order."""
+        return list(dict.fromkeys(p.source for p in self.pieces))
+
+
 def pass1_tasks(n_obs: Sequence[int], n_workers: int) -> list[Pass1Task]:
-    """Pass-1 tasks of inputs of ``n_obs`` rows: every input cut into pieces of about
-    ``total / (TASKS_PER_WORKER * n_workers)`` rows (an input with no rows takes none)."""
+    """Pass-1 tasks of inputs of ``n_obs`` rows, of about ``total / (TASKS_PER_WORKER *
+    n_workers)`` rows each: a larger input cut into pieces, smaller ones taken together
+    (consecutive inputs until the task is full: an atlas's hundred inputs make a few tasks,
+    not a hundred, and so a few bucket files per bucket for pass 2 to read). An input with
+    no rows takes no part."""
     total = sum(n_obs)
     size = max(1, -(-total // (TASKS_PER_WORKER * max(1, n_workers))))
     tasks: list[Pass1Task] = []
-    offset = 0
+    pieces: list[Piece] = []
+    rows = offset = 0
     for i, n in enumerate(n_obs):
-        pieces = -(-n // size) if n else 0
-        for k in range(pieces):
-            a, b = k * n // pieces, (k + 1) * n // pieces
-            tasks.append(Pass1Task(len(tasks), i, a, b, offset))
+        a = 0
+        while a < n:
+            b = min(n, a + size - rows)
+            pieces.append(Piece(i, a, b, offset))
+            rows += b - a
+            a = b
+            if rows >= size:
+                tasks.append(Pass1Task(len(tasks), tuple(pieces)))
+                pieces, rows = [], 0
         offset += n
+    if pieces:
+        tasks.append(Pass1Task(len(tasks), tuple(pieces)))
     return tasks
 
 
@@ -149,30 +172,37 @@ def _local_cluster(distributed: Any, procs: bool, n_workers: int) -> Any:
 
 
 def _source(obj: Any, index: int) -> InputSource:
-    return obj if isinstance(obj, InputSource) else open_input(obj, index)
+    return obj if isinstance(obj, InputSource) else open_input(obj, index, lean=True)
 
 
-def route_task(task: Pass1Task, obj: Any, dest: np.ndarray | None, schema: Schema,
-               layout: tuple[int, int], work: int, folder: str,
+def route_task(task: Pass1Task, objs: Sequence[Any], dests: Sequence[np.ndarray | None],
+               schema: Schema, layout: tuple[int, int], work: int, folder: str,
                value_check: Any) -> tuple[dict[str, str], dict[str, ValueRange]]:
-    """Pass 1 for one task: its rows into ``folder/t<task>`` (renamed into place when done).
-    Returns the fields it found bad values in (``Schema.dropped``) and what it saw of each
-    CSR field's values (``Schema.ranges``)."""
+    """Pass 1 for one task: its pieces' rows (``objs[k]`` the input of piece ``k``, a path
+    or an open source; ``dests[k]`` its rows' positions) into ``folder/t<task>`` (renamed
+    into place when done). Returns the fields it found bad values in (``Schema.dropped``)
+    and what it saw of each CSR field's values (``Schema.ranges``)."""
     schema = copy.copy(schema)  # drops and value ranges are this task's, reported back
     schema.dropped, schema.unavailable = dict(schema.dropped), dict(schema.unavailable)
     schema.ranges = {}  # per (field, shard)
-    src = _source(obj, task.source)
     final = Path(folder) / f"t{task.task:05d}"
     part = final.with_name(f"{final.name}.part-{secrets.token_hex(4)}")
     buckets = BucketWriter(part, segments_of(schema))
     abandoned = Path(folder) / ABANDONED
+    done = True
     try:
-        done = route_rows(src, schema, (task.start, task.stop), dest, task.offset, layout,
-                          work, buckets, value_check, stop_if=abandoned.exists)
+        for p, obj, dest in zip(task.pieces, objs, dests):
+            src = _source(obj, p.source)
+            try:
+                done = route_rows(src, schema, (p.start, p.stop), dest, p.offset, layout,
+                                  work, buckets, value_check, stop_if=abandoned.exists)
+            finally:
+                if src is not obj:
+                    src.close()
+            if not done:
+                break
     finally:
         buckets.close()
-        if src is not obj:
-            src.close()
     if not done:  # the write failed elsewhere
         return {}, {}
     try:
@@ -229,7 +259,10 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
 def _describe(task: Pass1Task | int, sources: Sequence[InputSource]) -> str:
     if isinstance(task, int):
         return f"pass 2, shard {task}"
-    return f"pass 1, rows [{task.start}, {task.stop}) of {sources[task.source].label}"
+    parts = [f"rows [{p.start}, {p.stop}) of {sources[p.source].label}"
+             for p in task.pieces[:3]]
+    more = len(task.pieces) - len(parts)
+    return "pass 1, " + ", ".join(parts) + (f" and {more} more input(s)" if more else "")
 
 
 def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Path,
@@ -381,9 +414,9 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
         with tqdm(total=len(tasks) + n_shards, desc=f"shuffle on {workers} workers",
                   unit="tasks", disable=not progress, dynamic_ncols=True, leave=False) as bar:
             calls = [(_describe(t, sources), route_task, (
-                t, objs[t.source], None if dest is None
-                else dest[t.offset + t.start: t.offset + t.stop], schema.for_input(t.source),
-                layout, work,
+                t, [objs[p.source] for p in t.pieces],
+                [None if dest is None else dest[p.offset + p.start: p.offset + p.stop]
+                 for p in t.pieces], schema.for_inputs(t.sources), layout, work,
                 str(folder), value_check)) for t in tasks]
             for dropped, ranges in _run(client, calls, bar, folder / ABANDONED, grace):
                 for key, reason in dropped.items():
@@ -394,7 +427,7 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
             schema.settle_float32()
             # each task gets its own shard's dtypes, not every shard's value ranges
             stored = [schema.stored_in(s) for s in range(n_shards)]
-            lean = schema.for_input(None)  # no gene maps: pass 2 reads them from buckets
+            lean = schema.for_inputs(())  # no gene maps: pass 2 reads them from buckets
             lean.ranges = {}
             calls = [(_describe(s, sources), write_shard, (
                 s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,

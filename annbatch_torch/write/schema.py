@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,15 +166,17 @@ class Schema:
             return self.raw_genes
         return self.genes
 
-    def for_input(self, index: int | None) -> Schema:
-        """A copy for a task that routes input ``index`` only (``None``: none, as pass 2):
-        its gene axes keep that input's column map and an empty one for every other input
-        (a task that used one would fail, not misplace genes). A Dask task's arguments are
-        pickled one by one: every task would otherwise carry every input's map."""
+    def for_inputs(self, indices: Collection[int]) -> Schema:
+        """A copy for a task that routes inputs ``indices`` only (none, as pass 2): its gene
+        axes keep those inputs' column maps and an empty one for every other input (a task
+        that used one would fail, not misplace genes). A Dask task's arguments are pickled
+        one by one: every task would otherwise carry every input's map."""
+        keep = set(indices)
+
         def slim(axis: GeneAxis | None) -> GeneAxis | None:
             if axis is None:
                 return None
-            maps = [m if k == index else np.empty(0, dtype=np.int64)
+            maps = [m if k in keep else np.empty(0, dtype=np.int64)
                     for k, m in enumerate(axis.maps)]
             return dataclasses.replace(axis, maps=maps)
 

@@ -231,8 +231,11 @@ class InputSource:
         Whether it is a legacy ``.h5ad`` (anndata < 0.7).
     """
 
-    def __init__(self, obj: Any, index: int, *, chunk_cache: bool = False) -> None:
+    def __init__(self, obj: Any, index: int, *, chunk_cache: bool = False,
+                 lean: bool = False) -> None:
         self.index = index
+        self._lean = lean
+        self._var_names: np.ndarray | None = None
         self._h5: Any = None
         self.adata: Any = None
         self.group: Any = None
@@ -254,6 +257,8 @@ class InputSource:
             self.adata, self.path, self.kind = target, None, "memory"
             self.label = input_label(index, None)
             self._probe_memory()
+        if lean:  # its genes were checked where the write began (see open_input)
+            return
         names = pd.Index(self.var_names)
         if not names.is_unique:
             self.close()
@@ -279,9 +284,21 @@ class InputSource:
         self._h5 = self.group if self.kind == "h5ad" else None
         self.legacy = isinstance(self.group, LegacyStore)
 
+    @property
+    def var_names(self) -> np.ndarray:
+        """Its var names (read when first asked for by an input opened ``lean``)."""
+        if self._var_names is None:
+            self._var_names = _interned(read_index(self.group["var"]))
+        return self._var_names
+
+    @var_names.setter
+    def var_names(self, names: np.ndarray) -> None:
+        self._var_names = names
+
     def _probe_disk(self) -> None:
         g = self.group
-        self.var_names = _interned(read_index(g["var"]))
+        if not self._lean:
+            self.var_names = _interned(read_index(g["var"]))
         self._obs_index = g["obs"][_attr_str(g["obs"].attrs.get("_index", "_index"))]
         self.n_obs = int(self._obs_index.shape[0])
         self.matrices: dict[str, MatrixProbe] = {}
@@ -530,8 +547,10 @@ def _attr_str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def open_input(obj: Any, index: int) -> InputSource:
-    """Open one input (path or AnnData) as an :class:`InputSource`."""
-    return InputSource(obj, index)
+def open_input(obj: Any, index: int, *, lean: bool = False) -> InputSource:
+    """Open one input (path or AnnData) as an :class:`InputSource`; ``lean``: for a task
+    that only routes its rows (the parallel writer's pass 1, given the gene maps): its var
+    names are read only if asked for, and not checked again."""
+    return InputSource(obj, index, lean=lean)
 
 
