@@ -52,7 +52,7 @@ from .passes import route_rows, write_shard_blocks
 from .schema import Schema
 from .shardstore import stored_arrays
 
-__all__ = ["Pass1Task", "Piece", "pass1_tasks", "run_parallel", "open_scheduler", "SCHEDULERS"]
+__all__ = ["Pass1Task", "InputPiece", "pass1_tasks", "run_parallel", "open_scheduler", "SCHEDULERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ ABANDON_WAIT_S = 300
 TASKS_PER_WORKER = 4
 
 
-class Piece(NamedTuple):
+class InputPiece(NamedTuple):
     """Rows ``[start, stop)`` of input ``source``; ``offset``: the global input row of its
     row 0 (the permutation is indexed by global input rows)."""
 
@@ -89,7 +89,7 @@ class Pass1Task(NamedTuple):
     """Pass-1 task ``task``: its pieces of inputs, routed into one set of bucket files."""
 
     task: int
-    pieces: tuple[Piece, ...]
+    pieces: tuple[InputPiece, ...]
 
     @property
     def sources(self) -> list[int]:
@@ -106,13 +106,13 @@ def pass1_tasks(n_obs: Sequence[int], n_workers: int) -> list[Pass1Task]:
     total = sum(n_obs)
     size = max(1, -(-total // (TASKS_PER_WORKER * max(1, n_workers))))
     tasks: list[Pass1Task] = []
-    pieces: list[Piece] = []
+    pieces: list[InputPiece] = []
     rows = offset = 0
     for i, n in enumerate(n_obs):
         a = 0
         while a < n:
             b = min(n, a + size - rows)
-            pieces.append(Piece(i, a, b, offset))
+            pieces.append(InputPiece(i, a, b, offset))
             rows += b - a
             a = b
             if rows >= size:
