@@ -25,7 +25,7 @@ from .convert import batch_dict_converter
 from .errors import BatchError
 from .fields import Field
 from .read.csr import densify_csr
-from .read.densify import DensifyPolicy
+from .read.densify import DenseOnArrival, DensifyPolicy, plain_worker_sends_csr
 from .read.device_pool import DevicePool
 from .read.host_pool import HostPool
 from .read.reader import describe_ranges
@@ -84,15 +84,25 @@ class BatchAssembler:
     def batches(self, item: WorkItem, pool: HostPool | DevicePool) -> Iterator[Any]:
         """The batches of ``item`` cut out of ``pool`` (its rows), converted."""
         converter = self.converter
-        if converter is None or converter is batch_dict_converter:
-            keep = () if self.out_dtype is None else frozenset(
-                key for key, f in self.selector.items() if f.transform is None
-                and getattr(self.source.fields.get(f.path), "kind", None) == "csr")
+        default = converter is None or converter is batch_dict_converter
+        sparse_keys = frozenset(
+            key for key, f in self.selector.items() if f.transform is None
+            and getattr(self.source.fields.get(f.path), "kind", None) == "csr")
+        if default:
+            keep = () if self.out_dtype is None else sparse_keys
             converter = functools.partial(batch_dict_converter, keep_dtype=keep)
         dense_dtype = np.dtype(np.float32 if self.out_dtype is None else self.out_dtype)
         policy = self.policy
         on_device = isinstance(pool, DevicePool)
         dense = {key: policy.pool_densifies(key, self.in_worker) for key in self.selector}
+        # in a plain DataLoader's worker, a densified key without a transform travels as
+        # CSR and is densified as the main process unpickles it (DenseOnArrival)
+        arrive = frozenset(
+            key for key in sparse_keys if dense[key]
+        ) if (default and self.in_worker and policy.where == "pool"
+              and plain_worker_sends_csr()) else frozenset()
+        for key in arrive:
+            dense[key] = False
         # a field is densified in the pool when every key of it wants it dense; a key that
         # wants dense a field another key takes as CSR densifies its own copy
         dense_paths = {f.path for f in self.selector.values()} - {
@@ -128,6 +138,8 @@ class BatchAssembler:
                 out = converter(batch)
             except Exception as e:
                 raise self.error("the batch_converter", item, b, e) from e
+            for key in arrive:
+                out[key] = DenseOnArrival(out[key])
             yield out
 
     def error(self, what: str, item: WorkItem, batch: int, exc: Exception) -> BatchError:

@@ -99,12 +99,35 @@ def test_user_worker_init_fn_still_runs(small_collection: Collection) -> None:
     assert ds.densify_policy.where == "pool"  # the main process' dataset is left alone
 
 
-def test_dense_worker_batches_are_shared_memory(small_collection: Collection) -> None:
-    # the worker writes the dense batch into shared memory: no second copy on the way out
-    ds = abt.AnnBatchDataset(small_collection, densify=True, batch_size=256)
-    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
+def _own_collate(batch: Any) -> Any:
+    return batch
+
+
+def test_dense_worker_batches_travel_as_csr_unless_a_collate_fn_sees_them(
+        small_collection: Collection) -> None:
+    """A plain DataLoader's worker sends a densified key as CSR, densified as the main
+    process unpickles it (private memory, equal to the in-process batches); under a
+    collate_fn of the caller's, which must see dense values, the worker densifies it
+    into shared memory (no second copy on the way out)."""
+    kw = dict(densify=True, batch_size=256, return_index=True, seed=4)
+    ref = list(abt.AnnBatchDataset(small_collection, **kw))
+    got = list(DataLoader(abt.AnnBatchDataset(small_collection, **kw), batch_size=None,
+                          num_workers=1))
+    assert len(got) == len(ref)
+    for r, g in zip(ref, got):
+        assert g["X"].layout == torch.strided
+        assert not g["X"].is_shared()
+        assert g["X"].dtype == r["X"].dtype
+        assert torch.equal(g["X"], r["X"])
+        assert torch.equal(g["index"], r["index"])
+    spawned = list(DataLoader(abt.AnnBatchDataset(small_collection, **kw), batch_size=None,
+                              num_workers=1, multiprocessing_context="spawn"))
+    assert all(torch.equal(g["X"], r["X"]) for r, g in zip(ref, spawned, strict=True))
+    it = iter(DataLoader(abt.AnnBatchDataset(small_collection, **kw), batch_size=None,
+                         num_workers=1, collate_fn=_own_collate))
     b = next(it)
     assert b["X"].is_shared()
+    assert torch.equal(b["X"], ref[0]["X"])
     del it
 
 

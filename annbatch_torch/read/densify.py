@@ -21,6 +21,8 @@ policy in each worker's dataset copy (:meth:`DensifyPolicy.installer`).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,7 +33,8 @@ from torch.utils.data import get_worker_info
 from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["DensifyPolicy", "Densifying"]
+__all__ = ["DenseOnArrival", "DensifyPolicy", "Densifying", "arrive_dense",
+           "plain_worker_sends_csr"]
 
 Where = Literal["none", "pool", "device", "main"]
 
@@ -127,6 +130,69 @@ class _Install:
             info.dataset.densify_policy = self.policy
         if self.user_fn is not None:
             self.user_fn(worker_id)
+
+
+def plain_worker_sends_csr() -> bool:
+    """Whether this process is a plain ``DataLoader`` worker that hands batches on as they
+    are (``batch_size=None`` and no ``collate_fn`` of the caller's: torch's
+    ``default_convert``), found in the worker loop's frame. Then a densified key may travel
+    as CSR and become dense as the main process unpickles it (:class:`DenseOnArrival`):
+    no ``collate_fn`` sees it in between. ``False`` when not known (another loader, a
+    ``collate_fn``): densified in the worker, as before. Cached per process."""
+    global _PLAIN
+    if _PLAIN is not None and _PLAIN[0] == os.getpid():
+        return _PLAIN[1]
+    found = False
+    if get_worker_info() is not None:
+        from torch.utils.data._utils.collate import default_convert
+
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_worker_loop" and "collate_fn" in frame.f_locals:
+                found = (frame.f_locals["collate_fn"] is default_convert
+                         and not frame.f_locals.get("auto_collation", True))
+                break
+            frame = frame.f_back
+    _PLAIN = (os.getpid(), found)
+    return found
+
+
+_PLAIN: tuple[int, bool] | None = None
+#: dense arrays of arrived batches, reused once the training loop let go of them
+_ARRIVED = DenseBuffers(keep=2)
+
+
+def arrive_dense(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
+                 shape: tuple[int, int]) -> torch.Tensor:
+    """Unpickling a :class:`DenseOnArrival` (in the main process): the batch densified
+    by scipy, in the values' dtype, into an array the training loop let go of (or a fresh
+    one)."""
+    return csr_tensor_to_dense(torch.sparse_csr_tensor(crow, col, values, size=shape,
+                                                       check_invariants=False), _ARRIVED)
+
+
+class DenseOnArrival:
+    """A densified key of a batch made in a plain ``DataLoader`` worker: sent as its CSR
+    (the compact parts, through torch's shared memory) and densified when the main process
+    unpickles it, so the worker never fills a fresh shared-memory segment of the whole dense
+    batch (its pages fault in on both sides, and it would be the bulk of the worker's
+    memory). Only made where nothing but the queue sees it (:func:`plain_worker_sends_csr`).
+
+    Parameters
+    ----------
+    csr
+        The key's value as a CPU ``torch.sparse_csr_tensor``.
+    """
+
+    __slots__ = ("csr",)
+
+    def __init__(self, csr: torch.Tensor) -> None:
+        self.csr = csr
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        t = self.csr
+        return (arrive_dense, (t.crow_indices(), t.col_indices(), t.values(),
+                               (int(t.shape[0]), int(t.shape[1]))))
 
 
 class Densifying:
