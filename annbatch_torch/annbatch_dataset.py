@@ -640,7 +640,7 @@ class AnnBatchDataset(IterableDataset):
             self.source, self.selector, self.densify_policy, in_worker=world.in_worker,
             converter=self.batch_converter, index=self.return_index,
             mask_key=self.mask_key if self.even_batches == "pad" else None,
-            out_dtype=self.out_dtype)
+            out_dtype=self.out_dtype, owner=self)
 
     def __repr__(self) -> str:
         sel = {k: str(v) for k, v in self.selector.items()}

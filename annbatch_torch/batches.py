@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,10 @@ class BatchAssembler:
         The dtype of sparse fields' values (``AnnBatchDataset(out_dtype=...)``): densified
         in it, and kept by the default converter for the keys without a transform;
         ``None``: float32.
+    owner
+        The dataset whose batches these are: in a plain ``DataLoader`` worker fetching
+        this very dataset, densified keys travel as CSR (``read/densify.py``,
+        ``DenseOnArrival``).
     """
 
     source: Source
@@ -80,6 +84,7 @@ class BatchAssembler:
     index: bool = False
     mask_key: str | None = None
     out_dtype: np.dtype | None = None
+    owner: Any = field(default=None, repr=False, compare=False)
 
     def batches(self, item: WorkItem, pool: HostPool | DevicePool) -> Iterator[Any]:
         """The batches of ``item`` cut out of ``pool`` (its rows), converted."""
@@ -100,7 +105,7 @@ class BatchAssembler:
         arrive = frozenset(
             key for key in sparse_keys if dense[key]
         ) if (default and self.in_worker and policy.where == "pool"
-              and plain_worker_sends_csr()) else frozenset()
+              and plain_worker_sends_csr(self.owner)) else frozenset()
         for key in arrive:
             dense[key] = False
         # a field is densified in the pool when every key of it wants it dense; a key that
@@ -139,7 +144,7 @@ class BatchAssembler:
             except Exception as e:
                 raise self.error("the batch_converter", item, b, e) from e
             for key in arrive:
-                out[key] = DenseOnArrival(out[key])
+                out[key] = DenseOnArrival(out[key], len(arrive))
             yield out
 
     def error(self, what: str, item: WorkItem, batch: int, exc: Exception) -> BatchError:

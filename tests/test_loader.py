@@ -103,6 +103,31 @@ def _own_collate(batch: Any) -> Any:
     return batch
 
 
+class _Log1p(torch.utils.data.IterableDataset):
+    """A user's wrapper that touches the values of the batches it passes on."""
+
+    def __init__(self, ds: abt.AnnBatchDataset) -> None:
+        self.ds = ds
+
+    def __iter__(self) -> Any:
+        for b in self.ds:
+            b["X"] = torch.log1p(b["X"])
+            yield b
+
+
+def test_a_wrapper_dataset_in_a_worker_gets_dense_tensors(small_collection: Collection
+                                                          ) -> None:
+    """Batches consumed inside the worker (a wrapper dataset, a worker_init_fn peeking)
+    are dense tensors: only torch's fetcher of this very dataset gets CSR to send on."""
+    kw = dict(densify=True, batch_size=256, seed=4)
+    ref = list(abt.AnnBatchDataset(small_collection, **kw))
+    got = list(DataLoader(_Log1p(abt.AnnBatchDataset(small_collection, **kw)),
+                          batch_size=None, num_workers=1))
+    assert len(got) == len(ref)
+    for r, g in zip(ref, got):
+        assert torch.equal(g["X"], torch.log1p(r["X"]))
+
+
 def test_dense_worker_batches_travel_as_csr_unless_a_collate_fn_sees_them(
         small_collection: Collection) -> None:
     """A plain DataLoader's worker sends a densified key as CSR, densified as the main

@@ -21,7 +21,6 @@ policy in each worker's dataset copy (:meth:`DensifyPolicy.installer`).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from torch.utils.data import get_worker_info
 from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["DenseOnArrival", "DensifyPolicy", "Densifying", "arrive_dense",
+__all__ = ["ARRIVED", "DenseOnArrival", "DensifyPolicy", "Densifying", "arrive_dense",
            "plain_worker_sends_csr"]
 
 Where = Literal["none", "pool", "device", "main"]
@@ -132,43 +131,46 @@ class _Install:
             self.user_fn(worker_id)
 
 
-def plain_worker_sends_csr() -> bool:
-    """Whether this process is a plain ``DataLoader`` worker that hands batches on as they
-    are (``batch_size=None`` and no ``collate_fn`` of the caller's: torch's
-    ``default_convert``), found in the worker loop's frame. Then a densified key may travel
-    as CSR and become dense as the main process unpickles it (:class:`DenseOnArrival`):
-    no ``collate_fn`` sees it in between. ``False`` when not known (another loader, a
-    ``collate_fn``): densified in the worker, as before. Cached per process."""
-    global _PLAIN
-    if _PLAIN is not None and _PLAIN[0] == os.getpid():
-        return _PLAIN[1]
-    found = False
-    if get_worker_info() is not None:
-        from torch.utils.data._utils.collate import default_convert
+def plain_worker_sends_csr(dataset: Any) -> bool:
+    """Whether ``dataset``'s batches are being fetched right now by a plain ``DataLoader``
+    worker that hands them on as they are: torch's iterable fetcher, called by its worker
+    loop, holding this very dataset (not a wrapper of it, which may touch the values), with
+    ``batch_size=None`` and no ``collate_fn`` of the caller's (torch's ``default_convert``).
+    Then a densified key may travel as CSR and become dense as the main process unpickles
+    it (:class:`DenseOnArrival`): nothing sees it in between. Found on the stack (the
+    fetcher's frame is short-lived: looking at it keeps nothing alive); ``False`` when not
+    known, and the worker densifies as before."""
+    if get_worker_info() is None:
+        return False
+    from torch.utils.data._utils.collate import default_convert
 
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code.co_name == "_worker_loop" and "collate_fn" in frame.f_locals:
-                found = (frame.f_locals["collate_fn"] is default_convert
-                         and not frame.f_locals.get("auto_collation", True))
-                break
-            frame = frame.f_back
-    _PLAIN = (os.getpid(), found)
-    return found
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fetch":
+            back = frame.f_back
+            fetcher = frame.f_locals.get("self")
+            return (back is not None and back.f_code.co_name == "_worker_loop"
+                    and getattr(fetcher, "dataset", None) is dataset
+                    and getattr(fetcher, "collate_fn", None) is default_convert
+                    and getattr(fetcher, "auto_collation", True) is False)
+        frame = frame.f_back
+    return False
 
 
-_PLAIN: tuple[int, bool] | None = None
-#: dense arrays of arrived batches, reused once the training loop let go of them
-_ARRIVED = DenseBuffers(keep=2)
+#: dense arrays of arrived batches, reused once the training loop let go of them (the
+#: batch in use, one a loop may prefetch and the one being made, per densified key)
+ARRIVED = DenseBuffers(keep=3)
 
 
 def arrive_dense(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
-                 shape: tuple[int, int]) -> torch.Tensor:
+                 shape: tuple[int, int], n_keys: int = 1) -> torch.Tensor:
     """Unpickling a :class:`DenseOnArrival` (in the main process): the batch densified
     by scipy, in the values' dtype, into an array the training loop let go of (or a fresh
-    one)."""
+    one); ``n_keys``: the batch's densified keys (the arrays kept for reuse grow to three
+    per key; ``ARRIVED.clear()`` lets them go)."""
+    ARRIVED.keep = max(ARRIVED.keep, 3 * n_keys)
     return csr_tensor_to_dense(torch.sparse_csr_tensor(crow, col, values, size=shape,
-                                                       check_invariants=False), _ARRIVED)
+                                                       check_invariants=False), ARRIVED)
 
 
 class DenseOnArrival:
@@ -182,17 +184,20 @@ class DenseOnArrival:
     ----------
     csr
         The key's value as a CPU ``torch.sparse_csr_tensor``.
+    n_keys
+        The batch's densified keys (see :func:`arrive_dense`).
     """
 
-    __slots__ = ("csr",)
+    __slots__ = ("csr", "n_keys")
 
-    def __init__(self, csr: torch.Tensor) -> None:
+    def __init__(self, csr: torch.Tensor, n_keys: int = 1) -> None:
         self.csr = csr
+        self.n_keys = n_keys
 
     def __reduce__(self) -> tuple[Any, ...]:
         t = self.csr
         return (arrive_dense, (t.crow_indices(), t.col_indices(), t.values(),
-                               (int(t.shape[0]), int(t.shape[1]))))
+                               (int(t.shape[0]), int(t.shape[1])), self.n_keys))
 
 
 class Densifying:
