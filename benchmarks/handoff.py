@@ -1,0 +1,128 @@
+"""Batches at the training loop's door: in-process against worker processes (issue 32).
+
+    python benchmarks/handoff.py [COLLECTION] [--workers 2] [--rounds 3] [--batches 40]
+        [--loaders inproc,plain,abt] [--layouts sparse,dense]
+
+Each configuration runs in a fresh process, as a user's loop does: the dataset
+(``batch_size=4096``, the collection's X) iterated in-process (``inproc``: the dataset
+itself, ``num_workers=0``), through a plain ``torch.utils.data.DataLoader(ds,
+batch_size=None, num_workers=W, persistent_workers=True)`` (``plain``) or through
+``AnnBatchDataLoader(ds, num_workers=W, persistent_workers=True)`` (``abt``); sparse
+(``torch.sparse_csr_tensor``) or dense (``densify=True``). Two batches of warm-up, then
+``--batches`` timed, epoch after epoch; the loop reads one value per page of each batch
+(what a copy to a device would touch). Rounds alternate the configurations so that drift
+hits each alike; printed and written to ``benchmarks/results/handoff.md``: the best and the
+median cells/s of each over the rounds, the ratio of the bests to in-process of the same
+layout, and the peak RSS of the main process and of the largest worker.
+
+Default collection: the 100k x 20k benchmark collection of ``benchmarks/run.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEFAULT = (HERE / "data" / "grouped_100000x20000_seed0" /
+           "collection_shard_elems-8388608_codec-raw_shard_obs-131072_dtypes-auto-auto")
+
+
+def _child(args: argparse.Namespace) -> None:
+    import resource
+
+    import torch
+    from benchlib import time_batches
+
+    import annbatch_torch as abt
+
+    ds = abt.AnnBatchDataset(args.collection, batch_size=4096, densify=args.layout == "dense")
+    if args.loader == "inproc":
+        loader = ds
+    elif args.loader == "plain":
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.nworkers,
+                                             persistent_workers=True)
+    else:
+        loader = abt.AnnBatchDataLoader(ds, num_workers=args.nworkers, persistent_workers=True)
+
+    def epochs(e: int):  # type: ignore[no-untyped-def]
+        ds.set_epoch(e)
+        return loader
+
+    def touch(b):  # type: ignore[no-untyped-def]
+        x = b["X"]
+        v = (x.values() if x.layout == torch.sparse_csr else x).reshape(-1)
+        v[:: max(1, 4096 // v.element_size())].sum()
+
+    run = time_batches(epochs, n_warmup=2, n_batches=args.batches,
+                       n_cells_of=lambda b: int(b["X"].shape[0]), consume=touch)
+    print(json.dumps({
+        "cells_per_s": run.cells_per_s,
+        "main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("collection", nargs="?", default=str(DEFAULT))
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--loaders", default="inproc,plain,abt")
+    p.add_argument("--layouts", default="sparse,dense")
+    p.add_argument("--out", default=str(HERE / "results" / "handoff.md"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--loader", default="inproc", help=argparse.SUPPRESS)
+    p.add_argument("--layout", default="sparse", help=argparse.SUPPRESS)
+    p.add_argument("--nworkers", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        sys.path.insert(0, str(HERE))
+        _child(args)
+        return
+    loaders, layouts = args.loaders.split(","), args.layouts.split(",")
+    load = os.getloadavg()[0]
+    configs = [(lo, la) for la in layouts for lo in loaders]
+    got: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
+    for _ in range(args.rounds):
+        for lo, la in configs:
+            cmd = [sys.executable, __file__, args.collection, "--child", "--loader", lo,
+                   "--layout", la, "--nworkers", "0" if lo == "inproc" else str(args.workers),
+                   "--batches", str(args.batches)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            got[(lo, la)].append(json.loads(out.strip().splitlines()[-1]))
+            print(lo, la, json.dumps(got[(lo, la)][-1]), flush=True)
+    rows = []
+    for lo, la in configs:
+        runs = got[(lo, la)]
+        best = max(r["cells_per_s"] for r in runs)
+        base = max(r["cells_per_s"] for r in got.get(("inproc", la), runs))
+        rows.append({"loader": lo, "layout": la, "workers": 0 if lo == "inproc" else
+                     args.workers, "best": best,
+                     "median": statistics.median(r["cells_per_s"] for r in runs),
+                     "ratio": best / base, "main_mb": max(r["main_mb"] for r in runs),
+                     "worker_mb": max(r["worker_mb"] for r in runs)})
+    names = {"inproc": "in-process (the dataset)", "plain": "plain `DataLoader`",
+             "abt": "`AnnBatchDataLoader`"}
+    lines = [f"# Batches at the training loop ({time.strftime('%Y-%m-%d %H:%M')}, load "
+             f"{load:.2f} at the start, {os.cpu_count()} CPUs)", "",
+             f"Collection: `{args.collection}`; batch 4096; {args.batches} batches timed "
+             f"after 2, {args.rounds} alternated rounds, each a fresh process; ratio: best "
+             "against in-process's best, same layout.", "",
+             "| loader | layout | workers | best cells/s | median | ratio | main peak MB | "
+             "worker peak MB |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {names[r['loader']]} | {r['layout']} | {r['workers']} | {r['best']:,.0f} | "
+              f"{r['median']:,.0f} | {r['ratio']:.2f} | {r['main_mb']:,.0f} | "
+              f"{r['worker_mb']:,.0f} |" for r in rows]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
