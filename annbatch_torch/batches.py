@@ -25,8 +25,9 @@ from .convert import batch_dict_converter
 from .errors import BatchError
 from .fields import Field
 from .read.csr import densify_csr
-from .read.densify import DenseOnArrival, DensifyPolicy, plain_worker_sends_csr
+from .read.densify import DensifyPolicy
 from .read.device_pool import DevicePool
+from .read.handoff import InSlot, plain_worker_sends_csr
 from .read.host_pool import HostPool
 from .read.reader import describe_ranges
 from .sampling import WorkItem
@@ -72,8 +73,8 @@ class BatchAssembler:
         ``None``: float32.
     owner
         The dataset whose batches these are: in a plain ``DataLoader`` worker fetching
-        this very dataset, densified keys travel as CSR (``read/densify.py``,
-        ``DenseOnArrival``).
+        this very dataset, CSR keys travel through reused shared-memory slots
+        (``read/handoff.py``).
     """
 
     source: Source
@@ -100,14 +101,18 @@ class BatchAssembler:
         policy = self.policy
         on_device = isinstance(pool, DevicePool)
         dense = {key: policy.pool_densifies(key, self.in_worker) for key in self.selector}
-        # in a plain DataLoader's worker, a densified key without a transform travels as
-        # CSR and is densified as the main process unpickles it (DenseOnArrival)
-        arrive = frozenset(
-            key for key in sparse_keys if dense[key]
-        ) if (default and self.in_worker and policy.where == "pool"
-              and plain_worker_sends_csr(self.owner)) else frozenset()
-        for key in arrive:
-            dense[key] = False
+        # in a DataLoader worker handing batches on as they are, a CSR key without a
+        # transform travels through a reused shared-memory slot and is delivered (densified
+        # when it is to be dense) as the main process unpickles it (read/handoff.py)
+        slotted: dict[str, bool] = {}  # key -> deliver dense
+        if default and self.in_worker and sparse_keys and plain_worker_sends_csr(self.owner):
+            for key in sparse_keys:
+                if policy.where == "pool" or (policy.where == "main"
+                                              and key in policy.main_keys):
+                    slotted[key] = policy.where == "main" or dense[key]
+                    dense[key] = False
+                elif not dense[key]:
+                    slotted[key] = False
         # a field is densified in the pool when every key of it wants it dense; a key that
         # wants dense a field another key takes as CSR densifies its own copy
         dense_paths = {f.path for f in self.selector.values()} - {
@@ -143,8 +148,8 @@ class BatchAssembler:
                 out = converter(batch)
             except Exception as e:
                 raise self.error("the batch_converter", item, b, e) from e
-            for key in arrive:
-                out[key] = DenseOnArrival(out[key], len(arrive))
+            for key, to_dense in slotted.items():
+                out[key] = InSlot(out[key], to_dense, len(slotted))
             yield out
 
     def error(self, what: str, item: WorkItem, batch: int, exc: Exception) -> BatchError:

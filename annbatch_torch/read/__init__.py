@@ -4,6 +4,7 @@ concurrently into place), ``scatter`` (rows copied to their places and cast, com
 densifying), ``genes`` (a gene subset or a reference gene order, cut out of the columns),
 ``pool_stream`` (prefetch and the next epoch's read-ahead), ``host_pool`` and ``device_pool``
 (a pool on the host or on a CUDA device, ``batch(lo, hi)``), ``gpu_backends`` (the device
-pool's per-field storage on cupy or torch), ``densify`` (where sparse fields become dense).
-May import torch; never the writer or the face.
+pool's per-field storage on cupy or torch), ``densify`` (where sparse fields become dense),
+``handoff`` (CSR keys from a DataLoader worker to the main process through reused
+shared-memory slots). May import torch; never the writer or the face.
 """

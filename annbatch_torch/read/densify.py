@@ -21,7 +21,6 @@ policy in each worker's dataset copy (:meth:`DensifyPolicy.installer`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,8 +31,7 @@ from torch.utils.data import get_worker_info
 from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["ARRIVED", "DenseOnArrival", "DensifyPolicy", "Densifying", "arrive_dense",
-           "plain_worker_sends_csr"]
+__all__ = ["DensifyPolicy", "Densifying"]
 
 Where = Literal["none", "pool", "device", "main"]
 
@@ -129,75 +127,6 @@ class _Install:
             info.dataset.densify_policy = self.policy
         if self.user_fn is not None:
             self.user_fn(worker_id)
-
-
-def plain_worker_sends_csr(dataset: Any) -> bool:
-    """Whether ``dataset``'s batches are being fetched right now by a plain ``DataLoader``
-    worker that hands them on as they are: torch's iterable fetcher, called by its worker
-    loop, holding this very dataset (not a wrapper of it, which may touch the values), with
-    ``batch_size=None`` and no ``collate_fn`` of the caller's (torch's ``default_convert``).
-    Then a densified key may travel as CSR and become dense as the main process unpickles
-    it (:class:`DenseOnArrival`): nothing sees it in between. Found on the stack (the
-    fetcher's frame is short-lived: looking at it keeps nothing alive); ``False`` when not
-    known, and the worker densifies as before."""
-    if get_worker_info() is None:
-        return False
-    from torch.utils.data._utils.collate import default_convert
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "fetch":
-            back = frame.f_back
-            fetcher = frame.f_locals.get("self")
-            return (back is not None and back.f_code.co_name == "_worker_loop"
-                    and getattr(fetcher, "dataset", None) is dataset
-                    and getattr(fetcher, "collate_fn", None) is default_convert
-                    and getattr(fetcher, "auto_collation", True) is False)
-        frame = frame.f_back
-    return False
-
-
-#: dense arrays of arrived batches, reused once the training loop let go of them (the
-#: batch in use, one a loop may prefetch and the one being made, per densified key)
-ARRIVED = DenseBuffers(keep=3)
-
-
-def arrive_dense(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
-                 shape: tuple[int, int], n_keys: int = 1) -> torch.Tensor:
-    """Unpickling a :class:`DenseOnArrival` (in the main process): the batch densified
-    by scipy, in the values' dtype, into an array the training loop let go of (or a fresh
-    one); ``n_keys``: the batch's densified keys (the arrays kept for reuse grow to three
-    per key; ``ARRIVED.clear()`` lets them go)."""
-    ARRIVED.keep = max(ARRIVED.keep, 3 * n_keys)
-    return csr_tensor_to_dense(torch.sparse_csr_tensor(crow, col, values, size=shape,
-                                                       check_invariants=False), ARRIVED)
-
-
-class DenseOnArrival:
-    """A densified key of a batch made in a plain ``DataLoader`` worker: sent as its CSR
-    (the compact parts, through torch's shared memory) and densified when the main process
-    unpickles it, so the worker never fills a fresh shared-memory segment of the whole dense
-    batch (its pages fault in on both sides, and it would be the bulk of the worker's
-    memory). Only made where nothing but the queue sees it (:func:`plain_worker_sends_csr`).
-
-    Parameters
-    ----------
-    csr
-        The key's value as a CPU ``torch.sparse_csr_tensor``.
-    n_keys
-        The batch's densified keys (see :func:`arrive_dense`).
-    """
-
-    __slots__ = ("csr", "n_keys")
-
-    def __init__(self, csr: torch.Tensor, n_keys: int = 1) -> None:
-        self.csr = csr
-        self.n_keys = n_keys
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        t = self.csr
-        return (arrive_dense, (t.crow_indices(), t.col_indices(), t.values(),
-                               (int(t.shape[0]), int(t.shape[1])), self.n_keys))
 
 
 class Densifying:
