@@ -4,10 +4,12 @@ process let go of it, and with every slot in flight the parts travel as torch se
 
 from __future__ import annotations
 
+import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 import torch
 from torch.utils.data import DataLoader
@@ -29,24 +31,59 @@ def _send(x: handoff.InSlot) -> bytes:
 
 
 def test_slots_are_reused_only_once_read_and_a_full_ring_falls_back() -> None:
+    handoff._RING = None  # a fresh ring for this process
     ring = handoff._ring()
     flags = ring.flags.numpy()
-    flags[:] = 0
-    parts = [_csr(s) for s in range(handoff.SLOTS + 1)]
+    cap = handoff.SLOTS  # slots for one key
+    parts = [_csr(s) for s in range(cap + 1)]
     sent = [_send(handoff.InSlot(p, dense=False)) for p in parts]
-    assert flags.tolist() == [1] * handoff.SLOTS  # every slot in flight
-    before = [ring.slots[k] for k in range(handoff.SLOTS)]
+    assert flags[:cap].tolist() == [1] * cap  # every slot in flight, the last one fell back
+    assert len(ring.slots) == cap
+    before = list(ring.slots)
     got = [pickle.loads(s) for s in sent]  # the main process reads them: slots freed
-    assert flags.tolist() == [0] * handoff.SLOTS
+    assert flags.tolist() == [0] * handoff.MAX_SLOTS
     for p, g in zip(parts, got):
         assert g.layout == torch.sparse_csr
         assert torch.equal(g.to_dense(), p.to_dense())
     # the next batch reuses a slot (no new shared memory) and the earlier ones stay intact
     again = pickle.loads(_send(handoff.InSlot(_csr(99), dense=True)))
-    assert [ring.slots[k] is before[k] for k in range(handoff.SLOTS)] == [True] * handoff.SLOTS
+    assert len(ring.slots) == cap
+    assert all(a is b for a, b in zip(ring.slots, before))
     assert torch.equal(again, _csr(99).to_dense())
     for p, g in zip(parts, got):
         assert torch.equal(g.to_dense(), p.to_dense())
+
+
+def test_a_failing_slot_sends_as_torch_does_and_frees_it(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Pickling runs in the worker queue's feeder thread, which would drop a batch whose
+    pickling raised (and the loader wait for it forever): a failure sends the parts as
+    torch does, and a slot taken is given back."""
+    handoff._RING = None
+    ring = handoff._ring()
+    p = _csr(5)
+
+    def broken_copy(self: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        raise OSError("no space left on /dev/shm")
+
+    monkeypatch.setattr(torch.Tensor, "copy_", broken_copy)
+    sent = _send(handoff.InSlot(p, dense=False))
+    monkeypatch.undo()
+    assert ring.flags.numpy().tolist() == [0] * handoff.MAX_SLOTS
+    assert torch.equal(pickle.loads(sent).to_dense(), p.to_dense())
+
+
+def test_the_slots_of_workers_gone_are_let_go() -> None:
+    """The main process keeps the slots it read mapped, but not those of a worker that
+    exited once another worker's batch arrives; release() lets go of everything."""
+    handoff.release()
+    st = torch.UntypedStorage(8)
+    gone_pid = 2**22 + 12345  # above Linux's pid_max default of 2**22: no such process
+    handoff._keep_mapped(("gone", gone_pid, 2), 0, st, 1)
+    handoff._keep_mapped(("live", os.getpid(), 2), 0, st, 1)
+    assert set(handoff._MAPPED) == {("live", 0)}
+    handoff.release()
+    assert not handoff._MAPPED
 
 
 def test_integer_values_arrive_in_their_dtype() -> None:

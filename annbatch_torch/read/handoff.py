@@ -33,11 +33,13 @@ from torch.utils.data import get_worker_info
 from .buffers import BufferCache, DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["ARRIVED", "InSlot", "arrive", "plain_worker_sends_csr"]
+__all__ = ["ARRIVED", "InSlot", "arrive", "plain_worker_sends_csr", "release"]
 
-#: shared-memory slots per worker (the batch being made and those in flight: torch's
-#: DataLoader keeps at most ``prefetch_factor`` (2) batches per worker in flight)
+#: shared-memory slots a worker starts with per CSR key (the batch being made and those in
+#: flight: torch's DataLoader keeps ``prefetch_factor`` (2) batches per worker in flight);
+#: a worker adds one when none is free, up to :data:`MAX_SLOTS`
 SLOTS = 3
+MAX_SLOTS = 16
 _ALIGN = 64
 
 
@@ -71,23 +73,32 @@ class _Ring:
 
     def __init__(self) -> None:
         self.id = secrets.token_hex(8)
-        self.flags = torch.zeros(SLOTS, dtype=torch.int32).share_memory_()
-        self.slots: list[torch.UntypedStorage | None] = [None] * SLOTS
+        self.pid = os.getpid()
+        self.flags = torch.zeros(MAX_SLOTS, dtype=torch.int32).share_memory_()
+        self.slots: list[torch.UntypedStorage] = []
         self.lock = threading.Lock()
 
-    def take(self, nbytes: int) -> tuple[int, torch.UntypedStorage] | None:
-        """A free slot of at least ``nbytes`` (grown if smaller), marked in use."""
+    def take(self, nbytes: int, n_keys: int) -> tuple[int, torch.UntypedStorage] | None:
+        """A free slot of at least ``nbytes`` (grown if smaller), marked in use: one of the
+        slots made so far, else a new one while there are fewer than ``SLOTS`` per key
+        of the batch (and :data:`MAX_SLOTS`); ``None`` when every slot is in flight."""
         flags = self.flags.numpy()
         with self.lock:
-            for k in range(SLOTS):
-                if flags[k] == 0:
-                    st = self.slots[k]
-                    if st is None or st.nbytes() < nbytes:
-                        st = torch.UntypedStorage._new_shared(nbytes + nbytes // 4 + _ALIGN)
-                        self.slots[k] = st
-                    flags[k] = 1
-                    return k, st
-        return None
+            k = next((k for k in range(len(self.slots)) if flags[k] == 0), None)
+            if k is None:
+                if len(self.slots) >= min(MAX_SLOTS, SLOTS * max(1, n_keys)):
+                    return None
+                k = len(self.slots)
+                self.slots.append(torch.UntypedStorage._new_shared(nbytes + nbytes // 4
+                                                                   + _ALIGN))
+            elif self.slots[k].nbytes() < nbytes:
+                self.slots[k] = torch.UntypedStorage._new_shared(nbytes + nbytes // 4 + _ALIGN)
+            flags[k] = 1
+            return k, self.slots[k]
+
+    def give_back(self, k: int) -> None:
+        """Free slot ``k`` that was taken but not sent."""
+        self.flags[k] = 0
 
 
 _RING: tuple[int, _Ring] | None = None
@@ -127,18 +138,29 @@ class InSlot:
         t = self.csr
         shape = (int(t.shape[0]), int(t.shape[1]))
         parts = [t.crow_indices(), t.col_indices(), t.values()]
-        ring = _ring()
-        got = ring.take(sum(_aligned(p.nbytes) for p in parts))
-        if got is None:  # every slot still in flight: as torch sends tensors
-            return (arrive, (*parts, shape, self.dense, self.n_keys, None, "", -1))
-        k, st = got
-        views, off = [], 0
-        for p in parts:
-            v = torch.empty(0, dtype=p.dtype).set_(st, off // p.element_size(), p.shape)
-            v.copy_(p)
-            views.append(v)
-            off += _aligned(p.nbytes)
-        return (arrive, (*views, shape, self.dense, self.n_keys, ring.flags, ring.id, k))
+        plain = (arrive, (*parts, shape, self.dense, self.n_keys, None, ("", 0, 0), -1))
+        # this runs in the queue's feeder thread, which drops a batch whose pickling raises
+        # (the loader would wait for it forever): any failure sends it as torch would
+        ring, k = None, -1
+        try:
+            ring = _ring()
+            got = ring.take(sum(_aligned(p.nbytes) for p in parts), self.n_keys)
+            if got is None:  # every slot still in flight
+                return plain
+            k, st = got
+            views, off = [], 0
+            for p in parts:
+                v = torch.empty(0, dtype=p.dtype).set_(st, off // p.element_size(), p.shape)
+                v.copy_(p)
+                views.append(v)
+                off += _aligned(p.nbytes)
+        except Exception:
+            if ring is not None and k >= 0:
+                ring.give_back(k)
+            return plain
+        info = get_worker_info()
+        who = (ring.id, ring.pid, info.num_workers if info is not None else 1)
+        return (arrive, (*views, shape, self.dense, self.n_keys, ring.flags, who, k))
 
 
 #: dense arrays of arrived batches, reused once the training loop let go of them (the
@@ -147,30 +169,63 @@ ARRIVED = DenseBuffers(keep=3)
 #: CSR parts of arrived batches, likewise
 _PARTS = BufferCache(keep=9)
 #: the slots last read, kept mapped in this process (torch maps a storage it receives anew
-#: unless one of it is alive here, and a fresh mapping faults in again page by page); at
-#: most this many, the least recently read let go first
-MAPPED_SLOTS = 4 * SLOTS
+#: unless one of it is alive here, and a fresh mapping faults in again page by page): those
+#: of live workers, at most ``SLOTS + 1`` per worker and key, the least recently read let
+#: go first; a worker that exited loses its slots when another worker's arrive
 _MAPPED: dict[tuple[str, int], torch.UntypedStorage] = {}
+_RINGS: dict[str, int] = {}  # ring id -> its worker's pid
 _MAPPED_LOCK = threading.Lock()
 
 
-def _keep_mapped(ring: str, k: int, storage: torch.UntypedStorage) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _keep_mapped(who: tuple[str, int, int], k: int, storage: torch.UntypedStorage,
+                 n_keys: int) -> None:
+    ring, pid, workers = who
     with _MAPPED_LOCK:
+        if ring not in _RINGS:  # a new worker: forget the slots of workers gone
+            gone = {r for r, p in _RINGS.items() if not _alive(p)}
+            for key in [key for key in _MAPPED if key[0] in gone]:
+                del _MAPPED[key]
+            for r in gone:
+                del _RINGS[r]
+            _RINGS[ring] = pid
         _MAPPED.pop((ring, k), None)
         _MAPPED[(ring, k)] = storage
-        while len(_MAPPED) > MAPPED_SLOTS:
+        while len(_MAPPED) > max(1, workers) * (SLOTS + 1) * max(1, n_keys):
             del _MAPPED[next(iter(_MAPPED))]
+
+
+def release() -> None:
+    """Let go of what this process keeps to take batches from DataLoader workers: the
+    workers' slots it keeps mapped and the dense and CSR buffers it reuses (batches still
+    in use stay valid). For a main process done with its loaders."""
+    with _MAPPED_LOCK:
+        _MAPPED.clear()
+        _RINGS.clear()
+    ARRIVED.clear()
+    _PARTS.clear()
 
 
 def arrive(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
            shape: tuple[int, int], dense: bool, n_keys: int, flags: torch.Tensor | None,
-           ring: str, k: int) -> torch.Tensor:
+           who: tuple[str, int, int], k: int) -> torch.Tensor:
     """Unpickling an :class:`InSlot` in the main process: the key densified by scipy (in
     the values' dtype) into an array the training loop let go of, or its CSR copied into
-    private buffers; then its slot is marked free (``flags[k] = 0``)."""
+    private buffers; then its slot is marked free (``flags[k] = 0``: a plain store, seen by
+    the worker long after this process's reads of the slot ended, behind the queue's and
+    the allocator's locks). ``who``: the worker's ring id, pid and worker count."""
     try:
         if flags is not None:
-            _keep_mapped(ring, k, values.untyped_storage())
+            _keep_mapped(who, k, values.untyped_storage(), n_keys)
         if dense:
             ARRIVED.keep = max(ARRIVED.keep, 3 * n_keys)
             return csr_tensor_to_dense(torch.sparse_csr_tensor(
