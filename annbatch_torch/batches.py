@@ -107,12 +107,11 @@ class BatchAssembler:
         slotted: dict[str, bool] = {}  # key -> deliver dense
         if default and self.in_worker and sparse_keys and plain_worker_sends_csr(self.owner):
             for key in sparse_keys:
-                if policy.where == "pool" or (policy.where == "main"
-                                              and key in policy.main_keys):
-                    slotted[key] = policy.where == "main" or dense[key]
+                to_dense = policy.where == "pool" or (policy.where == "main"
+                                                      and key in policy.main_keys)
+                if to_dense or not dense[key]:  # else densified here, as before
+                    slotted[key] = to_dense
                     dense[key] = False
-                elif not dense[key]:
-                    slotted[key] = False
         # a field is densified in the pool when every key of it wants it dense; a key that
         # wants dense a field another key takes as CSR densifies its own copy
         dense_paths = {f.path for f in self.selector.values()} - {

@@ -280,6 +280,17 @@ def time_batches(
     raise RuntimeError(f"fewer than {n_warmup + n_batches} batches in {max_epochs} epochs")
 
 
+def touch_pages(batch: Any, key: str = "X") -> None:
+    """Read one value per 4 KiB page of ``batch[key]`` (a dense tensor, or a sparse CSR
+    tensor's values): what a copy to a device would touch, without the cost of a reduction
+    over every value (a whole-tensor int32 sum costs torch ~13x a float32 one)."""
+    import torch
+
+    x = batch[key]
+    v = (x.values() if x.layout == torch.sparse_csr else x).reshape(-1)
+    v[:: max(1, 4096 // v.element_size())].sum()
+
+
 def close_iterator(it: Iterator[Any]) -> None:
     """Stop a half-consumed batch iterator now (DataLoader workers included)."""
     # stop a half-consumed iterator now: workers (persistent ones too) would otherwise

@@ -171,7 +171,7 @@ _PARTS = BufferCache(keep=9)
 #: the slots last read, kept mapped in this process (torch maps a storage it receives anew
 #: unless one of it is alive here, and a fresh mapping faults in again page by page): those
 #: of live workers, at most ``SLOTS + 1`` per worker and key, the least recently read let
-#: go first; a worker that exited loses its slots when another worker's arrive
+#: go first; a worker that exited loses its slots when another worker's batch arrives
 _MAPPED: dict[tuple[str, int], torch.UntypedStorage] = {}
 _RINGS: dict[str, int] = {}  # ring id -> its worker's pid
 _MAPPED_LOCK = threading.Lock()

@@ -49,10 +49,12 @@ from ..store.manifest import ShardInfo
 from .buckets import BucketSegment, BucketWriter, bucket_id, bucket_segments
 from .narrow import ValueRange
 from .passes import route_rows, write_shard_blocks
+from .remap import usable_cpus
 from .schema import Schema
 from .shardstore import stored_arrays
 
-__all__ = ["Pass1Task", "InputPiece", "pass1_tasks", "run_parallel", "open_scheduler", "SCHEDULERS"]
+__all__ = ["InputPiece", "Pass1Task", "pass1_tasks", "run_parallel", "open_scheduler",
+           "SCHEDULERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +145,7 @@ def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any,
             f"scheduler={scheduler!r} is unknown: use None (one process), 'processes' or "
             "'threads' (a local Dask cluster of n_workers), or a dask.distributed.Client.")
     if n_workers is None:
-        n_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
+        n_workers = usable_cpus()
     n_workers = check_int("n_workers", n_workers, 1, error=InputError)
     procs = scheduler == "processes"
     import dask
