@@ -54,6 +54,22 @@ def test_slots_are_reused_only_once_read_and_a_full_ring_falls_back() -> None:
         assert torch.equal(g.to_dense(), p.to_dense())
 
 
+def test_every_slot_is_made_early_and_used_in_turn() -> None:
+    """Batches read one at a time still go through every slot, in turn, from the first
+    ones: the main process maps them all early instead of one more late in training (an
+    open descriptor and a mapping more, found by the soak test)."""
+    handoff._RING = None
+    ring = handoff._ring()
+    taken = []
+    for s in range(3 * handoff.SLOTS):
+        before = ring.flags.numpy().copy()
+        sent = _send(handoff.InSlot(_csr(s), dense=False))
+        taken.append(int(np.flatnonzero(ring.flags.numpy() != before)[0]))
+        pickle.loads(sent)
+    assert len(ring.slots) == handoff.SLOTS
+    assert taken == list(range(handoff.SLOTS)) * 3
+
+
 def test_a_failing_slot_sends_as_torch_does_and_frees_it(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """Pickling runs in the worker queue's feeder thread, which would drop a batch whose

@@ -76,23 +76,31 @@ class _Ring:
         self.pid = os.getpid()
         self.flags = torch.zeros(MAX_SLOTS, dtype=torch.int32).share_memory_()
         self.slots: list[torch.UntypedStorage] = []
+        self.used: list[int] = []  # when each slot was last taken
         self.lock = threading.Lock()
 
     def take(self, nbytes: int, n_keys: int) -> tuple[int, torch.UntypedStorage] | None:
-        """A free slot of at least ``nbytes`` (grown if smaller), marked in use: one of the
-        slots made so far, else a new one while there are fewer than ``SLOTS`` per key
-        of the batch (and :data:`MAX_SLOTS`); ``None`` when every slot is in flight."""
+        """A slot of at least ``nbytes`` (grown if smaller), marked in use: a new one while
+        there are fewer than ``SLOTS`` per key of the batch (at most :data:`MAX_SLOTS`),
+        then the free one taken least recently; ``None`` when every slot is in flight.
+        Every slot is made in the first batches and then used in turn, so the main process
+        maps them all early (and keeps them mapped), not one more late in training."""
         flags = self.flags.numpy()
         with self.lock:
-            k = next((k for k in range(len(self.slots)) if flags[k] == 0), None)
-            if k is None:
-                if len(self.slots) >= min(MAX_SLOTS, SLOTS * max(1, n_keys)):
-                    return None
+            if len(self.slots) < min(MAX_SLOTS, SLOTS * max(1, n_keys)):
                 k = len(self.slots)
                 self.slots.append(torch.UntypedStorage._new_shared(nbytes + nbytes // 4
                                                                    + _ALIGN))
-            elif self.slots[k].nbytes() < nbytes:
-                self.slots[k] = torch.UntypedStorage._new_shared(nbytes + nbytes // 4 + _ALIGN)
+                self.used.append(0)
+            else:
+                free = [k for k in range(len(self.slots)) if flags[k] == 0]
+                if not free:
+                    return None
+                k = min(free, key=self.used.__getitem__)
+                if self.slots[k].nbytes() < nbytes:
+                    self.slots[k] = torch.UntypedStorage._new_shared(nbytes + nbytes // 4
+                                                                     + _ALIGN)
+            self.used[k] = max(self.used) + 1
             flags[k] = 1
             return k, self.slots[k]
 
