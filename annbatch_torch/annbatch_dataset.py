@@ -35,6 +35,7 @@ from . import sampling
 from .batches import BatchAssembler
 from .errors import SamplerError, SchemaError, check_int
 from .fields import Field, normalize_selector
+from .read import handoff
 from .read.densify import DensifyPolicy
 from .read.device_pool import check_device
 from .read.genes import GeneSelection
@@ -607,11 +608,13 @@ class AnnBatchDataset(IterableDataset):
             nxt = self._items(epoch + 1, world)
             return nxt[0] if len(nxt) else None
 
-        pools = self._pool_stream().pools(items, prefetch=prefetch, shared=world.in_worker,
-                                          upcoming=upcoming)
         # closed on any exit: an exception kept by the caller must not keep the prefetch
         # thread and its pool alive, nor a pool read ahead for an epoch that failed
         assembler = self._assembler(world)
+        # a worker whose CSR keys travel by reference reads its pools into shared memory
+        memory = handoff.pool_memory() if assembler.handoff_keys() else None
+        pools = self._pool_stream().pools(items, prefetch=prefetch, shared=world.in_worker,
+                                          upcoming=upcoming, memory=memory)
         try:
             with contextlib.closing(pools):
                 for item, pool in pools:

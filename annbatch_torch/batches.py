@@ -87,13 +87,39 @@ class BatchAssembler:
     out_dtype: np.dtype | None = None
     owner: Any = field(default=None, repr=False, compare=False)
 
+    def _sparse_keys(self) -> frozenset[str]:
+        """The keys of CSR fields without a transform."""
+        return frozenset(
+            key for key, f in self.selector.items() if f.transform is None
+            and getattr(self.source.fields.get(f.path), "kind", None) == "csr")
+
+    def handoff_keys(self) -> dict[str, bool]:
+        """``{key: deliver dense}`` of the keys sent to the main process by reference to
+        the worker's pool memory (``read/handoff.py``): in a DataLoader worker handing
+        batches on as they are, under the default converter, the CSR keys without a
+        transform that the worker would not densify itself; delivered densified (by the
+        main process as it unpickles them) under the ``"pool"`` policy. Empty elsewhere.
+        Call it while the worker fetches (the fetch is found on the stack)."""
+        converter = self.converter
+        if not (self.in_worker and (converter is None or converter is batch_dict_converter)):
+            return {}
+        sparse_keys = self._sparse_keys()
+        if not sparse_keys or not plain_worker_sends_csr(self.owner):
+            return {}
+        # a plain DataLoader's worker keeps "pool": densified as the batch is unpickled; an
+        # AnnBatchDataLoader's ("main") densifies as it hands the batch over, after the
+        # reordering of batches arrived from several workers (fewer dense arrays alive)
+        policy, out = self.policy, {}
+        for key in sparse_keys:
+            if policy.where == "pool" or not policy.pool_densifies(key, True):
+                out[key] = policy.where == "pool"
+        return out
+
     def batches(self, item: WorkItem, pool: HostPool | DevicePool) -> Iterator[Any]:
         """The batches of ``item`` cut out of ``pool`` (its rows), converted."""
         converter = self.converter
         default = converter is None or converter is batch_dict_converter
-        sparse_keys = frozenset(
-            key for key, f in self.selector.items() if f.transform is None
-            and getattr(self.source.fields.get(f.path), "kind", None) == "csr")
+        sparse_keys = self._sparse_keys()
         if default:
             keep = () if self.out_dtype is None else sparse_keys
             converter = functools.partial(batch_dict_converter, keep_dtype=keep)
@@ -101,17 +127,11 @@ class BatchAssembler:
         policy = self.policy
         on_device = isinstance(pool, DevicePool)
         dense = {key: policy.pool_densifies(key, self.in_worker) for key in self.selector}
-        # in a DataLoader worker handing batches on as they are, a CSR key without a
-        # transform travels through a reused shared-memory slot and is delivered (densified
-        # when it is to be dense) as the main process unpickles it (read/handoff.py)
-        slotted: dict[str, bool] = {}  # key -> deliver dense
-        if default and self.in_worker and sparse_keys and plain_worker_sends_csr(self.owner):
-            for key in sparse_keys:
-                to_dense = policy.where == "pool" or (policy.where == "main"
-                                                      and key in policy.main_keys)
-                if to_dense or not dense[key]:  # else densified here, as before
-                    slotted[key] = to_dense
-                    dense[key] = False
+        # keys sent by reference stay CSR here (densified, when they are to be, by the
+        # main process as it unpickles them)
+        slotted = self.handoff_keys()
+        for key in slotted:
+            dense[key] = False
         # a field is densified in the pool when every key of it wants it dense; a key that
         # wants dense a field another key takes as CSR densifies its own copy
         dense_paths = {f.path for f in self.selector.values()} - {

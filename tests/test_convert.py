@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from annbatch_torch import batch_dict_converter, to_device
 from annbatch_torch.convert import to_tensor
+from annbatch_torch.read.buffers import DenseBuffers
 from annbatch_torch.read.csr import densify_csr
 
 
@@ -67,3 +70,33 @@ def test_sparse_batches_are_float32_like_dense_ones(dtype: type) -> None:
     assert out["x"].dtype == torch.float32
     assert out["d"].dtype == torch.float32
     np.testing.assert_array_equal(out["x"].to_dense().numpy(), m.toarray().astype(np.float32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 40), g=st.integers(1, 30), density=st.floats(0, 1),
+       dtype=st.sampled_from([np.float32, np.float64, np.int32, np.uint16]),
+       threads=st.sampled_from([1, 2]), dups=st.booleans(), seed=st.integers(0, 2**16))
+def test_densify_into_a_used_buffer_equals_scipy(n: int, g: int, density: float,
+                                                 dtype: type, threads: int, dups: bool,
+                                                 seed: int) -> None:
+    """Densifying into reused arrays holding an earlier batch (the compiled row loop
+    zeroes each row before filling it): equal to scipy's dense matrix, duplicate entries
+    summed, in every values dtype, on one thread or split over two."""
+    rng = np.random.default_rng(seed)
+    m = sp.random(n, g, density=density, format="csr", random_state=rng, dtype=np.float64)
+    m.data = np.round(m.data * 100).astype(dtype)
+    m = m.astype(dtype)
+    if dups and m.nnz:  # a repeated column in the first stored row holding values
+        r = int(np.flatnonzero(np.diff(m.indptr))[0])
+        lo = m.indptr[r]
+        m = sp.csr_matrix((np.insert(m.data, lo, m.data[lo]),
+                           np.insert(m.indices, lo, m.indices[lo]),
+                           np.concatenate([m.indptr[: r + 1], m.indptr[r + 1:] + 1])),
+                          shape=m.shape)
+    buffers = DenseBuffers(keep=1)
+    junk = buffers.take((n, g), np.dtype(dtype))
+    junk[...] = 7
+    del junk
+    out = densify_csr(m, dtype=dtype, threads=threads, buffers=buffers)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(out, m.toarray())

@@ -1,12 +1,15 @@
-"""CSR keys from DataLoader workers to the main process through reused shared-memory slots
-(read/handoff.py): the values arrive unchanged, a slot is rewritten only after the main
-process let go of it, and with every slot in flight the parts travel as torch sends them."""
+"""Batch values from DataLoader workers to the main process by reference to the workers'
+pool memory (read/handoff.py): the values arrive unchanged, a slot is rewritten only after
+the main process let go of every batch sent from it, the memory is reused, and anything
+outside it travels as torch sends it."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +21,10 @@ import annbatch_torch as abt
 from annbatch_torch import Collection
 from annbatch_torch.convert import csr_to_torch
 from annbatch_torch.read import handoff
+from annbatch_torch.read.buffers import BufferCache
+
+#: several pools per worker and epoch on the 2,700-cell collection
+SMALL_POOLS = dict(batch_size=64, chunk_size=64, preload_nchunks=4, return_index=True)
 
 
 def _csr(seed: int, dtype: type = np.float32) -> torch.Tensor:
@@ -30,108 +37,168 @@ def _send(x: handoff.InSlot) -> bytes:
     return bytes(ForkingPickler.dumps(x))  # what a worker's queue does
 
 
-def test_slots_are_reused_only_once_read_and_a_full_ring_falls_back() -> None:
-    handoff._RING = None  # a fresh ring for this process
-    ring = handoff._ring()
-    flags = ring.flags.numpy()
-    cap = handoff.SLOTS  # slots for one key
-    parts = [_csr(s) for s in range(cap + 1)]
-    sent = [_send(handoff.InSlot(p, dense=False)) for p in parts]
-    assert flags[:cap].tolist() == [1] * cap  # every slot in flight, the last one fell back
-    assert len(ring.slots) == cap
-    before = list(ring.slots)
-    got = [pickle.loads(s) for s in sent]  # the main process reads them: slots freed
-    assert flags.tolist() == [0] * handoff.MAX_SLOTS
-    for p, g in zip(parts, got):
-        assert g.layout == torch.sparse_csr
-        assert torch.equal(g.to_dense(), p.to_dense())
-    # the next batch reuses a slot (no new shared memory) and the earlier ones stay intact
-    again = pickle.loads(_send(handoff.InSlot(_csr(99), dense=True)))
-    assert len(ring.slots) == cap
-    assert all(a is b for a, b in zip(ring.slots, before))
-    assert torch.equal(again, _csr(99).to_dense())
-    for p, g in zip(parts, got):
-        assert torch.equal(g.to_dense(), p.to_dense())
+def _as_dense(x: torch.Tensor) -> torch.Tensor:
+    return x.to_dense() if x.layout == torch.sparse_csr else x
 
 
-def test_every_slot_is_made_early_and_used_in_turn() -> None:
-    """Batches read one at a time still go through every slot, in turn, from the first
-    ones: the main process maps them all early instead of one more late in training (an
-    open descriptor and a mapping more, found by the soak test)."""
-    handoff._RING = None
-    ring = handoff._ring()
-    taken = []
-    for s in range(3 * handoff.SLOTS):
-        before = ring.flags.numpy().copy()
-        sent = _send(handoff.InSlot(_csr(s), dense=False))
-        taken.append(int(np.flatnonzero(ring.flags.numpy() != before)[0]))
-        pickle.loads(sent)
-    assert len(ring.slots) == handoff.SLOTS
-    assert taken == list(range(handoff.SLOTS)) * 3
+def _source(collection: Collection) -> np.ndarray:
+    """The collection's X, dense, in global row order (read in-process)."""
+    out = np.zeros((collection.n_obs, collection.n_vars), dtype=np.float32)
+    for b in abt.AnnBatchDataset(collection, batch_size=512, shuffle=False, densify=True,
+                                 return_index=True):
+        out[b["index"].numpy()] = b["X"].numpy()
+    return out
 
 
-def test_a_failing_slot_sends_as_torch_does_and_frees_it(monkeypatch: pytest.MonkeyPatch
-                                                         ) -> None:
-    """Pickling runs in the worker queue's feeder thread, which would drop a batch whose
-    pickling raised (and the loader wait for it forever): a failure sends the parts as
-    torch does, and a slot taken is given back."""
-    handoff._RING = None
-    ring = handoff._ring()
-    p = _csr(5)
-
-    def broken_copy(self: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        raise OSError("no space left on /dev/shm")
-
-    monkeypatch.setattr(torch.Tensor, "copy_", broken_copy)
-    sent = _send(handoff.InSlot(p, dense=False))
-    monkeypatch.undo()
-    assert ring.flags.numpy().tolist() == [0] * handoff.MAX_SLOTS
-    assert torch.equal(pickle.loads(sent).to_dense(), p.to_dense())
+def test_values_outside_pool_memory_travel_as_torch_sends_them() -> None:
+    """A CSR value that does not lie in this process's pool memory (none here) is
+    pickled as torch would, and arrives equal, in its dtype, as CSR or densified."""
+    for dtype in (np.float32, np.int16):
+        p = _csr(3, dtype)
+        got = pickle.loads(_send(handoff.InSlot(p)))
+        assert got.layout == torch.sparse_csr
+        assert got.values().dtype == p.values().dtype
+        assert torch.equal(got.to_dense(), p.to_dense())
+        got_dense = pickle.loads(_send(handoff.InSlot(p, dense=True)))
+        assert got_dense.layout == torch.strided
+        assert got_dense.dtype == p.values().dtype
+        assert torch.equal(got_dense, p.to_dense())
 
 
-def test_the_slots_of_workers_gone_are_let_go() -> None:
-    """The main process keeps the slots it read mapped, but not those of a worker that
-    exited once another worker's batch arrives; release() lets go of everything."""
+def test_pool_memory_locates_values_and_frees_a_slot_when_its_array_is_garbage(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer cache given pool memory allocates in it; a tensor viewing such an array
+    is located (slot, offset); a slot is reused only once sent == done; the memory runs
+    out of slots gracefully (private memory then)."""
+    monkeypatch.setattr(handoff, "MAX_SLOTS", 3)
+    memory = handoff.PoolMemory()
+    cache = BufferCache(keep=2)
+    cache.memory = memory
+    a = cache.take(100, np.float32)
+    k, slot, off = memory.locate(torch.from_numpy(a[10:20]))
+    assert off == 40
+    assert slot.addr == a.ctypes.data
+    assert memory.locate(torch.zeros(4)) is None
+    memory._c[k, handoff.SENT] += 1  # a batch sent from it, not yet let go of
+    del a
+    b = cache.take(100, np.float32)  # the first is busy: a second slot
+    assert memory.locate(torch.from_numpy(b))[0] != k
+    memory._c[k, handoff.DONE] += 1  # let go of by the main process
+    del b
+    again = cache.take(100, np.float32)
+    assert memory.locate(torch.from_numpy(again))[0] == k  # reused
+    held = [memory.allocate(8) for _ in range(3)]  # `again` and `b` (kept by the cache)
+    assert [h is None for h in held] == [False, True, True]  # hold 2 of the 3 slots
+    gen = int(memory._c[k, handoff.GEN])
+    cache.clear()
+    del again
+    assert int(memory._c[k, handoff.GEN]) == gen + 1  # freed: the main process unmaps it
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("densify", [False, True])
+def test_batches_kept_while_reading_on_stay_intact(
+        small_collection: Collection, densify: bool, context: str) -> None:
+    """Two workers, persistent, three epochs: every batch of the first epoch is kept
+    while two more epochs are read (a slot rewritten under it would change it), each
+    epoch covers every row exactly once, every value equals the source, and the values
+    came by reference (both workers' memory is mapped here)."""
     handoff.release()
-    st = torch.UntypedStorage(8)
-    gone_pid = 2**22 + 12345  # above Linux's pid_max default of 2**22: no such process
-    handoff._keep_mapped(("gone", gone_pid, 2), 0, st, 1)
-    handoff._keep_mapped(("live", os.getpid(), 2), 0, st, 1)
-    assert set(handoff._MAPPED) == {("live", 0)}
+    ds = abt.AnnBatchDataset(small_collection, densify=densify, seed=3, **SMALL_POOLS)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context)
+    source = _source(small_collection)
+    kept = list(loader)
+    for e in (1, 2):
+        ds.set_epoch(e)
+        rows = []
+        for b in loader:
+            np.testing.assert_array_equal(_as_dense(b["X"]).numpy(), source[b["index"]])
+            rows.append(b["index"])
+        assert sorted(torch.cat(rows).tolist()) == list(range(small_collection.n_obs))
+    assert sorted(torch.cat([b["index"] for b in kept]).tolist()) == list(
+        range(small_collection.n_obs))
+    for b in kept:
+        assert b["X"].layout == (torch.strided if densify else torch.sparse_csr)
+        np.testing.assert_array_equal(_as_dense(b["X"]).numpy(), source[b["index"]])
+    assert len(handoff._WORKERS) == 2
+    del kept, b, loader
     handoff.release()
-    assert not handoff._MAPPED
 
 
-def test_integer_values_arrive_in_their_dtype() -> None:
-    p = _csr(3, np.int16)
-    got = pickle.loads(_send(handoff.InSlot(p, dense=False)))
-    assert got.values().dtype == torch.int16
-    assert torch.equal(got.to_dense(), p.to_dense())
-    dense = pickle.loads(_send(handoff.InSlot(p, dense=True)))
-    assert dense.dtype == torch.int16
-    assert torch.equal(dense, p.to_dense())
+@pytest.mark.parametrize("densify", [False, True])
+def test_a_loop_letting_go_of_its_batches_reuses_the_same_memory(
+        small_collection: Collection, densify: bool) -> None:
+    """Batches dropped as a training loop does: over three epochs of ~6 pools per
+    worker, each worker sends from a handful of slots (its pool buffers and dense
+    arrays, reused), not from new memory for every pool."""
+    handoff.release()
+    ds = abt.AnnBatchDataset(small_collection, densify=densify, seed=3, **SMALL_POOLS)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    n = 0
+    for e in range(3):
+        ds.set_epoch(e)
+        n += sum(1 for _ in loader)
+    assert n == 3 * -(-small_collection.n_obs // 64)
+    assert len(handoff._WORKERS) == 2
+    for w in handoff._WORKERS.values():
+        c = w.counters[: handoff.MAX_SLOTS]
+        used = np.flatnonzero(c[:, handoff.SENT])
+        # 3 pools' buffers (2 each) are kept
+        assert 0 < len(used) <= 6
+        assert int(c[:, handoff.GEN].sum()) <= 2  # hardly any freed and made anew
+    del loader
+    handoff.release()
 
 
-def test_plain_loader_workers_deliver_the_in_process_batches_kept_whole(
+def _read_on(it: Any, kept: list) -> None:
+    for _ in range(100):
+        kept.append(next(it))
+
+
+def test_a_worker_killed_mid_epoch_is_an_error_and_kept_batches_stay_whole(
         small_collection: Collection) -> None:
-    """Every batch of two epochs through two workers, all kept by the loop at once (no
-    buffer may be reused under it), equals the in-process batch, sparse and dense."""
-    for densify in (False, True):
-        kw = dict(densify=densify, batch_size=200, seed=6, return_index=True)
-        ds = abt.AnnBatchDataset(small_collection, **kw)
-        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
-        ref_ds = abt.AnnBatchDataset(small_collection, **kw)
-        for epoch in range(2):
-            ds.set_epoch(epoch)
-            ref_ds.set_epoch(epoch)
-            got = {int(b["index"][0]): b for b in loader}
-            ref = {int(b["index"][0]): b for b in ref_ds}
-            assert got.keys() == ref.keys()
-            for k, r in ref.items():
-                g = got[k]["X"]
-                assert g.layout == r["X"].layout
-                if g.layout == torch.sparse_csr:
-                    g, want = g.to_dense(), r["X"].to_dense()
-                else:
-                    want = r["X"]
-                assert torch.equal(g, want)
+    """SIGKILL of a worker mid-epoch: the loader raises torch's error naming the worker,
+    and the batches received before stay equal to the source."""
+    handoff.release()
+    ds = abt.AnnBatchDataset(small_collection, seed=5, **SMALL_POOLS)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, timeout=60)
+    it = iter(loader)
+    kept = [next(it) for _ in range(6)]
+    os.kill(it._workers[0].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"DataLoader worker .* exited unexpectedly|killed"):
+        _read_on(it, kept)
+    del it
+    source = _source(small_collection)
+    for b in kept:
+        np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
+    del kept, b
+    handoff.release()
+
+
+def test_a_loop_holding_every_batch_makes_the_workers_read_elsewhere(
+        small_collection: Collection) -> None:
+    """A training loop that keeps all batches of an epoch (e.g. a list of them) holds
+    every slot they came from: the workers read their next pools into other memory and
+    nothing is overwritten; once let go, the slots are given back (done == sent)."""
+    handoff.release()
+    ds = abt.AnnBatchDataset(small_collection, seed=9, **SMALL_POOLS)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, persistent_workers=True)
+    first = list(loader)
+    ds.set_epoch(1)
+    second = list(loader)
+    source = _source(small_collection)
+    for b in first + second:
+        np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
+    (w,) = handoff._WORKERS.values()
+    c = w.counters[: handoff.MAX_SLOTS]
+    assert (c[:, handoff.SENT] != c[:, handoff.DONE]).any()  # held right now
+    del first, second, b
+    ds.set_epoch(2)
+    n = sum(1 for _ in loader)  # batches arriving sweep the slots let go of
+    assert n > 0
+    held_now = c[:, handoff.SENT] - c[:, handoff.DONE]
+    # counted per part (2 per batch): at most the last pool's 4 batches, not 2 epochs'
+    assert held_now.sum() <= 8
+    del loader
+    handoff.release()

@@ -71,21 +71,23 @@ def test_only_untransformed_sparse_keys_are_deferred(small_collection: Collectio
 
 def test_a_field_under_a_plain_and_a_transformed_key_leaves_workers_as_csr(
         small_collection: Collection) -> None:
-    """The plain key of a field is sent as CSR and densified here (as it is unpickled,
-    from the worker's reused slot: private memory); its transformed key is densified in
-    the worker (it must see dense values) and arrives in the worker's shared memory."""
+    """The plain key of a field is sent as CSR (by reference to the worker's pool memory)
+    and densified here as the loader hands the batch over (private memory); its
+    transformed key is densified in the worker (it must see dense values) and arrives in
+    the worker's shared memory."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     sel = {"a": A.X, "b": A.X.with_transform(_double)}
     ds = abt.AnnBatchDataset(small_collection, selector=sel, densify=True, batch_size=300)
     loader = abt.AnnBatchDataLoader(ds, num_workers=2)
     sent = next(iter(StatefulDataLoader.__iter__(loader)))  # as it left the workers' queue
-    assert sent["a"].layout == torch.strided
-    assert not sent["a"].is_shared()
+    assert sent["a"].layout == torch.sparse_csr
+    assert sent["a"].values().is_shared()
     assert sent["b"].layout == torch.strided
     assert sent["b"].is_shared()
     for b in loader:
         assert b["a"].layout == torch.strided
+        assert not b["a"].is_shared()
         np.testing.assert_array_equal(b["b"].numpy(), 2 * b["a"].numpy())
 
 

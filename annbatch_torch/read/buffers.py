@@ -60,6 +60,10 @@ class _Reused:
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
+        #: in a DataLoader worker whose batches travel by reference (``read/handoff.py``),
+        #: the worker's shared pool memory: arrays are allocated in it, and an array is
+        #: free only once the main process has also let go of what was sent from it
+        self.memory: Any = None
         self.allocations = 0  # arrays allocated (not reused) so far
         self._owners: list[np.ndarray] = []
         self._lock = threading.Lock()
@@ -82,7 +86,15 @@ class _Reused:
         # is measured on a probe held the same way
         probe = [np.empty(0)]
         floor = [sys.getrefcount(o) for o in probe][0]  # noqa: RUF015 (same shape as below)
-        return [o for o in self._owners if sys.getrefcount(o) <= floor]
+        free = [o for o in self._owners if sys.getrefcount(o) <= floor]
+        if self.memory is not None:
+            free = [o for o in free if not self.memory.busy(o)]
+        return free
+
+    def _fresh(self, nbytes: int) -> np.ndarray | None:
+        """A fresh ``uint8`` array of ``nbytes`` in :attr:`memory`; ``None`` without one
+        (or when it has no slot left)."""
+        return self.memory.allocate(nbytes) if self.memory is not None else None
 
     def _remember(self, owner: np.ndarray, free: list[np.ndarray]) -> None:
         """Count a fresh ``owner`` and keep it for reuse, in place of a free one when
@@ -132,7 +144,10 @@ class BufferCache(_Reused):
             if fits:
                 return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
             # room to grow: pools' sizes vary; pages never touched cost no memory (RSS)
-            owner = fresh_bytes(nbytes + nbytes // 2 + 64)
+            size = nbytes + nbytes // 2 + 64
+            owner = self._fresh(size)
+            if owner is None:
+                owner = fresh_bytes(size)
             self._remember(owner, free)
             return owner[:nbytes].view(dtype)
 
@@ -172,6 +187,8 @@ class DenseBuffers(_Reused):
             # numpy's allocation, huge pages and all (unlike pool buffers, fresh_bytes): a
             # dense batch is written row by row across its whole width, and fills ~8%
             # faster on 2-MiB pages, which pays back the slower first touch in a long run
-            owner = np.empty(nbytes, dtype=np.uint8)
+            owner = self._fresh(nbytes)
+            if owner is None:
+                owner = np.empty(nbytes, dtype=np.uint8)
             self._remember(owner, free)
             return owner.view(dtype).reshape(shape)

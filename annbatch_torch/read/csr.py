@@ -17,6 +17,7 @@ import scipy.sparse as sp
 import torch
 
 from .buffers import DenseBuffers
+from .scatter import todense_rows
 
 try:  # scipy's CSR -> dense kernel, writing into a given (zeroed) buffer
     from scipy.sparse._sparsetools import csr_todense as _csr_todense
@@ -40,6 +41,9 @@ def _helper_thread() -> ThreadPoolExecutor:
 
 def _fill_todense(n: int, g: int, indptr: np.ndarray, indices: np.ndarray, data: np.ndarray,
                   out: np.ndarray, zero: bool) -> None:
+    if out.flags.c_contiguous and out.dtype == data.dtype:
+        todense_rows(indptr[: n + 1], indices, data, out, zero)  # one pass over ``out``
+        return
     if zero:
         out.fill(0)
     _csr_todense(n, g, indptr, indices, data, out)

@@ -1,21 +1,34 @@
-"""Sparse batch values from a DataLoader worker to the main process, through reused slots.
+"""Sparse batch values from a DataLoader worker to the main process, without a copy.
 
 A plain ``DataLoader`` worker hands each batch to the main process by pickling it, and
 torch moves every tensor's memory into a fresh shared-memory segment on the way: a batch of
-4096 cells x 20,000 genes carries ~100 MB of CSR parts, and every page of the fresh segment
-faults in twice (filled in the worker, read in the main process), a cost the in-process
-loader never pays. Here a CSR key of a batch travels as an :class:`InSlot`: when the batch
-is pickled, its parts are copied into one of a few shared-memory slots the worker keeps
-(allocated once, reused), and when the main process unpickles it, :func:`arrive` copies
-them out (into reused private buffers) or densifies them straight from the slot, then marks
-the slot free in a small shared flags array. A slot is only rewritten after the main
-process marked it free, i.e. after it has stopped reading it; when none is free (the main
-process has not unpickled the batches sent before) the parts travel as torch would send
-them, in fresh shared memory.
+4096 cells x 20,000 genes carries ~60 MB of CSR parts, copied once in the worker and faulted
+in page by page on both sides, a cost the in-process loader never pays (its batches are
+views of the pool). Here the worker reads its pools into shared memory of its own
+(:class:`PoolMemory`, the allocator of the reader's buffer cache), a CSR key of a batch
+travels as an :class:`InSlot`, and pickling it sends where its parts lie in that memory
+(which slot, which generation of it, the offset), not the bytes: the main process maps each
+slot once (the storage itself travels the first time only) and :func:`arrive` hands the
+training loop tensors viewing it; a key to be dense is densified by :func:`arrive` straight
+from the slot into an array the training loop let go of (:data:`ARRIVED`), and the slot is
+given back at once.
+
+A slot is reused only once the main process has let go of every batch it sent from it.
+Each slot has four counters in a small shared array: batches ``sent`` from it (written by
+the worker as it pickles one), batches ``done`` (written by the main process when no tensor
+of its own views the slot any more: the storage's use count is back to the one reference
+the main process keeps; checked whenever a batch arrives), its ``gen`` (bumped by the
+worker when it frees the slot's memory; the main process then unmaps it) and the generation
+``mapped`` by the main process (the worker sends the storage itself until it is). The
+worker's buffer cache hands a pool buffer out again only when its own references are gone
+and ``sent == done``; a batch the training loop keeps therefore keeps its slot, and the
+worker reads its next pools into other memory.
 
 Used only where nothing but the queue sees the value between the dataset and the main
 process (:func:`plain_worker_sends_csr`): torch's fetcher of this very dataset, with
 ``batch_size=None`` and no ``collate_fn`` of the caller's, under the default converter.
+A part outside the worker's pool memory (the memory ran out of slots, a converter's copy)
+travels as torch sends it.
 """
 
 from __future__ import annotations
@@ -24,23 +37,25 @@ import os
 import secrets
 import sys
 import threading
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .buffers import BufferCache, DenseBuffers
+from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["ARRIVED", "InSlot", "arrive", "plain_worker_sends_csr", "release"]
+__all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "plain_worker_sends_csr",
+           "pool_memory", "release"]
 
-#: shared-memory slots a worker starts with per CSR key (the batch being made and those in
-#: flight: torch's DataLoader keeps ``prefetch_factor`` (2) batches per worker in flight);
-#: a worker adds one when none is free, up to :data:`MAX_SLOTS`
-SLOTS = 3
-MAX_SLOTS = 16
-_ALIGN = 64
+#: slots a worker's pool memory can have at once (pool buffers: two per CSR field and pool,
+#: for the pool being read, the pools whose batches are in flight or held)
+MAX_SLOTS = 64
+SENT, DONE, GEN, MAPPED = range(4)
+_KNOWN = MAX_SLOTS  # counters row whose first cell the main process sets once it knows them
 
 
 def plain_worker_sends_csr(dataset: Any) -> bool:
@@ -68,64 +83,95 @@ def plain_worker_sends_csr(dataset: Any) -> bool:
     return False
 
 
-class _Ring:
-    """A worker's slots and their flags (1: in use until the main process read it)."""
+@dataclass
+class _Slot:
+    storage: torch.UntypedStorage
+    addr: int
+    nbytes: int
+
+
+class PoolMemory:
+    """A DataLoader worker's shared memory for pool buffers (see the module's text): the
+    allocator of its reader's :class:`~annbatch_torch.read.buffers.BufferCache`."""
 
     def __init__(self) -> None:
         self.id = secrets.token_hex(8)
         self.pid = os.getpid()
-        self.flags = torch.zeros(MAX_SLOTS, dtype=torch.int32).share_memory_()
-        self.slots: list[torch.UntypedStorage] = []
-        self.used: list[int] = []  # when each slot was last taken
+        self.counters = torch.zeros((MAX_SLOTS + 1, 4), dtype=torch.int64).share_memory_()
+        self._c = self.counters.numpy()
+        self._c[:, MAPPED] = -1  # nothing mapped yet
+        self.slots: dict[int, _Slot] = {}
         self.lock = threading.Lock()
 
-    def take(self, nbytes: int, n_keys: int) -> tuple[int, torch.UntypedStorage] | None:
-        """A slot of at least ``nbytes`` (grown if smaller), marked in use: a new one while
-        there are fewer than ``SLOTS`` per key of the batch (at most :data:`MAX_SLOTS`),
-        then the free one taken least recently; ``None`` when every slot is in flight.
-        Every slot is made in the first batches and then used in turn, so the main process
-        maps them all early (and keeps them mapped), not one more late in training."""
-        flags = self.flags.numpy()
+    def allocate(self, nbytes: int) -> np.ndarray | None:
+        """A fresh ``uint8`` array of ``nbytes`` in a new slot; ``None`` when every slot
+        is live or still held by the main process (the caller takes private memory).
+        The slot is freed (its generation bumped) when the array is garbage."""
+        c = self._c
         with self.lock:
-            if len(self.slots) < min(MAX_SLOTS, SLOTS * max(1, n_keys)):
-                k = len(self.slots)
-                self.slots.append(torch.UntypedStorage._new_shared(nbytes + nbytes // 4
-                                                                   + _ALIGN))
-                self.used.append(0)
-            else:
-                free = [k for k in range(len(self.slots)) if flags[k] == 0]
-                if not free:
-                    return None
-                k = min(free, key=self.used.__getitem__)
-                if self.slots[k].nbytes() < nbytes:
-                    self.slots[k] = torch.UntypedStorage._new_shared(nbytes + nbytes // 4
-                                                                     + _ALIGN)
-            self.used[k] = max(self.used) + 1
-            flags[k] = 1
-            return k, self.slots[k]
+            k = next((k for k in range(MAX_SLOTS)
+                      if k not in self.slots and c[k, SENT] == c[k, DONE]), None)
+            if k is None:
+                return None
+            storage = torch.UntypedStorage._new_shared(max(1, nbytes))
+            # the tensor's own array (not a slice of it): views of it name it as their base,
+            # so its reference count tells whether one is alive
+            owner = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+            self.slots[k] = _Slot(storage, owner.ctypes.data, nbytes)
+        weakref.finalize(owner, self._retire, k)
+        return owner
 
-    def give_back(self, k: int) -> None:
-        """Free slot ``k`` that was taken but not sent."""
-        self.flags[k] = 0
+    def _retire(self, k: int) -> None:
+        with self.lock:
+            self.slots.pop(k, None)
+            self._c[k, GEN] += 1
+
+    def locate(self, t: torch.Tensor) -> tuple[int, _Slot, int] | None:
+        """``(slot index, slot, byte offset)`` of a contiguous CPU tensor lying in a live
+        slot, else ``None``."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        a, n = t.data_ptr(), t.numel() * t.element_size()
+        with self.lock:
+            for k, s in self.slots.items():
+                if s.addr <= a and a + n <= s.addr + s.nbytes:
+                    return k, s, a - s.addr
+        return None
+
+    def busy(self, owner: np.ndarray) -> bool:
+        """Whether batches sent from ``owner``'s slot are still held by the main process
+        (``False`` for an array of no slot)."""
+        a, c = owner.ctypes.data, self._c
+        with self.lock:
+            for k, s in self.slots.items():
+                if s.addr == a:
+                    return bool(c[k, SENT] != c[k, DONE])
+        return False
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("PoolMemory belongs to one worker process and is not pickled")
 
 
-_RING: tuple[int, _Ring] | None = None
+_MEMORY: tuple[int, PoolMemory] | None = None
 
 
-def _ring() -> _Ring:
-    global _RING
-    if _RING is None or _RING[0] != os.getpid():
-        _RING = (os.getpid(), _Ring())
-    return _RING[1]
+def pool_memory() -> PoolMemory:
+    """This process's :class:`PoolMemory` (one per worker process; a forked child makes
+    its own)."""
+    global _MEMORY
+    if _MEMORY is None or _MEMORY[0] != os.getpid():
+        _MEMORY = (os.getpid(), PoolMemory())
+    return _MEMORY[1]
 
 
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+def _this_memory() -> PoolMemory | None:
+    return _MEMORY[1] if _MEMORY is not None and _MEMORY[0] == os.getpid() else None
 
 
 class InSlot:
-    """A CSR key of a batch made in a DataLoader worker, sent through a reused slot (see
-    the module's text) and delivered by :func:`arrive` in the main process.
+    """A CSR key of a batch made in a DataLoader worker, sent by reference to the worker's
+    pool memory (see the module's text) and delivered by :func:`arrive` in the main
+    process.
 
     Parameters
     ----------
@@ -134,55 +180,62 @@ class InSlot:
     dense
         Deliver it densified (``densify=True``), else as CSR.
     n_keys
-        The batch's keys sent this way (the main process keeps reused buffers per key).
+        The batch's keys sent this way (the main process keeps dense arrays per key).
     """
 
     __slots__ = ("csr", "dense", "n_keys")
 
-    def __init__(self, csr: torch.Tensor, dense: bool, n_keys: int = 1) -> None:
+    def __init__(self, csr: torch.Tensor, dense: bool = False, n_keys: int = 1) -> None:
         self.csr, self.dense, self.n_keys = csr, dense, n_keys
 
     def __reduce__(self) -> tuple[Any, ...]:
         t = self.csr
         shape = (int(t.shape[0]), int(t.shape[1]))
-        parts = [t.crow_indices(), t.col_indices(), t.values()]
-        plain = (arrive, (*parts, shape, self.dense, self.n_keys, None, ("", 0, 0), -1))
-        # this runs in the queue's feeder thread, which drops a batch whose pickling raises
-        # (the loader would wait for it forever): any failure sends it as torch would
-        ring, k = None, -1
-        try:
-            ring = _ring()
-            got = ring.take(sum(_aligned(p.nbytes) for p in parts), self.n_keys)
-            if got is None:  # every slot still in flight
-                return plain
-            k, st = got
-            views, off = [], 0
-            for p in parts:
-                v = torch.empty(0, dtype=p.dtype).set_(st, off // p.element_size(), p.shape)
-                v.copy_(p)
-                views.append(v)
-                off += _aligned(p.nbytes)
-        except Exception:
-            if ring is not None and k >= 0:
-                ring.give_back(k)
-            return plain
+        crow = t.crow_indices().numpy()  # a few KB: in the pickle itself
+        parts = (t.col_indices(), t.values())
+        memory = _this_memory()
+        found = None if memory is None else [memory.locate(p) for p in parts]
+        if memory is None or found is None or None in found:  # as torch sends them
+            return (arrive, (crow, list(parts), shape, self.dense, self.n_keys, None))
+        c = memory._c
+        refs: list[Any] = []
+        with memory.lock:  # counted before the main process can see the batch
+            for p, (k, slot, off) in zip(parts, found):  # type: ignore[misc]
+                c[k, SENT] += 1
+                gen = int(c[k, GEN])
+                storage = slot.storage if c[k, MAPPED] != gen else None
+                refs.append((k, gen, storage, off, p.numel(), p.dtype))
+            counters = memory.counters if c[_KNOWN, 0] == 0 else None
         info = get_worker_info()
-        who = (ring.id, ring.pid, info.num_workers if info is not None else 1)
-        return (arrive, (*views, shape, self.dense, self.n_keys, ring.flags, who, k))
+        who = (memory.id, memory.pid, counters, info.num_workers if info is not None else 1)
+        return (arrive, (crow, refs, shape, self.dense, self.n_keys, who))
 
 
 #: dense arrays of arrived batches, reused once the training loop let go of them (the
 #: batch in use, one a loop may prefetch and the one being made, per key)
 ARRIVED = DenseBuffers(keep=3)
-#: CSR parts of arrived batches, likewise
-_PARTS = BufferCache(keep=9)
-#: the slots last read, kept mapped in this process (torch maps a storage it receives anew
-#: unless one of it is alive here, and a fresh mapping faults in again page by page): those
-#: of live workers, at most ``SLOTS + 1`` per worker and key, the least recently read let
-#: go first; a worker that exited loses its slots when another worker's batch arrives
-_MAPPED: dict[tuple[str, int], torch.UntypedStorage] = {}
-_RINGS: dict[str, int] = {}  # ring id -> its worker's pid
-_MAPPED_LOCK = threading.Lock()
+
+
+@dataclass
+class _Mapped:
+    """A worker's slot as this process maps it."""
+
+    storage: torch.UntypedStorage
+    gen: int
+    received: int = 0  # batches received from its index (this generation and before)
+    released: int = 0  # of which this process let go (written to ``done``)
+
+
+@dataclass
+class _Worker:
+    pid: int
+    counters: np.ndarray
+    keep: torch.Tensor  # the counters' tensor, kept mapped
+    slots: dict[int, _Mapped] = field(default_factory=dict)
+
+
+_WORKERS: dict[str, _Worker] = {}  # pool memory id -> the worker's slots mapped here
+_LOCK = threading.Lock()
 
 
 def _alive(pid: int) -> bool:
@@ -195,59 +248,101 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _keep_mapped(who: tuple[str, int, int], k: int, storage: torch.UntypedStorage,
-                 n_keys: int) -> None:
-    ring, pid, workers = who
-    with _MAPPED_LOCK:
-        if ring not in _RINGS:  # a new worker: forget the slots of workers gone
-            gone = {r for r, p in _RINGS.items() if not _alive(p)}
-            for key in [key for key in _MAPPED if key[0] in gone]:
-                del _MAPPED[key]
-            for r in gone:
-                del _RINGS[r]
-            _RINGS[ring] = pid
-        _MAPPED.pop((ring, k), None)
-        _MAPPED[(ring, k)] = storage
-        while len(_MAPPED) > max(1, workers) * (SLOTS + 1) * max(1, n_keys):
-            del _MAPPED[next(iter(_MAPPED))]
+def _use_count(storage: torch.UntypedStorage) -> int:
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def _sweep() -> None:
+    """Give back the slots no tensor here views any more (``done = received``) and unmap
+    those the worker freed (generation moved on). Under :data:`_LOCK`."""
+    for w in _WORKERS.values():
+        c = w.counters
+        for k in list(w.slots):
+            m = w.slots[k]
+            if c[k, GEN] != m.gen:  # freed by the worker: its memory is never written again
+                if m.received == c[k, SENT]:  # (else a batch of it is still on its way)
+                    c[k, DONE] = m.received
+                    del w.slots[k]
+            elif m.released != m.received and _use_count(m.storage) == 1:
+                c[k, DONE] = m.released = m.received
+
+
+def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
+    mem_id, pid, counters, _ = who
+    w = _WORKERS.get(mem_id)
+    if w is None:
+        if counters is None:
+            raise RuntimeError(
+                "a DataLoader worker's batch refers to shared memory this process no "
+                "longer maps: annbatch_torch.read.handoff.release() was called while the "
+                "loader's workers were running; call it only once they have exited.")
+        for gone in [i for i, x in _WORKERS.items() if not _alive(x.pid)]:
+            del _WORKERS[gone]  # workers that exited: their slots are unmapped
+        w = _WORKERS[mem_id] = _Worker(pid, counters.numpy(), counters)
+        w.counters[_KNOWN, 0] = 1
+    return w
+
+
+def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bool,
+           n_keys: int, who: tuple[str, int, torch.Tensor | None, int] | None
+           ) -> torch.Tensor:
+    """Unpickling an :class:`InSlot` in the main process: a CSR tensor viewing the worker's
+    slots, or densified from them (scipy's layout, in the values' dtype) into an array
+    the training loop let go of. ``parts``: the column indices and values as tensors
+    (sent as torch sends them) or as references ``(slot, generation, storage or None,
+    byte offset, numel, dtype)`` into the pool memory of worker ``who`` (its id, pid,
+    counters (sent until this process knows them) and the loader's worker count)."""
+    if who is not None:
+        with _LOCK:
+            w = _worker(who)
+            views = []
+            for k, gen, storage, off, n, dtype in parts:
+                m = w.slots.get(k)
+                if storage is not None and (m is None or m.gen != gen):
+                    # a slot made anew: the worker reused its index once every batch sent
+                    # from it before was let go of (sent == done, ``done`` written here)
+                    if m is not None:
+                        w.counters[k, DONE] = m.received
+                    done = int(w.counters[k, DONE])
+                    m = w.slots[k] = _Mapped(storage, gen, done, done)
+                    w.counters[k, MAPPED] = gen
+                elif m is None or m.gen != gen:
+                    raise RuntimeError(
+                        f"a DataLoader worker (pid {w.pid}) sent a batch in slot {k} "
+                        f"generation {gen}, which this process does not map; "
+                        "annbatch_torch.read.handoff.release() may have been called while "
+                        "the loader's workers were running.")
+                m.received += 1
+                item = torch.empty(0, dtype=dtype).element_size()
+                views.append(torch.empty(0, dtype=dtype).set_(m.storage, off // item, (n,)))
+            # the storages sent: from now on only the views and the map hold them
+            parts[:] = views
+            del views
+    out = torch.sparse_csr_tensor(torch.from_numpy(crow), parts[0], parts[1], size=shape,
+                                  check_invariants=False)
+    parts.clear()
+    if dense:
+        # the batch in use, one the loop may hold on to, and those the DataLoader keeps
+        # while it puts batches from several workers back in order (prefetch 2 each)
+        workers = 1 if who is None else who[3]
+        ARRIVED.keep = max(ARRIVED.keep, (2 + 2 * workers) * n_keys)
+        out = csr_tensor_to_dense(out, ARRIVED)
+    if who is not None:
+        with _LOCK:
+            _sweep()
+    return out
 
 
 def release() -> None:
-    """Let go of what this process keeps to take batches from DataLoader workers: the
-    workers' slots it keeps mapped and the dense and CSR buffers it reuses (batches still
-    in use stay valid). For a main process done with its loaders."""
-    with _MAPPED_LOCK:
-        _MAPPED.clear()
-        _RINGS.clear()
+    """Let go of the DataLoader workers' slots this process maps and of the dense arrays
+    it reuses (batches still in use stay valid). For a main process whose loaders'
+    workers have exited."""
+    with _LOCK:
+        for w in _WORKERS.values():
+            w.counters[_KNOWN, 0] = 0
+            for k, m in w.slots.items():
+                w.counters[k, MAPPED] = -1
+                if _use_count(m.storage) == 1:  # a slot still viewed stays taken for good
+                    w.counters[k, DONE] = m.received
+        _WORKERS.clear()
     ARRIVED.clear()
-    _PARTS.clear()
-
-
-def arrive(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor,
-           shape: tuple[int, int], dense: bool, n_keys: int, flags: torch.Tensor | None,
-           who: tuple[str, int, int], k: int) -> torch.Tensor:
-    """Unpickling an :class:`InSlot` in the main process: the key densified by scipy (in
-    the values' dtype) into an array the training loop let go of, or its CSR copied into
-    private buffers; then its slot is marked free (``flags[k] = 0``: a plain store, seen by
-    the worker long after this process's reads of the slot ended, behind the queue's and
-    the allocator's locks). ``who``: the worker's ring id, pid and worker count."""
-    try:
-        if flags is not None:
-            _keep_mapped(who, k, values.untyped_storage(), n_keys)
-        if dense:
-            ARRIVED.keep = max(ARRIVED.keep, 3 * n_keys)
-            return csr_tensor_to_dense(torch.sparse_csr_tensor(
-                crow, col, values, size=shape, check_invariants=False), ARRIVED)
-        if flags is None:  # fresh shared memory of its own: nothing to give back
-            return torch.sparse_csr_tensor(crow, col, values, size=shape,
-                                           check_invariants=False)
-        _PARTS.keep = max(_PARTS.keep, 9 * n_keys)
-        own = []
-        for p in (crow, col, values):
-            a = _PARTS.take(p.numel(), p.numpy().dtype)
-            np.copyto(a, p.numpy())
-            own.append(torch.from_numpy(a))
-        return torch.sparse_csr_tensor(*own, size=shape, check_invariants=False)
-    finally:
-        if flags is not None:
-            flags[k] = 0

@@ -26,6 +26,7 @@ from ..sampling import WorkItem
 from .buffers import DenseBuffers
 from .device_pool import DevicePool
 from .genes import GeneSelection
+from .handoff import PoolMemory
 from .host_pool import HostPool
 from .reader import PoolReader
 
@@ -92,7 +93,8 @@ class PoolStream:
                         dtype=self.reader.values_dtype)
 
     def pools(self, items: Sequence[WorkItem], *, prefetch: bool, shared: bool = False,
-              upcoming: Callable[[], WorkItem | None] | None = None
+              upcoming: Callable[[], WorkItem | None] | None = None,
+              memory: PoolMemory | None = None,
               ) -> Iterator[tuple[WorkItem, HostPool | DevicePool]]:
         """``(item, pool)`` for each item in turn; each pool is closed when the next is
         asked for.
@@ -108,7 +110,13 @@ class PoolStream:
         upcoming
             With ``prefetch``: gives the next epoch's first item, read ahead while the
             last pool is consumed and kept for the stream that asks for it.
+        memory
+            A DataLoader worker's shared pool memory (``read/handoff.py``): pool buffers
+            are allocated in it from now on, and kept from one epoch to the next (the
+            main process keeps them mapped).
         """
+        if memory is not None:
+            self.reader.buffers.memory = memory
         if not items:
             self.drop_read_ahead()  # nothing to read: free a pool read ahead for this epoch
             return
@@ -141,7 +149,7 @@ class PoolStream:
         finally:
             if bg is not None and not kept:
                 bg.shutdown(wait=True, cancel_futures=True)
-            if not kept:
+            if not kept and self.reader.buffers.memory is None:
                 self.reader.buffers.clear()
 
     def _read_item(self, item: WorkItem, shared: bool

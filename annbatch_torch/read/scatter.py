@@ -1,5 +1,5 @@
-"""Rows of a sparse matrix copied to their places in a pool, cast as they go: one compiled
-loop.
+"""Rows of a sparse matrix copied to their places, in a pool or in a dense batch: compiled
+loops.
 
 A pool's rows are read in stored order (one ``preadv`` and one CRC-32C per chunk, into a
 per-thread scratch buffer of a few MiB) and then put at their shuffled places in the pool's
@@ -8,6 +8,10 @@ buffers by :func:`scatter_rows`, widened on the way from what a shard stores (``
 (float32 values, int32 indices). The loop is compiled by numba and releases the GIL, so the
 reader's threads scatter in parallel; done in numpy it would cost a Python step per row (or
 an element index of 8 bytes per non-zero) and one more pass over the pool.
+
+:func:`todense_rows` densifies CSR rows into a reused dense array, zeroing each row just
+before filling it (while it is in the cache): one pass over the dense memory where zeroing
+it all and then scattering (scipy's ``csr_todense``) makes two.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from numba.core.compiler_lock import global_compiler_lock
 
 from .buffers import fresh_bytes
 
-__all__ = ["scatter_rows", "scratch"]
+__all__ = ["scatter_rows", "scratch", "todense_rows"]
 
 
 def _scatter_py(src, starts, lens, out, dests):  # type: ignore[no-untyped-def]  # pragma: no cover
@@ -32,10 +36,24 @@ def _scatter_py(src, starts, lens, out, dests):  # type: ignore[no-untyped-def] 
             out[d + j] = src[s + j]
 
 
-try:  # numba's cache (__pycache__ beside this file, else the user's cache folder)
-    _scatter = numba.njit(nogil=True, cache=True)(_scatter_py)
-except RuntimeError:  # nowhere writable to cache it (a read-only install, no home): compile
-    _scatter = numba.njit(nogil=True)(_scatter_py)  # in each process instead
+def _todense_py(indptr, indices, data, out, zero):  # type: ignore[no-untyped-def]  # pragma: no cover
+    for i in range(out.shape[0]):
+        row = out[i]
+        if zero:
+            row[:] = 0
+        for j in range(indptr[i], indptr[i + 1]):
+            row[indices[j]] += data[j]
+
+
+def _compiled(fn):  # type: ignore[no-untyped-def]
+    try:  # numba's cache (__pycache__ beside this file, else the user's cache folder)
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError:  # nowhere writable to cache it (a read-only install, no home):
+        return numba.njit(nogil=True)(fn)  # compiled in each process instead
+
+
+_scatter = _compiled(_scatter_py)
+_todense = _compiled(_todense_py)
 
 # numba compiles under one process-wide lock, taken by whichever thread meets a new pair of
 # dtypes first (a pool reader's thread, say); a child forked while another thread held it
@@ -82,6 +100,21 @@ def scatter_rows(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, out: np.
         raise ValueError(f"scatter_rows: rows fall outside the source ({src.size} items) or "
                          f"the destination ({out.size} items)")
     _scatter(src, starts, lens, out, dests)
+
+
+def todense_rows(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray,
+                 zero: bool) -> None:
+    """``out[i] += row i`` of the CSR ``(data, indices, indptr)`` for every row of ``out``
+    (``indptr`` holds ``len(out) + 1`` absolute offsets into ``indices`` and ``data``);
+    ``zero``: each row of ``out`` is zeroed first. ``out`` is C-contiguous 2-D, of
+    ``data``'s dtype; the column indices must lie in ``[0, out.shape[1])`` (not checked, as
+    in scipy's kernel: pools' indices were checked when read)."""
+    if (out.ndim != 2 or not out.flags.c_contiguous or not out.flags.writeable
+            or out.dtype != data.dtype or len(indptr) != out.shape[0] + 1):
+        raise ValueError("todense_rows: out must be a writeable C-contiguous 2-D array of "
+                         "the values' dtype, with one row per indptr step")
+    if out.shape[0]:
+        _todense(indptr, indices, data, out, zero)
 
 
 _local = threading.local()
