@@ -1,6 +1,6 @@
 """Batches at the training loop's door: in-process against worker processes (issue 32).
 
-    python benchmarks/handoff.py [COLLECTION] [--workers 2] [--rounds 3] [--batches 40]
+    python benchmarks/handoff.py [COLLECTION] [--workers 2 | 1,2,4] [--rounds 3] [--batches 40]
         [--loaders inproc,plain,abt] [--layouts sparse,dense]
 
 Each configuration runs in a fresh process, as a user's loop does: the dataset
@@ -58,7 +58,7 @@ def _child(args: argparse.Namespace) -> None:
     run = time_batches(epochs, n_warmup=2, n_batches=args.batches,
                        n_cells_of=lambda b: int(b["X"].shape[0]), consume=touch_pages)
     print(json.dumps({
-        "cells_per_s": run.cells_per_s,
+        "cells_per_s": run.cells_per_s, "cells_per_cpu_s": run.cells_per_cpu_s,
         "main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 
@@ -66,7 +66,7 @@ def _child(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("collection", nargs="?", default=str(DEFAULT))
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", default="2", help="worker counts, e.g. 1,2,4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--loaders", default="inproc,plain,abt")
@@ -83,25 +83,27 @@ def main() -> None:
         return
     loaders, layouts = args.loaders.split(","), args.layouts.split(",")
     load = os.getloadavg()[0]
-    configs = [(lo, la) for la in layouts for lo in loaders]
-    got: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in configs}
+    counts = [int(w) for w in args.workers.split(",")]
+    configs = [(lo, la, 0 if lo == "inproc" else w) for la in layouts for lo in loaders
+               for w in (counts if lo != "inproc" else [0])]
+    got: dict[tuple[str, str, int], list[dict[str, float]]] = {c: [] for c in configs}
     for _ in range(args.rounds):
-        for lo, la in configs:
+        for lo, la, w in configs:
             cmd = [sys.executable, __file__, args.collection, "--child", "--loader", lo,
-                   "--layout", la, "--nworkers", "0" if lo == "inproc" else str(args.workers),
-                   "--batches", str(args.batches)]
+                   "--layout", la, "--nworkers", str(w), "--batches", str(args.batches)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            got[(lo, la)].append(json.loads(out.strip().splitlines()[-1]))
-            print(lo, la, json.dumps(got[(lo, la)][-1]), flush=True)
+            got[(lo, la, w)].append(json.loads(out.strip().splitlines()[-1]))
+            print(lo, la, w, json.dumps(got[(lo, la, w)][-1]), flush=True)
     rows = []
-    for lo, la in configs:
-        runs = got[(lo, la)]
+    for lo, la, w in configs:
+        runs = got[(lo, la, w)]
         best = max(r["cells_per_s"] for r in runs)
-        base = max(r["cells_per_s"] for r in got.get(("inproc", la), runs))
-        rows.append({"loader": lo, "layout": la, "workers": 0 if lo == "inproc" else
-                     args.workers, "best": best,
+        base = max(r["cells_per_s"] for r in got.get(("inproc", la, 0), runs))
+        rows.append({"loader": lo, "layout": la, "workers": w, "best": best,
                      "median": statistics.median(r["cells_per_s"] for r in runs),
-                     "ratio": best / base, "main_mb": max(r["main_mb"] for r in runs),
+                     "ratio": best / base,
+                     "cpu_us": 1e6 / statistics.median(r["cells_per_cpu_s"] for r in runs),
+                     "main_mb": max(r["main_mb"] for r in runs),
                      "worker_mb": max(r["worker_mb"] for r in runs)})
     names = {"inproc": "in-process (the dataset)", "plain": "plain `DataLoader`",
              "abt": "`AnnBatchDataLoader`"}
@@ -109,12 +111,13 @@ def main() -> None:
              f"{load:.2f} at the start, {os.cpu_count()} CPUs)", "",
              f"Collection: `{args.collection}`; batch 4096; {args.batches} batches timed "
              f"after 2, {args.rounds} alternated rounds, each a fresh process; ratio: best "
-             "against in-process's best, same layout.", "",
-             "| loader | layout | workers | best cells/s | median | ratio | main peak MB | "
-             "worker peak MB |", "|---|---|---|---|---|---|---|---|"]
+             "against in-process's best, same layout; CPU: microseconds of CPU (the main "
+             "process and its workers) per cell delivered, median.", "",
+             "| loader | layout | workers | best cells/s | median | ratio | CPU us/cell | "
+             "main peak MB | worker peak MB |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {names[r['loader']]} | {r['layout']} | {r['workers']} | {r['best']:,.0f} | "
-              f"{r['median']:,.0f} | {r['ratio']:.2f} | {r['main_mb']:,.0f} | "
-              f"{r['worker_mb']:,.0f} |" for r in rows]
+              f"{r['median']:,.0f} | {r['ratio']:.2f} | {r['cpu_us']:.1f} | "
+              f"{r['main_mb']:,.0f} | {r['worker_mb']:,.0f} |" for r in rows]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
