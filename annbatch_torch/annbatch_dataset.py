@@ -588,6 +588,8 @@ class AnnBatchDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         rank, world_size = self._resolve_dist()
         world = World.current(rank, world_size)
+        if not world.in_worker:  # workers of loaders done with: their memory unmapped
+            handoff.forget_exited()
         epoch = self.epoch
         if world.worker == 0:
             self._epoch.start(epoch, warn_repeat=self.shuffle)

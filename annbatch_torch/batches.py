@@ -73,8 +73,8 @@ class BatchAssembler:
         ``None``: float32.
     owner
         The dataset whose batches these are: in a plain ``DataLoader`` worker fetching
-        this very dataset, CSR keys travel through reused shared-memory slots
-        (``read/handoff.py``).
+        this very dataset, CSR keys travel by reference to the worker's shared pool
+        memory (``read/handoff.py``).
     """
 
     source: Source

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -92,6 +93,7 @@ def test_pool_memory_locates_values_and_frees_a_slot_when_its_array_is_garbage(
     gen = int(memory._c[k, handoff.GEN])
     cache.clear()
     del again
+    memory.locate(torch.zeros(1))  # (freed under the lock by the next call)
     assert int(memory._c[k, handoff.GEN]) == gen + 1  # freed: the main process unmaps it
 
 
@@ -202,3 +204,47 @@ def test_a_loop_holding_every_batch_makes_the_workers_read_elsewhere(
     assert held_now.sum() <= 8
     del loader
     handoff.release()
+
+
+def test_no_shared_memory_means_private_buffers_not_an_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A full /dev/shm: the pool memory gives ``None`` with a warning naming the fix, and
+    the buffer cache takes private memory (batches then travel as torch sends them)."""
+    memory = handoff.PoolMemory()
+    cache = BufferCache(keep=2)
+    cache.memory = memory
+
+    def full(nbytes: int) -> torch.UntypedStorage:
+        raise RuntimeError("unable to write to file </torch_1_2_3>: No space left on device")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", staticmethod(full))
+    a = cache.take(1000, np.float32)
+    assert a.shape == (1000,)
+    assert memory.locate(torch.from_numpy(a)) is None
+    assert "shm-size" in caplog.text
+
+
+def test_workers_of_a_dataset_iterated_here_first_still_send_by_reference(
+        small_collection: Collection) -> None:
+    """The same dataset object iterated in the main process first (its reader's buffers
+    made here), then by forked workers: they still read into their pool memory and send
+    by reference; once they exited, a new iteration here unmaps their memory."""
+    source = _source(small_collection)
+    handoff.release()
+    ds = abt.AnnBatchDataset(small_collection, seed=2, **SMALL_POOLS)
+    next(iter(ds))
+    got = list(DataLoader(ds, batch_size=None, num_workers=2))
+    for b in got:
+        np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
+    assert len(handoff._WORKERS) == 2
+    assert all(w.slots for w in handoff._WORKERS.values())
+    del b
+    for _ in range(100):  # the workers exit when the iterator is done with them
+        if not any(handoff._alive(w.pid) for w in handoff._WORKERS.values()):
+            break
+        time.sleep(0.05)
+    next(iter(ds))
+    assert not handoff._WORKERS
+    for b in got:  # their batches stay whole
+        np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
+    del got, b

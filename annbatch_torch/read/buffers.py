@@ -76,9 +76,13 @@ class _Reused:
         _Reused.__init__(self, state["keep"])
 
     def _after_fork(self) -> None:
-        """A forked child starts afresh: the lock may have been copied held."""
+        """A forked child starts afresh: the lock may have been copied held (pool memory
+        set in this very process is kept)."""
         if self._pid != os.getpid():
+            memory = self.memory
             _Reused.__init__(self, self.keep)
+            if memory is not None and getattr(memory, "pid", None) == os.getpid():
+                self.memory = memory
 
     def _free_owners(self) -> list[np.ndarray]:
         # a free array is referenced by the list and the loop only; how many references
@@ -143,8 +147,9 @@ class BufferCache(_Reused):
                 self._owners = [o for o in self._owners if id(o) not in small]
             if fits:
                 return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
-            # room to grow: pools' sizes vary; pages never touched cost no memory (RSS)
-            size = nbytes + nbytes // 2 + 64
+            # room to grow: pools' sizes vary; private pages never touched cost no memory
+            # (shared pool memory is committed whole: less room there)
+            size = nbytes + nbytes // (2 if self.memory is None else 8) + 64
             owner = self._fresh(size)
             if owner is None:
                 owner = fresh_bytes(size)

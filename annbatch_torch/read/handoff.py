@@ -33,6 +33,8 @@ travels as torch sends it.
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import secrets
 import sys
@@ -48,8 +50,10 @@ from torch.utils.data import get_worker_info
 from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "plain_worker_sends_csr",
-           "pool_memory", "release"]
+__all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "forget_exited",
+           "plain_worker_sends_csr", "pool_memory", "release"]
+
+logger = logging.getLogger(__name__)
 
 #: slots a worker's pool memory can have at once (pool buffers: two per CSR field and pool,
 #: for the pool being read, the pools whose batches are in flight or held)
@@ -102,27 +106,43 @@ class PoolMemory:
         self._c[:, MAPPED] = -1  # nothing mapped yet
         self.slots: dict[int, _Slot] = {}
         self.lock = threading.Lock()
+        # slots whose array became garbage, applied under the lock by the next call (the
+        # finalizer may run anywhere, even in a garbage collection inside a locked call)
+        self._retired: collections.deque[int] = collections.deque()
 
     def allocate(self, nbytes: int) -> np.ndarray | None:
         """A fresh ``uint8`` array of ``nbytes`` in a new slot; ``None`` when every slot
-        is live or still held by the main process (the caller takes private memory).
-        The slot is freed (its generation bumped) when the array is garbage."""
+        is live or still held by the main process, or when the shared memory cannot be
+        had (a full ``/dev/shm``): the caller then takes private memory, and batches cut
+        from it travel as torch sends them. Shared memory is committed whole when made
+        (untouched pages count too). The slot is freed (its generation bumped) once the
+        array is garbage."""
         c = self._c
         with self.lock:
+            self._apply_retired()
             k = next((k for k in range(MAX_SLOTS)
                       if k not in self.slots and c[k, SENT] == c[k, DONE]), None)
             if k is None:
                 return None
-            storage = torch.UntypedStorage._new_shared(max(1, nbytes))
+            try:
+                storage = torch.UntypedStorage._new_shared(max(1, nbytes))
+            except (RuntimeError, OSError) as e:
+                logger.warning("DataLoader worker %d: no shared memory for a pool buffer of "
+                               "%d MB (%s); its batches travel as torch sends them (a "
+                               "copy each). Give /dev/shm more room (docker run "
+                               "--shm-size).", os.getpid(), nbytes >> 20, e)
+                return None
             # the tensor's own array (not a slice of it): views of it name it as their base,
             # so its reference count tells whether one is alive
             owner = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
             self.slots[k] = _Slot(storage, owner.ctypes.data, nbytes)
-        weakref.finalize(owner, self._retire, k)
+        weakref.finalize(owner, self._retired.append, k)
         return owner
 
-    def _retire(self, k: int) -> None:
-        with self.lock:
+    def _apply_retired(self) -> None:
+        """Free the slots whose arrays are garbage (under the lock)."""
+        while self._retired:
+            k = self._retired.popleft()
             self.slots.pop(k, None)
             self._c[k, GEN] += 1
 
@@ -133,6 +153,7 @@ class PoolMemory:
             return None
         a, n = t.data_ptr(), t.numel() * t.element_size()
         with self.lock:
+            self._apply_retired()
             for k, s in self.slots.items():
                 if s.addr <= a and a + n <= s.addr + s.nbytes:
                     return k, s, a - s.addr
@@ -143,6 +164,7 @@ class PoolMemory:
         (``False`` for an array of no slot)."""
         a, c = owner.ctypes.data, self._c
         with self.lock:
+            self._apply_retired()
             for k, s in self.slots.items():
                 if s.addr == a:
                     return bool(c[k, SENT] != c[k, DONE])
@@ -201,10 +223,11 @@ class InSlot:
         refs: list[Any] = []
         with memory.lock:  # counted before the main process can see the batch
             for p, (k, slot, off) in zip(parts, found):  # type: ignore[misc]
-                c[k, SENT] += 1
                 gen = int(c[k, GEN])
                 storage = slot.storage if c[k, MAPPED] != gen else None
                 refs.append((k, gen, storage, off, p.numel(), p.dtype))
+            for k, *_ in refs:
+                c[k, SENT] += 1
             counters = memory.counters if c[_KNOWN, 0] == 0 else None
         info = get_worker_info()
         who = (memory.id, memory.pid, counters, info.num_workers if info is not None else 1)
@@ -212,8 +235,12 @@ class InSlot:
 
 
 #: dense arrays of arrived batches, reused once the training loop let go of them (the
-#: batch in use, one a loop may prefetch and the one being made, per key)
+#: batch in use, one the loop may hold and those the DataLoader keeps while it puts the
+#: batches of several workers back in order), per key
 ARRIVED = DenseBuffers(keep=3)
+#: at most this many per key are kept for reuse (a burst of batches arriving out of order
+#: from many workers takes fresh ones beyond it)
+MAX_ARRIVED = 6
 
 
 @dataclass
@@ -224,6 +251,7 @@ class _Mapped:
     gen: int
     received: int = 0  # batches received from its index (this generation and before)
     released: int = 0  # of which this process let go (written to ``done``)
+    idle: int = 1  # the storage's use count with nothing but this map holding it
 
 
 @dataclass
@@ -263,8 +291,17 @@ def _sweep() -> None:
                 if m.received == c[k, SENT]:  # (else a batch of it is still on its way)
                     c[k, DONE] = m.received
                     del w.slots[k]
-            elif m.released != m.received and _use_count(m.storage) == 1:
+            elif m.released != m.received and _use_count(m.storage) <= m.idle:
                 c[k, DONE] = m.released = m.received
+
+
+def forget_exited() -> None:
+    """Unmap the pool memory of DataLoader workers that exited (batches still in use stay
+    valid: their tensors hold their own mapping). Cheap; called as a dataset starts an
+    iteration in the main process, and when a new worker's first batch arrives."""
+    with _LOCK:
+        for gone in [i for i, x in _WORKERS.items() if not _alive(x.pid)]:
+            del _WORKERS[gone]
 
 
 def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
@@ -277,7 +314,7 @@ def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
                 "longer maps: annbatch_torch.read.handoff.release() was called while the "
                 "loader's workers were running; call it only once they have exited.")
         for gone in [i for i, x in _WORKERS.items() if not _alive(x.pid)]:
-            del _WORKERS[gone]  # workers that exited: their slots are unmapped
+            del _WORKERS[gone]  # workers that exited: their memory is unmapped
         w = _WORKERS[mem_id] = _Worker(pid, counters.numpy(), counters)
         w.counters[_KNOWN, 0] = 1
     return w
@@ -304,7 +341,7 @@ def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bo
                     if m is not None:
                         w.counters[k, DONE] = m.received
                     done = int(w.counters[k, DONE])
-                    m = w.slots[k] = _Mapped(storage, gen, done, done)
+                    m = w.slots[k] = _Mapped(storage, gen, done, done, _use_count(storage))
                     w.counters[k, MAPPED] = gen
                 elif m is None or m.gen != gen:
                     raise RuntimeError(
@@ -325,7 +362,7 @@ def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bo
         # the batch in use, one the loop may hold on to, and those the DataLoader keeps
         # while it puts batches from several workers back in order (prefetch 2 each)
         workers = 1 if who is None else who[3]
-        ARRIVED.keep = max(ARRIVED.keep, (2 + 2 * workers) * n_keys)
+        ARRIVED.keep = max(ARRIVED.keep, min(2 + 2 * workers, MAX_ARRIVED) * n_keys)
         out = csr_tensor_to_dense(out, ARRIVED)
     if who is not None:
         with _LOCK:
@@ -338,11 +375,16 @@ def release() -> None:
     it reuses (batches still in use stay valid). For a main process whose loaders'
     workers have exited."""
     with _LOCK:
+        live = sorted(w.pid for w in _WORKERS.values() if _alive(w.pid))
+        if live:
+            logger.warning("annbatch_torch.read.handoff.release(): DataLoader workers %s "
+                           "still run; slots their batches still view stay taken for good. "
+                           "Call it once the loaders' workers have exited.", live)
         for w in _WORKERS.values():
             w.counters[_KNOWN, 0] = 0
             for k, m in w.slots.items():
                 w.counters[k, MAPPED] = -1
-                if _use_count(m.storage) == 1:  # a slot still viewed stays taken for good
+                if _use_count(m.storage) <= m.idle:  # one still viewed stays taken for good
                     w.counters[k, DONE] = m.received
         _WORKERS.clear()
     ARRIVED.clear()
