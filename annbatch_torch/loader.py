@@ -33,6 +33,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from . import resume
 from .annbatch_dataset import AnnBatchDataset
+from .read.buffers import DenseBuffers
 from .read.densify import Densifying
 
 __all__ = ["AnnBatchDataLoader", "EpochForwardingSampler"]
@@ -122,12 +123,18 @@ class AnnBatchDataLoader(StatefulDataLoader):
         object.__setattr__(self, "sampler", EpochForwardingSampler(dataset))
         #: where its workers' batches are densified (``"main"``: here, as they arrive)
         object.__setattr__(self, "densify_policy", policy)
+        # dense arrays reused from one epoch to the next (fresh ones each epoch would fault
+        # in ~0.7 GB again): the batch in use and the one being made, per densified key
+        object.__setattr__(self, "_dense_arrays",
+                           DenseBuffers(keep=2 * max(1, len(policy.main_keys))))
 
     def __iter__(self) -> Any:
         it = super().__iter__()
         if self.num_workers > 0:  # the workers took their copies (and a loaded state)
             self.dataset._resume_handed_to_workers(self.num_workers)
-        return Densifying(it, self.densify_policy) if self.densify_policy.where == "main" else it
+        if self.densify_policy.where == "main":
+            return Densifying(it, self.densify_policy, self._dense_arrays)
+        return it
 
     def state_dict(self) -> dict[str, Any]:
         """torchdata's state plus the dataset's epoch: with workers the dataset states

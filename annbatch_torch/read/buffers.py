@@ -101,13 +101,15 @@ class _Reused:
         return self.memory.allocate(nbytes) if self.memory is not None else None
 
     def _remember(self, owner: np.ndarray, free: list[np.ndarray]) -> None:
-        """Count a fresh ``owner`` and keep it for reuse, in place of a free one when
-        ``keep`` are kept already."""
+        """Count a fresh ``owner`` and keep it for reuse; when ``keep`` are kept already,
+        in place of a free one, else of the one kept longest (still in use elsewhere: it
+        stays valid there, and is freed, not reused, once let go of). Remembering the
+        newest keeps reuse going after a caller held on to every earlier array."""
         self.allocations += 1
-        if len(self._owners) >= self.keep and free:
-            self._owners = [o for o in self._owners if o is not free[0]]
-        if len(self._owners) < self.keep:
-            self._owners.append(owner)
+        if len(self._owners) >= self.keep:
+            gone = free[0] if free else self._owners[0]
+            self._owners = [o for o in self._owners if o is not gone]
+        self._owners.append(owner)
 
     def clear(self) -> None:
         """Forget every array (arrays still in use elsewhere stay valid)."""

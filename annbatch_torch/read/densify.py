@@ -130,13 +130,16 @@ class _Install:
 
 
 class Densifying:
-    """Iterator over a loader's batches that applies :meth:`DensifyPolicy.finish`."""
+    """Iterator over a loader's batches that applies :meth:`DensifyPolicy.finish`, into
+    the reused arrays ``dense`` (the loader's, kept from one epoch to the next; default:
+    its own, one per densified key for the batch in use and the one being made)."""
 
-    def __init__(self, it: Iterator[Any], policy: DensifyPolicy) -> None:
+    def __init__(self, it: Iterator[Any], policy: DensifyPolicy,
+                 dense: DenseBuffers | None = None) -> None:
         self._it = it
         self._policy = policy
-        # one array per densified key for the batch in use and the one being made
-        self._dense = DenseBuffers(keep=2 * max(1, len(policy.main_keys)))
+        self._dense = (DenseBuffers(keep=2 * max(1, len(policy.main_keys))) if dense is None
+                       else dense)
 
     def __iter__(self) -> Densifying:
         return self
