@@ -185,13 +185,16 @@ class CpuClock:
         return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
     def read(self) -> dict[str, float]:
-        """``own_cpu_s``, ``others_cpu_s``, ``wall_s`` and ``others_share`` (of all CPUs)."""
+        """``own_cpu_s`` (this process and its children), ``main_cpu_s`` (this process
+        alone), ``others_cpu_s``, ``wall_s`` and ``others_share`` (of all CPUs)."""
         tree = self._tree()
         own = sum(v - self._start_tree.get(pid, 0.0) for pid, v in tree.items())
+        me = self._me.pid
+        main = tree.get(me, 0.0) - self._start_tree.get(me, 0.0)
         wall = time.perf_counter() - self._t0
         others = max(0.0, self._busy() - self._start_sys - own)
         ncpu = os.cpu_count() or 1
-        return {"own_cpu_s": own, "others_cpu_s": others, "wall_s": wall,
+        return {"own_cpu_s": own, "main_cpu_s": main, "others_cpu_s": others, "wall_s": wall,
                 "others_share": others / (wall * ncpu) if wall > 0 else 0.0}
 
 
