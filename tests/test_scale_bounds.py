@@ -127,15 +127,23 @@ def test_input_names_keep_eight_bytes_a_name(tmp_path: Path, repeats: bool) -> N
         src.close()
 
 
-def test_interned_var_names_keep_non_strings_as_read() -> None:
-    from annbatch_torch.store.inputs.view import _interned
+def test_interned_names_decode_as_read_index_does_with_one_str_per_name() -> None:
+    """Names decoded as ``read_index`` decodes them (bytes and str as text, anything else
+    through ``str``, numbers left alone), each distinct name one str object, also across
+    calls and between bytes and str storage."""
+    from annbatch_torch.store.elements import _decode_strings, interned_names
 
     ints = np.arange(3)
-    assert _interned(ints) is ints
-    mixed = _interned(np.array(["g" + "1", 3, None], dtype=object))
-    assert mixed.tolist() == ["g1", 3, None]
-    a, b = _interned(np.array(["gene" + str(7)], object)), _interned(np.array(["gene7"], object))
-    assert a[0] is b[0]  # one str per distinct name
+    assert interned_names(ints) is ints
+    mixed = np.array(["g" + "1", b"g2", 3, None, True], dtype=object)
+    got = interned_names(mixed)
+    assert got.tolist() == _decode_strings(mixed).tolist() == ["g1", "g2", "3", "None",
+                                                               "True"]
+    a = interned_names(np.array(["gene" + str(7)], object))
+    b = interned_names(np.array([b"gene7"], object))
+    c = interned_names(np.array(["gene7"], dtype="U"))
+    assert a[0] is b[0] is c[0]  # one str per distinct name
+    assert interned_names(np.array([], dtype=object)).shape == (0,)
 
 
 def test_a_pass1_task_carries_only_its_own_gene_map() -> None:

@@ -10,7 +10,6 @@ truncated file is named with the fix (download it again, or re-save it) on both 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,16 +76,6 @@ class ObsProbe:
     ordered: bool = False
     why: str = ""
     n_rows: int | None = None
-
-
-def _interned(names: np.ndarray) -> np.ndarray:
-    """``names`` (an object array of str) with each str interned: the inputs of an atlas
-    share most genes, and an input's names stay open for the whole write (a hundred
-    inputs of 25,000 genes hold 2.5 million names; interned, one str per distinct gene)."""
-    if names.dtype != object:  # a numeric index, as read
-        return names
-    return np.fromiter((sys.intern(v) if type(v) is str else v for v in names),
-                       dtype=object, count=len(names))
 
 
 def _probe_disk_matrix(node: Any) -> MatrixProbe:
@@ -288,7 +277,7 @@ class InputSource:
     def var_names(self) -> np.ndarray:
         """Its var names (read when first asked for by an input opened ``lean``)."""
         if self._var_names is None:
-            self._var_names = _interned(read_index(self.group["var"]))
+            self._var_names = read_index(self.group["var"], interned=True)
         return self._var_names
 
     @var_names.setter
@@ -298,7 +287,7 @@ class InputSource:
     def _probe_disk(self) -> None:
         g = self.group
         if not self._lean:
-            self.var_names = _interned(read_index(g["var"]))
+            self.var_names = read_index(g["var"], interned=True)
         self._obs_index = g["obs"][_attr_str(g["obs"].attrs.get("_index", "_index"))]
         self.n_obs = int(self._obs_index.shape[0])
         self.matrices: dict[str, MatrixProbe] = {}
@@ -309,7 +298,7 @@ class InputSource:
         if "raw" in g and is_group(g["raw"]) and "X" in g["raw"]:
             raw = g["raw"]
             try:
-                self.raw_var_names = _interned(read_index(raw["var"]))
+                self.raw_var_names = read_index(raw["var"], interned=True)
             except (KeyError, ValueError, TypeError, OSError) as e:
                 self.matrices[RAW_X] = MatrixProbe(
                     "damaged", np.dtype(np.float32), (), why=damaged_reason(
