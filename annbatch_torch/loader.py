@@ -133,7 +133,7 @@ class AnnBatchDataLoader(StatefulDataLoader):
         if self.num_workers > 0:  # the workers took their copies (and a loaded state)
             self.dataset._resume_handed_to_workers(self.num_workers)
         if self.densify_policy.where == "main":
-            return Densifying(it, self.densify_policy, self._dense_arrays)
+            return Densifying(it, self.densify_policy, getattr(self, "_dense_arrays", None))
         return it
 
     def state_dict(self) -> dict[str, Any]:

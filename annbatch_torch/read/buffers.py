@@ -66,6 +66,8 @@ class _Reused:
         self.memory: Any = None
         self.allocations = 0  # arrays allocated (not reused) so far
         self._owners: list[np.ndarray] = []
+        self._takes = 0  # arrays handed out so far
+        self._handed: dict[int, int] = {}  # id of a kept array -> the take that last gave it
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -100,21 +102,36 @@ class _Reused:
         (or when it has no slot left)."""
         return self.memory.allocate(nbytes) if self.memory is not None else None
 
+    def _hand_out(self, owner: np.ndarray) -> None:
+        """Note that ``owner`` is handed out (now)."""
+        self._takes += 1
+        self._handed[id(owner)] = self._takes
+
     def _remember(self, owner: np.ndarray, free: list[np.ndarray]) -> None:
         """Count a fresh ``owner`` and keep it for reuse; when ``keep`` are kept already,
-        in place of a free one, else of the one kept longest (still in use elsewhere: it
-        stays valid there, and is freed, not reused, once let go of). Remembering the
-        newest keeps reuse going after a caller held on to every earlier array."""
+        in place of a free one, else of the one out longest if it has been out for
+        ``2 * keep`` takes (a caller holding on to it for good: it stays valid there, and
+        is freed, not reused, once let go of); else the fresh one is not kept (the kept
+        ones come back soon: a caller holding one array more than ``keep`` still gets
+        most of them reused)."""
         self.allocations += 1
         if len(self._owners) >= self.keep:
-            gone = free[0] if free else self._owners[0]
+            if free:
+                gone = free[0]
+            else:
+                gone = min(self._owners, key=lambda o: self._handed.get(id(o), 0))
+                if self._takes - self._handed.get(id(gone), 0) < 2 * self.keep:
+                    return
             self._owners = [o for o in self._owners if o is not gone]
+            self._handed.pop(id(gone), None)
         self._owners.append(owner)
 
     def clear(self) -> None:
         """Forget every array (arrays still in use elsewhere stay valid)."""
+        self._after_fork()
         with self._lock:
             self._owners.clear()
+            self._handed.clear()
 
 
 class BufferCache(_Reused):
@@ -147,15 +164,19 @@ class BufferCache(_Reused):
             small = {id(o) for o in free if o.nbytes < nbytes}
             if small:
                 self._owners = [o for o in self._owners if id(o) not in small]
+                for i in small:
+                    self._handed.pop(i, None)
             if fits:
-                return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype)
+                owner = min(fits, key=lambda o: o.nbytes)
+                self._hand_out(owner)
+                return owner[:nbytes].view(dtype)
             # room to grow: pools' sizes vary; private pages never touched cost no memory
             # (shared pool memory is committed whole: less room there)
-            size = nbytes + nbytes // (2 if self.memory is None else 8) + 64
-            owner = self._fresh(size)
+            owner = self._fresh(nbytes + nbytes // 8 + 64)
             if owner is None:
-                owner = fresh_bytes(size)
+                owner = fresh_bytes(nbytes + nbytes // 2 + 64)
             self._remember(owner, free)
+            self._hand_out(owner)
             return owner[:nbytes].view(dtype)
 
     @property
@@ -190,7 +211,9 @@ class DenseBuffers(_Reused):
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             fits = [o for o in free if o.nbytes >= nbytes]
             if fits:  # an epoch's short last batch too: the next full one finds it again
-                return min(fits, key=lambda o: o.nbytes)[:nbytes].view(dtype).reshape(shape)
+                owner = min(fits, key=lambda o: o.nbytes)
+                self._hand_out(owner)
+                return owner[:nbytes].view(dtype).reshape(shape)
             # numpy's allocation, huge pages and all (unlike pool buffers, fresh_bytes): a
             # dense batch is written row by row across its whole width, and fills ~8%
             # faster on 2-MiB pages, which pays back the slower first touch in a long run
@@ -198,4 +221,5 @@ class DenseBuffers(_Reused):
             if owner is None:
                 owner = np.empty(nbytes, dtype=np.uint8)
             self._remember(owner, free)
-            return owner.view(dtype).reshape(shape)
+            self._hand_out(owner)
+            return owner[:nbytes].view(dtype).reshape(shape)
