@@ -78,7 +78,7 @@ def test_pool_memory_locates_values_and_frees_a_slot_when_its_array_is_garbage(
     a = cache.take(100, np.float32)
     k, slot, off = memory.locate(torch.from_numpy(a[10:20]))
     assert off == 40
-    assert slot.addr == a.ctypes.data
+    assert slot.data_ptr() == a.ctypes.data
     assert memory.locate(torch.zeros(4)) is None
     memory._c[k, handoff.SENT] += 1  # a batch sent from it, not yet let go of
     del a

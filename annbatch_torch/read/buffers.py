@@ -97,11 +97,6 @@ class _Reused:
             free = [o for o in free if not self.memory.busy(o)]
         return free
 
-    def _fresh(self, nbytes: int) -> np.ndarray | None:
-        """A fresh ``uint8`` array of ``nbytes`` in :attr:`memory`; ``None`` without one
-        (or when it has no slot left)."""
-        return self.memory.allocate(nbytes) if self.memory is not None else None
-
     def _hand_out(self, owner: np.ndarray) -> None:
         """Note that ``owner`` is handed out (now)."""
         self._takes += 1
@@ -172,8 +167,9 @@ class BufferCache(_Reused):
                 return owner[:nbytes].view(dtype)
             # room to grow: pools' sizes vary; private pages never touched cost no memory
             # (shared pool memory is committed whole: less room there)
-            owner = self._fresh(nbytes + nbytes // 8 + 64)
-            if owner is None:
+            owner = (None if self.memory is None
+                     else self.memory.allocate(nbytes + nbytes // 8 + 64))
+            if owner is None:  # no pool memory, or none to be had
                 owner = fresh_bytes(nbytes + nbytes // 2 + 64)
             self._remember(owner, free)
             self._hand_out(owner)
@@ -217,9 +213,7 @@ class DenseBuffers(_Reused):
             # numpy's allocation, huge pages and all (unlike pool buffers, fresh_bytes): a
             # dense batch is written row by row across its whole width, and fills ~8%
             # faster on 2-MiB pages, which pays back the slower first touch in a long run
-            owner = self._fresh(nbytes)
-            if owner is None:
-                owner = np.empty(nbytes, dtype=np.uint8)
+            owner = np.empty(nbytes, dtype=np.uint8)
             self._remember(owner, free)
             self._hand_out(owner)
-            return owner[:nbytes].view(dtype).reshape(shape)
+            return owner.view(dtype).reshape(shape)

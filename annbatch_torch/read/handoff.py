@@ -8,7 +8,7 @@ views of the pool). Here the worker reads its pools into shared memory of its ow
 (:class:`PoolMemory`, the allocator of the reader's buffer cache), a CSR key of a batch
 travels as an :class:`InSlot`, and pickling it sends where its parts lie in that memory
 (which slot, which generation of it, the offset), not the bytes: the main process maps each
-slot once (the storage itself travels the first time only) and :func:`arrive` hands the
+slot once (the storage itself travels only until it does) and :func:`arrive` hands the
 training loop tensors viewing it; a key to be dense is densified by :func:`arrive` straight
 from the slot into an array the training loop let go of (:data:`ARRIVED`), and the slot is
 given back at once.
@@ -87,13 +87,6 @@ def plain_worker_sends_csr(dataset: Any) -> bool:
     return False
 
 
-@dataclass
-class _Slot:
-    storage: torch.UntypedStorage
-    addr: int
-    nbytes: int
-
-
 class PoolMemory:
     """A DataLoader worker's shared memory for pool buffers (see the module's text): the
     allocator of its reader's :class:`~annbatch_torch.read.buffers.BufferCache`."""
@@ -104,7 +97,7 @@ class PoolMemory:
         self.counters = torch.zeros((MAX_SLOTS + 1, 4), dtype=torch.int64).share_memory_()
         self._c = self.counters.numpy()
         self._c[:, MAPPED] = -1  # nothing mapped yet
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[int, torch.UntypedStorage] = {}
         self.lock = threading.Lock()
         # slots whose array became garbage, applied under the lock by the next call (the
         # finalizer may run anywhere, even in a garbage collection inside a locked call)
@@ -135,7 +128,7 @@ class PoolMemory:
             # the tensor's own array (not a slice of it): views of it name it as their base,
             # so its reference count tells whether one is alive
             owner = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-            self.slots[k] = _Slot(storage, owner.ctypes.data, nbytes)
+            self.slots[k] = storage
         weakref.finalize(owner, self._retired.append, k)
         return owner
 
@@ -146,17 +139,17 @@ class PoolMemory:
             self.slots.pop(k, None)
             self._c[k, GEN] += 1
 
-    def locate(self, t: torch.Tensor) -> tuple[int, _Slot, int] | None:
-        """``(slot index, slot, byte offset)`` of a contiguous CPU tensor lying in a live
-        slot, else ``None``."""
+    def locate(self, t: torch.Tensor) -> tuple[int, torch.UntypedStorage, int] | None:
+        """``(slot index, its storage, byte offset)`` of a contiguous CPU tensor lying in a
+        live slot, else ``None``."""
         if t.device.type != "cpu" or not t.is_contiguous():
             return None
         a, n = t.data_ptr(), t.numel() * t.element_size()
         with self.lock:
             self._apply_retired()
             for k, s in self.slots.items():
-                if s.addr <= a and a + n <= s.addr + s.nbytes:
-                    return k, s, a - s.addr
+                if s.data_ptr() <= a and a + n <= s.data_ptr() + s.nbytes():
+                    return k, s, a - s.data_ptr()
         return None
 
     def busy(self, owner: np.ndarray) -> bool:
@@ -166,7 +159,7 @@ class PoolMemory:
         with self.lock:
             self._apply_retired()
             for k, s in self.slots.items():
-                if s.addr == a:
+                if s.data_ptr() == a:
                     return bool(c[k, SENT] != c[k, DONE])
         return False
 
@@ -224,7 +217,7 @@ class InSlot:
         with memory.lock:  # counted before the main process can see the batch
             for p, (k, slot, off) in zip(parts, found):  # type: ignore[misc]
                 gen = int(c[k, GEN])
-                storage = slot.storage if c[k, MAPPED] != gen else None
+                storage = slot if c[k, MAPPED] != gen else None
                 refs.append((k, gen, storage, off, p.numel(), p.dtype))
             for k, *_ in refs:
                 c[k, SENT] += 1
@@ -257,8 +250,7 @@ class _Mapped:
 @dataclass
 class _Worker:
     pid: int
-    counters: np.ndarray
-    keep: torch.Tensor  # the counters' tensor, kept mapped
+    counters: np.ndarray  # (a view of the shared tensor: keeps it mapped)
     slots: dict[int, _Mapped] = field(default_factory=dict)
 
 
@@ -300,8 +292,13 @@ def forget_exited() -> None:
     valid: their tensors hold their own mapping). Cheap; called as a dataset starts an
     iteration in the main process, and when a new worker's first batch arrives."""
     with _LOCK:
-        for gone in [i for i, x in _WORKERS.items() if not _alive(x.pid)]:
-            del _WORKERS[gone]
+        _drop_exited()
+
+
+def _drop_exited() -> None:
+    """:func:`forget_exited` under :data:`_LOCK`."""
+    for gone in [i for i, x in _WORKERS.items() if not _alive(x.pid)]:
+        del _WORKERS[gone]
 
 
 def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
@@ -313,9 +310,8 @@ def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
                 "a DataLoader worker's batch refers to shared memory this process no "
                 "longer maps: annbatch_torch.read.handoff.release() was called while the "
                 "loader's workers were running; call it only once they have exited.")
-        for gone in [i for i, x in _WORKERS.items() if not _alive(x.pid)]:
-            del _WORKERS[gone]  # workers that exited: their memory is unmapped
-        w = _WORKERS[mem_id] = _Worker(pid, counters.numpy(), counters)
+        _drop_exited()  # workers that exited: their memory is unmapped
+        w = _WORKERS[mem_id] = _Worker(pid, counters.numpy())
         w.counters[_KNOWN, 0] = 1
     return w
 
@@ -350,8 +346,8 @@ def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bo
                         "annbatch_torch.read.handoff.release() may have been called while "
                         "the loader's workers were running.")
                 m.received += 1
-                item = torch.empty(0, dtype=dtype).element_size()
-                views.append(torch.empty(0, dtype=dtype).set_(m.storage, off // item, (n,)))
+                views.append(torch.empty(0, dtype=dtype).set_(m.storage, off // dtype.itemsize,
+                                                               (n,)))
             # the storages sent: from now on only the views and the map hold them
             parts[:] = views
             del views
