@@ -9,6 +9,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from annbatch_torch import Collection
 from annbatch_torch.read.reader import PoolReader, split_ranges
 from annbatch_torch.store.inputs.inplace import InPlaceSource
 
@@ -74,3 +75,31 @@ def test_pool_read_matches_concatenated_inputs(data: st.DataObject) -> None:
     np.testing.assert_array_equal(out["obsm/pca"], full.obsm["pca"][rows])
     np.testing.assert_array_equal(out["obs/ct"], ct_global[rows])
     np.testing.assert_array_equal(out["obs/v"], full.obs["v"].to_numpy()[rows])
+
+
+def test_warm_pools_let_the_deep_read_threads_go(small_collection: Collection) -> None:
+    """The first pool is read by many threads (it may come from the disk); once pools come
+    from the page cache, those threads exit and their read scratch with them, and every
+    pool is read right."""
+    import anndata as ad
+
+    reader = PoolReader(small_collection, ["X"], threads=1, io_depth=8)
+    ranges = np.array([[0, 300], [1100, 1400], [2200, 2500]])
+    rows = np.concatenate([np.arange(a, b) for a, b in ranges])
+    parts = [ad.read_zarr(small_collection.shard_path(i))
+             for i in range(len(small_collection.shard_sizes))]
+    truth = sp.vstack([p.X for p in parts]).tocsr()[rows].toarray()
+    try:
+        np.testing.assert_array_equal(reader.read(ranges)["X"].toarray(), truth)
+        # the first pool was read as if from the disk: by the deep executor's threads
+        assert reader._deep is not None
+        deep = list(reader._deep._threads)
+        assert len(deep) > 1
+        for _ in range(2):
+            np.testing.assert_array_equal(reader.read(ranges)["X"].toarray(), truth)
+        assert reader._deep is None
+        for t in deep:
+            t.join(10)
+        assert not any(t.is_alive() for t in deep)
+    finally:
+        reader.close()

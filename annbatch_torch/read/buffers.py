@@ -40,10 +40,16 @@ def fresh_bytes(nbytes: int) -> np.ndarray:
     kernel compacts memory to build a 2-MiB page: several times the cost of plain pages
     when the page cache fills RAM, as it does while a loader reads. Pool buffers and read
     scratch are written front to back and reused, so huge pages bring them nothing back:
-    this takes numpy's allocation (which malloc reuses once freed) and declines huge pages
-    for it (``MADV_NOHUGEPAGE``) before anything touches it.
+    this declines huge pages (``MADV_NOHUGEPAGE``) before anything touches the memory.
+    From 1 MiB on, the memory is a private mapping of its own, given back to the kernel
+    as soon as the array is garbage (memory malloc takes from its heaps may stay with the
+    process for good: a read thread's scratch would outlive the thread).
     """
-    out = np.empty(nbytes, dtype=np.uint8)
+    if nbytes >= 1 << 20 and hasattr(mmap, "MAP_PRIVATE"):  # (not on Windows)
+        out = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                            dtype=np.uint8)
+    else:
+        out = np.empty(nbytes, dtype=np.uint8)
     if _MADVISE is not None and nbytes >= 1 << 22:
         page = mmap.PAGESIZE
         addr = out.ctypes.data

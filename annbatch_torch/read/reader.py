@@ -324,6 +324,12 @@ class PoolReader:
         if reads:  # 5% of the last pool's reads or more waited for the disk
             self._from_disk = waits * 20 >= reads
         if not self._from_disk or self.io_depth <= self.threads:
+            # pools from the page cache: the deep executor is let go of; its threads exit
+            # once it is garbage and its queue is empty (a read still using it, e.g. a
+            # dropped read-ahead, finishes first), and their read scratch goes with them.
+            # Pools switching between the disk and the cache make it anew each time: 16
+            # threads and their scratch, little beside a pool that waits for the disk
+            self._deep = None
             return self._pool
         if self._deep is None:
             self._deep = ThreadPoolExecutor(self.io_depth, thread_name_prefix="annbatch-read")
