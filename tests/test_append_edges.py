@@ -299,3 +299,25 @@ def test_append_with_an_empty_input_first_keeps_each_inputs_genes(tmp_path: Path
     want = {n: row for a in (base, *new)
             for n, row in zip(a.obs_names, a[:, genes].X.toarray())}
     _rows_equal(abt.open_collection(coll.path), A.X, want)
+
+
+def test_a_refused_append_leaves_no_thread_in_the_compiler(small_collection: Any,
+                                                            tmp_path: Path) -> None:
+    """An append loads the compiled gene remap in a thread while it opens its inputs; when
+    it is refused (here: an input that does not exist) the error comes only once that
+    thread is done, so a caller forking next (DataLoader workers) forks no thread holding
+    numba's compiler lock. In a fresh process, where loading the compiled loop takes a
+    while."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, anndata, annbatch_torch as abt\n"
+        f"try:\n    abt.append_to_collection({str(small_collection.path)!r}, "
+        f"[{str(tmp_path / 'missing.h5ad')!r}], progress=False)\n"
+        "except abt.InputError:\n    pass\nelse:\n    raise SystemExit('not refused')\n"
+        "alive = [t.name for t in threading.enumerate() if 'remap' in t.name]\n"
+        "raise SystemExit(f'still running: {alive}' if alive else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -61,6 +61,7 @@ from . import budget as _budget
 from .budget import parse_memory
 from .narrow import FIELD, check_dtype_options
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
+from .remap import warm_remap
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
 from .writer import DEFAULT_MAX_MEMORY, write_shards
@@ -329,10 +330,15 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     ``coll``: the collection appended to, when it is not the one at ``root`` (a remote
     one: the new shards and manifest are then written to the staging folder ``root``);
     ``dtypes``: its ``data_dtype`` and ``index_dtype`` (``None``: the collection's)."""
-    if coll is None:
-        coll = open_collection(root)  # the current manifest, under the lock
-    manifest = coll.manifest
-    sources = open_inputs(adata_paths)
+    warm = warm_remap()  # new inputs' genes are mapped to the collection's order
+    try:
+        if coll is None:
+            coll = open_collection(root)  # the current manifest, under the lock
+        manifest = coll.manifest
+        sources = open_inputs(adata_paths)
+    except BaseException:
+        warm.join()  # no thread of ours in numba's compiler when the caller forks
+        raise
     tmp: Path | None = None
     try:
         known = {str(r.get("path")) for r in manifest.inputs}
@@ -374,6 +380,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
+        warm.join()  # (before any fork of a scheduler's workers)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, scheduler, n_workers, first)
         want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
@@ -386,6 +393,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         sync_tree(tmp)
         _publish(root, tmp, manifest, shards, schema, sources, seed)
     finally:
+        warm.join()  # no thread of ours in numba's compiler when the caller forks
         for s in sources:
             s.close()
         if tmp is not None:

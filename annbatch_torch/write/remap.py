@@ -20,40 +20,38 @@ import numpy as np
 import scipy.sparse as sp
 from numba.cpython.unsafe.numbers import trailing_zeros
 
-__all__ = ["remap_rows"]
+__all__ = ["remap_rows", "warm_remap"]
 
 
 def _remap_py(indptr, indices, data, col_map, order, words, vals,  # type: ignore[no-untyped-def]
               out_indptr, out_indices, out_data):  # pragma: no cover
     one = np.uint64(1)
     o = 0
+    n_words = words.shape[0]
     for r in range(order.shape[0]):
         s = order[r]
-        lo, hi = indptr[s], indptr[s + 1]
-        wmin, wmax = words.shape[0], -1
-        for j in range(lo, hi):
+        for j in range(indptr[s], indptr[s + 1]):
             c = col_map[indices[j]]
             if c < 0:  # a gene the collection does not keep
                 continue
             w = c >> 6
             bit = one << np.uint64(c & 63)
-            if words[w] & bit:  # a column twice in one row: leave it to scipy
-                for k in range(min(wmin, w), max(wmax, w) + 1):
-                    words[k] = 0
-                return -1
+            if words[w] & bit:  # a column twice in one row: leave it to scipy (the
+                return -1  # caller's bitmap is dropped with this call)
             words[w] |= bit
             vals[c] = data[j]
-            wmin = min(wmin, w)
-            wmax = max(wmax, w)
-        for w in range(wmin, wmax + 1):
+        # every word, skipping empty ones without a write: cheaper than tracking each
+        # row's lowest and highest word (a row's genes span the whole panel anyway)
+        for w in range(n_words):
             x = words[w]
-            while x:
-                c = (w << 6) + trailing_zeros(x)
-                out_indices[o] = c
-                out_data[o] = vals[c]
-                o += 1
-                x &= x - one
-            words[w] = 0
+            if x:
+                words[w] = 0
+                while x:
+                    c = (w << 6) + trailing_zeros(x)
+                    out_indices[o] = c
+                    out_data[o] = vals[c]
+                    o += 1
+                    x &= x - one
         out_indptr[r + 1] = o
     return o
 
@@ -168,3 +166,19 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     out.has_sorted_indices = True
     return out
 
+
+
+def _warm() -> None:
+    m = sp.csr_matrix(np.ones((1, 1), dtype=np.float32))
+    m.indices = m.indices.astype(np.int32)
+    remap_rows(m, np.zeros(1, dtype=np.int64), 1, np.dtype(np.float32))
+
+
+def warm_remap() -> threading.Thread:
+    """Load the compiled loop in a thread of its own, started now: a process's first call of
+    a compiled function pays numba's start (~0.2 s here), which the caller's setup (opening
+    inputs, reading their names) then overlaps. Join it before forking (numba's compiler
+    lock must not be held across a fork) and before the first block is remapped."""
+    t = threading.Thread(target=_warm, name="annbatch-remap-warm", daemon=True)
+    t.start()
+    return t
