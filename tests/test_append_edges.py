@@ -301,23 +301,32 @@ def test_append_with_an_empty_input_first_keeps_each_inputs_genes(tmp_path: Path
     _rows_equal(abt.open_collection(coll.path), A.X, want)
 
 
-def test_a_refused_append_leaves_no_thread_in_the_compiler(small_collection: Any,
-                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize("refusal", ["missing input", "input already there"])
+def test_a_refused_append_leaves_no_thread_in_the_compiler(
+        small_collection: Any, synthetic_h5ads: list[Path], tmp_path: Path,
+        refusal: str) -> None:
     """An append loads the compiled gene remap in a thread while it opens its inputs; when
-    it is refused (here: an input that does not exist) the error comes only once that
-    thread is done, so a caller forking next (DataLoader workers) forks no thread holding
-    numba's compiler lock. In a fresh process, where loading the compiled loop takes a
-    while."""
+    it is refused (an input that does not exist: while opening; one the collection holds
+    already: after) the error comes only once that thread is done, so a caller forking
+    next (DataLoader workers) forks no thread holding numba's compiler lock. In a fresh
+    process, where loading the compiled loop takes a while."""
     import subprocess
     import sys
 
+    path = (tmp_path / "missing.h5ad") if refusal == "missing input" else synthetic_h5ads[0]
     code = (
         "import threading, anndata, annbatch_torch as abt\n"
+        "from annbatch_torch.write import append, remap\n"
+        "ran = []\n"
+        "def warm():\n    ran.append(1)\n    return remap.warm_remap()\n"
+        "append.warm_remap = warm\n"
         f"try:\n    abt.append_to_collection({str(small_collection.path)!r}, "
-        f"[{str(tmp_path / 'missing.h5ad')!r}], progress=False)\n"
+        f"[{str(path)!r}], progress=False)\n"
         "except abt.InputError:\n    pass\nelse:\n    raise SystemExit('not refused')\n"
+        "assert ran, 'the remap was not warmed'\n"
         "alive = [t.name for t in threading.enumerate() if 'remap' in t.name]\n"
         "raise SystemExit(f'still running: {alive}' if alive else 0)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "Exception in thread" not in done.stderr

@@ -330,14 +330,17 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     ``coll``: the collection appended to, when it is not the one at ``root`` (a remote
     one: the new shards and manifest are then written to the staging folder ``root``);
     ``dtypes``: its ``data_dtype`` and ``index_dtype`` (``None``: the collection's)."""
-    warm = warm_remap()  # new inputs' genes are mapped to the collection's order
+    # new inputs' genes are mapped to the collection's order: in this process, unless a
+    # scheduler's worker processes write
+    warm = warm_remap() if scheduler in (None, "threads") else None
     try:
         if coll is None:
             coll = open_collection(root)  # the current manifest, under the lock
         manifest = coll.manifest
         sources = open_inputs(adata_paths)
     except BaseException:
-        warm.join()  # no thread of ours in numba's compiler when the caller forks
+        if warm is not None:
+            warm.join()  # no thread of ours in numba's compiler when the caller forks
         raise
     tmp: Path | None = None
     try:
@@ -380,7 +383,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
-        warm.join()  # (before any fork of a scheduler's workers)
+        if warm is not None:
+            warm.join()  # (before any fork of a scheduler's workers)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, scheduler, n_workers, first)
         want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
@@ -393,7 +397,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         sync_tree(tmp)
         _publish(root, tmp, manifest, shards, schema, sources, seed)
     finally:
-        warm.join()  # no thread of ours in numba's compiler when the caller forks
+        if warm is not None:
+            warm.join()  # no thread of ours in numba's compiler when the caller forks
         for s in sources:
             s.close()
         if tmp is not None:

@@ -11,6 +11,7 @@ writer's threads remap in parallel.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -22,9 +23,13 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 __all__ = ["remap_rows", "warm_remap"]
 
+logger = logging.getLogger(__name__)
+
 
 def _remap_py(indptr, indices, data, col_map, order, words, vals,  # type: ignore[no-untyped-def]
               out_indptr, out_indices, out_data):  # pragma: no cover
+    # ``words`` comes zeroed and is left zeroed, except after a -1 (a column twice in a
+    # row), when the caller drops it with the rest of the call
     one = np.uint64(1)
     o = 0
     n_words = words.shape[0]
@@ -167,18 +172,30 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     return out
 
 
-
 def _warm() -> None:
-    m = sp.csr_matrix(np.ones((1, 1), dtype=np.float32))
-    m.indices = m.indices.astype(np.int32)
-    remap_rows(m, np.zeros(1, dtype=np.int64), 1, np.dtype(np.float32))
+    try:
+        m = sp.csr_matrix(np.ones((1, 1), dtype=np.float32))
+        m.indices = m.indices.astype(np.int32)
+        remap_rows(m, np.zeros(1, dtype=np.int64), 1, np.dtype(np.float32))
+    except Exception:  # the real call meets (and reports) the same trouble
+        logger.debug("loading the compiled gene remap ahead failed", exc_info=True)
 
 
-def warm_remap() -> threading.Thread:
+class _Done:
+    """A warm-up that did not start: nothing to wait for."""
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+
+def warm_remap() -> threading.Thread | _Done:
     """Load the compiled loop in a thread of its own, started now: a process's first call of
     a compiled function pays numba's start (~0.2 s here), which the caller's setup (opening
     inputs, reading their names) then overlaps. Join it before forking (numba's compiler
     lock must not be held across a fork) and before the first block is remapped."""
     t = threading.Thread(target=_warm, name="annbatch-remap-warm", daemon=True)
-    t.start()
+    try:
+        t.start()
+    except RuntimeError:  # no thread to be had: the first remap loads it instead
+        return _Done()
     return t
