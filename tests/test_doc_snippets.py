@@ -122,7 +122,9 @@ def test_ddp_page_code_under_torchrun(tmp_path: Path) -> None:
         + "out = [None, None]\n"
         + "dist.all_gather_object(out, sum(sizes))\n"
         + "assert out[0] == out[1] and 12000 - 4096 < out[0] + out[1] <= 12000, out\n"
-        + "print('rank', dist.get_rank(), 'ok', out)\n")
+        # one write per rank: the ranks share the pipe, unbuffered under torchrun, and
+        # print's pieces of two ranks interleave ("rankrank  10  okok")
+        + "import os\nos.write(1, f'rank {dist.get_rank()} ok {out}\\n'.encode())\n")
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "2", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
