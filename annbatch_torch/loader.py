@@ -33,7 +33,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from . import resume
 from .annbatch_dataset import AnnBatchDataset
-from .read.buffers import DenseBuffers
 from .read.densify import Densifying
 
 __all__ = ["AnnBatchDataLoader", "EpochForwardingSampler"]
@@ -125,8 +124,7 @@ class AnnBatchDataLoader(StatefulDataLoader):
         object.__setattr__(self, "densify_policy", policy)
         # dense arrays reused from one epoch to the next (fresh ones each epoch would fault
         # in ~0.7 GB again): the batch in use and the one being made, per densified key
-        object.__setattr__(self, "_dense_arrays",
-                           DenseBuffers(keep=2 * max(1, len(policy.main_keys))))
+        object.__setattr__(self, "_dense_arrays", policy.dense_arrays())
 
     def __iter__(self) -> Any:
         it = super().__iter__()

@@ -105,6 +105,11 @@ class DensifyPolicy:
         the user's ``worker_init_fn`` (picklable for ``spawn``)."""
         return _Install(self, user_fn)
 
+    def dense_arrays(self) -> DenseBuffers:
+        """Reused arrays to densify :attr:`main_keys` into: per key, the batch in use and
+        the one being made."""
+        return DenseBuffers(keep=2 * max(1, len(self.main_keys)))
+
     def finish(self, batch: Any, buffers: DenseBuffers | None = None) -> Any:
         """Densify :attr:`main_keys` of a batch that arrived from a worker (in place;
         ``buffers``: into reused arrays)."""
@@ -138,8 +143,7 @@ class Densifying:
                  dense: DenseBuffers | None = None) -> None:
         self._it = it
         self._policy = policy
-        self._dense = (DenseBuffers(keep=2 * max(1, len(policy.main_keys))) if dense is None
-                       else dense)
+        self._dense = policy.dense_arrays() if dense is None else dense
 
     def __iter__(self) -> Densifying:
         return self

@@ -75,7 +75,7 @@ def _decode_strings(values: np.ndarray) -> np.ndarray:
     if values.dtype.kind in ("S", "O"):
         out = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in values], object)
         return out
-    if values.dtype.kind == "U" or values.dtype.kind == "T":
+    if values.dtype.kind in ("U", "T"):
         return values.astype(object)
     return values
 

@@ -333,17 +333,13 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     # new inputs' genes are mapped to the collection's order: in this process, unless a
     # scheduler's worker processes write
     warm = warm_remap() if scheduler in (None, "threads") else None
+    sources: list[InputSource] = []
+    tmp: Path | None = None
     try:
         if coll is None:
             coll = open_collection(root)  # the current manifest, under the lock
         manifest = coll.manifest
         sources = open_inputs(adata_paths)
-    except BaseException:
-        if warm is not None:
-            warm.join()  # no thread of ours in numba's compiler when the caller forks
-        raise
-    tmp: Path | None = None
-    try:
         known = {str(r.get("path")) for r in manifest.inputs}
         again = [s.label for s in sources if s.path is not None and str(s.path) in known]
         if again:

@@ -41,8 +41,8 @@ def _remap_py(indptr, indices, data, col_map, order, words, vals,  # type: ignor
                 continue
             w = c >> 6
             bit = one << np.uint64(c & 63)
-            if words[w] & bit:  # a column twice in one row: leave it to scipy (the
-                return -1  # caller's bitmap is dropped with this call)
+            if words[w] & bit:  # a column twice in one row: leave it to scipy
+                return -1
             words[w] |= bit
             vals[c] = data[j]
         # every word, skipping empty ones without a write: cheaper than tracking each
@@ -181,21 +181,15 @@ def _warm() -> None:
         logger.debug("loading the compiled gene remap ahead failed", exc_info=True)
 
 
-class _Done:
-    """A warm-up that did not start: nothing to wait for."""
-
-    def join(self, timeout: float | None = None) -> None:
-        return None
-
-
-def warm_remap() -> threading.Thread | _Done:
+def warm_remap() -> threading.Thread | None:
     """Load the compiled loop in a thread of its own, started now: a process's first call of
     a compiled function pays numba's start (~0.2 s here), which the caller's setup (opening
     inputs, reading their names) then overlaps. Join it before forking (numba's compiler
-    lock must not be held across a fork) and before the first block is remapped."""
+    lock must not be held across a fork) and before the first block is remapped; ``None``
+    where no thread could be had (the first remap loads it instead)."""
     t = threading.Thread(target=_warm, name="annbatch-remap-warm", daemon=True)
     try:
         t.start()
-    except RuntimeError:  # no thread to be had: the first remap loads it instead
-        return _Done()
+    except RuntimeError:
+        return None
     return t
