@@ -292,3 +292,19 @@ def test_workers_of_a_dataset_iterated_here_first_still_send_by_reference(
     for b in got:  # their batches stay whole
         np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
     del got, b
+
+
+def test_a_slot_storage_from_a_worker_that_died_is_named_as_such() -> None:
+    """A slot's storage travels as torch sends one (the worker hands its descriptor over
+    on request); it arrives equal, and when the worker died before handing it over (the
+    connection reset) the error names the worker as exited, as torch's own does."""
+    s = torch.arange(16, dtype=torch.uint8).untyped_storage().share_memory_()
+    got = pickle.loads(ForkingPickler.dumps(handoff._Storage(s, 123)))
+    assert bytes(got) == bytes(s)
+
+    def gone(*args: Any) -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid 123\) exited "
+                                           "unexpectedly"):
+        handoff._received_storage(gone, (), 123)

@@ -217,7 +217,7 @@ class InSlot:
         with memory.lock:  # counted before the main process can see the batch
             for p, (k, slot, off) in zip(parts, found):  # type: ignore[misc]
                 gen = int(c[k, GEN])
-                storage = slot if c[k, MAPPED] != gen else None
+                storage = _Storage(slot, memory.pid) if c[k, MAPPED] != gen else None
                 refs.append((k, gen, storage, off, p.numel(), p.dtype))
             for k, *_ in refs:
                 c[k, SENT] += 1
@@ -225,6 +225,34 @@ class InSlot:
         info = get_worker_info()
         who = (memory.id, memory.pid, counters, info.num_workers if info is not None else 1)
         return (arrive, (crow, refs, shape, self.dense, self.n_keys, who))
+
+
+class _Storage:
+    """A slot's storage on its way to the main process (as torch sends a storage: by file
+    descriptor, handed over by the sending worker on request)."""
+
+    __slots__ = ("pid", "storage")
+
+    def __init__(self, storage: torch.UntypedStorage, pid: int) -> None:
+        self.storage, self.pid = storage, pid
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from torch.multiprocessing.reductions import reduce_storage
+
+        rebuild, args = reduce_storage(self.storage)
+        return (_received_storage, (rebuild, args, self.pid))
+
+
+def _received_storage(rebuild: Any, args: tuple[Any, ...], pid: int) -> torch.UntypedStorage:
+    """Unpickling a :class:`_Storage`: torch's rebuild, whose failure because the worker
+    died before handing its memory over (its connection reset) is named as such."""
+    try:
+        return rebuild(*args)
+    except (ConnectionError, EOFError) as e:
+        raise RuntimeError(
+            f"DataLoader worker (pid {pid}) exited unexpectedly before this process received "
+            "the shared memory of a batch it sent; the batches received before stay "
+            "valid.") from e
 
 
 #: dense arrays of arrived batches, reused once the training loop let go of them (the
