@@ -250,7 +250,8 @@ def _nullable(node: Any, n_rows: int) -> Any:
 
 
 def read_dataframe(group: Any, n_rows: int, where: str, what: str,
-                   check: NodeCheck | None = None) -> pd.DataFrame:
+                   check: NodeCheck | None = None,
+                   index: np.ndarray | None = None) -> pd.DataFrame:
     """An AnnData dataframe group (``var``) as a :class:`pandas.DataFrame`.
 
     Columns are read as :mod:`annbatch_torch.store.elements` reads obs columns
@@ -283,6 +284,9 @@ def read_dataframe(group: Any, n_rows: int, where: str, what: str,
     CollectionError
         If the index or a column does not hold ``n_rows`` rows, or (with ``check``) a
         column is damaged.
+    index
+        The group's index as the caller read it already (an input's var names): not read
+        again, its length is checked all the same.
     """
     key = index_key(group)
     try:
@@ -294,7 +298,7 @@ def read_dataframe(group: Any, n_rows: int, where: str, what: str,
         ) from None
     if check is not None:
         check(f"{what}/{key}", node)
-    names = read_index(group)
+    names = read_index(group) if index is None else np.asarray(index, dtype=object)
     if names.shape != (n_rows,):
         raise CollectionError(
             f"{where}: {what} index holds {names.shape[0] if names.ndim else 0} names, expected "

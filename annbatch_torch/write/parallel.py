@@ -36,6 +36,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -53,8 +54,8 @@ from .remap import usable_cpus
 from .schema import Schema
 from .shardstore import stored_arrays
 
-__all__ = ["InputPiece", "Pass1Task", "pass1_tasks", "run_parallel", "open_scheduler",
-           "SCHEDULERS"]
+__all__ = ["ClusterStart", "InputPiece", "Pass1Task", "pass1_tasks", "run_parallel",
+           "open_scheduler", "start_cluster", "SCHEDULERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,39 +127,90 @@ def pass1_tasks(n_obs: Sequence[int], n_workers: int) -> list[Pass1Task]:
     return tasks
 
 
-@contextlib.contextmanager
-def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any, int]]:
-    """``(client, workers)`` of ``scheduler``: a ``LocalCluster`` started (and closed) here for
-    ``"processes"`` / ``"threads"``, or the caller's ``distributed.Client`` as it is."""
+class ClusterStart:
+    """A local Dask cluster (``"processes"`` or ``"threads"`` of ``n_workers``) started in a
+    thread of its own, so that its start (worker processes importing the library) runs
+    while the writer opens its inputs. The scheduler's name and ``n_workers`` are checked
+    here, before any of that work. :meth:`cluster` waits for it; :meth:`close` stops it
+    (again: nothing)."""
+
+    def __init__(self, scheduler: str, n_workers: int | None) -> None:
+        distributed = _distributed(scheduler)
+        if scheduler not in SCHEDULERS:
+            raise InputError(
+                f"scheduler={scheduler!r} is unknown: use None (one process), 'processes' or "
+                "'threads' (a local Dask cluster of n_workers), or a dask.distributed.Client.")
+        if n_workers is None:
+            n_workers = usable_cpus()
+        self.name = scheduler
+        self.n_workers = check_int("n_workers", n_workers, 1, error=InputError)
+        self._cluster: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._start, args=(distributed,),
+                                        name="annbatch-dask-start", daemon=True)
+        self._thread.start()
+
+    def _start(self, distributed: Any) -> None:
+        import dask
+
+        # dask's default MALLOC_TRIM_THRESHOLD_ in workers turns every large numpy buffer
+        # into an mmap and munmap (fresh page faults each block); the writer trims memory
+        try:
+            with dask.config.set(
+                    {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+                self._cluster = _local_cluster(distributed, self.name == "processes",
+                                               self.n_workers)
+        except BaseException as e:  # raised where the cluster is asked for
+            self._error = e
+
+    def cluster(self) -> Any:
+        """The started cluster (waits for its start; raises what the start raised)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._cluster
+
+    def close(self) -> None:
+        """Stop the cluster (after its start, if that still runs)."""
+        self._thread.join()
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            cluster.close()
+
+
+def start_cluster(scheduler: Any, n_workers: int | None) -> ClusterStart | None:
+    """A :class:`ClusterStart` for a local scheduler's name; ``None`` for ``None`` (the
+    serial writer) and for a caller's ``Client`` (started already)."""
+    return ClusterStart(scheduler, n_workers) if isinstance(scheduler, str) else None
+
+
+def _distributed(scheduler: Any) -> Any:
     try:
         import distributed
     except ImportError as e:
         raise InputError(
             f"scheduler={scheduler!r} needs Dask: pip install 'annbatch-torch[dask]' (dask and "
             "distributed); or leave scheduler=None for the single-process writer.") from e
+    return distributed
+
+
+@contextlib.contextmanager
+def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any, int]]:
+    """``(client, workers)`` of ``scheduler``: the cluster of a :class:`ClusterStart` (or of
+    a local scheduler's name, started here), closed on the way out, or the caller's
+    ``distributed.Client`` as it is."""
+    distributed = _distributed(scheduler)
     if isinstance(scheduler, distributed.Client):
         workers = len(scheduler.scheduler_info().get("workers", {})) or 1
         yield scheduler, workers
         return
-    if scheduler not in SCHEDULERS:
-        raise InputError(
-            f"scheduler={scheduler!r} is unknown: use None (one process), 'processes' or "
-            "'threads' (a local Dask cluster of n_workers), or a dask.distributed.Client.")
-    if n_workers is None:
-        n_workers = usable_cpus()
-    n_workers = check_int("n_workers", n_workers, 1, error=InputError)
-    procs = scheduler == "processes"
-    import dask
-
-    # dask's default MALLOC_TRIM_THRESHOLD_ in workers turns every large numpy buffer into
-    # an mmap and munmap (fresh page faults each block); the writer trims memory itself
-    with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
-        cluster = _local_cluster(distributed, procs, n_workers)
+    start = scheduler if isinstance(scheduler, ClusterStart) else ClusterStart(scheduler,
+                                                                                n_workers)
     try:
-        with distributed.Client(cluster) as client:
-            yield client, n_workers
+        with distributed.Client(start.cluster()) as client:
+            yield client, start.n_workers
     finally:
-        cluster.close()
+        start.close()
 
 
 def _local_cluster(distributed: Any, procs: bool, n_workers: int) -> Any:
@@ -391,11 +443,12 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
     from tqdm.auto import tqdm
 
     shard_obs = layout[0]
-    local_threads = scheduler == "threads"
+    name = scheduler.name if isinstance(scheduler, ClusterStart) else scheduler
+    local_threads = name == "threads"
     for s in sources:
         if s.path is None and not local_threads:
             raise InputError(
-                f"{s.label} is an AnnData in memory: scheduler={scheduler!r} runs pass 1 in "
+                f"{s.label} is an AnnData in memory: scheduler={name!r} runs pass 1 in "
                 "other processes, which cannot see it. Fix: write it first "
                 "(adata.write_h5ad(path)) and pass the path, or use scheduler='threads'.")
     folder = tmp / ".buckets"
@@ -403,13 +456,13 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
     schema.use_storage(opts)  # an explicit data_dtype: checked in the tasks, block by block
     # a cluster started here restarts a dead worker within seconds; the caller's may be
     # adaptive (scaling up from none takes minutes)
-    grace = NO_WORKERS_GRACE_S if isinstance(scheduler, str) else NO_WORKERS_GRACE_CLIENT_S
+    grace = NO_WORKERS_GRACE_S if isinstance(name, str) else NO_WORKERS_GRACE_CLIENT_S
     with open_scheduler(scheduler, n_workers) as (client, workers):
         tasks = pass1_tasks([s.n_obs for s in sources], workers)
         n_shards = -(-n_total // shard_obs)
         logger.info("Writing on %d Dask workers (%s): %d pass-1 tasks, %d shards; each worker "
                     "within max_memory, %d x that in all.", workers,
-                    scheduler if isinstance(scheduler, str) else "a Client", len(tasks),
+                    name if isinstance(name, str) else "a Client", len(tasks),
                     n_shards, workers)
         objs = [s if s.path is None else s.path for s in sources]
         with tqdm(total=len(tasks) + n_shards, desc=f"shuffle on {workers} workers",

@@ -88,6 +88,7 @@ from . import budget as _budget
 from .buckets import BucketWriter, bucket_id, bucket_segments
 from .budget import parse_memory
 from .narrow import check_dtype_options, dtype_options
+from .parallel import run_parallel, start_cluster
 from .passes import route_rows, write_shard_blocks
 from .publish import (
     check_output,
@@ -373,6 +374,9 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         seed = int(np.random.SeedSequence().entropy % (2**63))
     sources: list[InputSource] = []
     tmp: Path | None = None
+    # a local cluster starts while the inputs are opened and read (its workers' start-up
+    # would otherwise come after all that, on its own)
+    early = None if scheduler is None else start_cluster(scheduler, n_workers)
     try:
         sources = open_inputs(adata_paths)  # the same input twice is refused
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
@@ -394,7 +398,7 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         tmp.mkdir()
         shards, dtypes = write_shards(sources, schema, tmp, n_total, (shard_obs, block_obs),
                                       shuffle, seed, work, opts, progress, value_check,
-                                      scheduler, n_workers)
+                                      early or scheduler, n_workers)
         sync_tree(tmp)  # the shards reach the disk before a manifest can vouch for them
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor)
@@ -403,6 +407,8 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         sync_dir(out.parent)  # the rename of the collection into place
         tmp = None
     finally:
+        if early is not None:
+            early.close()
         for s in sources:
             s.close()
         if tmp is not None:
@@ -429,8 +435,6 @@ def write_shards(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
     if scheduler is None:
         return run_serial(sources, schema, tmp, n_total, layout, shuffle, seed, work, opts,
                           progress, value_check, first_shard)
-    from .parallel import run_parallel
-
     return run_parallel(sources, schema, tmp, n_total, layout,
                         permutation(n_total, shuffle, seed), work, opts, progress,
                         value_check, scheduler, n_workers, first_shard)

@@ -488,7 +488,7 @@ class InputSource:
         what = "raw/var" if raw else "var"
         try:
             group = self.group["raw"]["var"] if raw else self.group["var"]
-            return read_dataframe(group, len(names), self.label, what)
+            return read_dataframe(group, len(names), self.label, what, index=names)
         except (AnnBatchError, OSError, KeyError, ValueError) as e:
             logger.warning("%s: its %s columns are not read (%s: %s).", self.label, what,
                            type(e).__name__, e)
