@@ -251,3 +251,42 @@ def test_a_routing_task_opens_inputs_without_reading_their_genes(tmp_path: Path)
     finally:
         full.close()
         lean.close()
+
+
+def _dask_leftovers(before: set[int]) -> tuple[list[str], list[int]]:
+    """Threads of the writer's cluster start and stop still alive, and child processes
+    (not ``before``, not multiprocessing's resource tracker) still running after 30 s."""
+    import psutil
+
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("annbatch-dask")]
+    kids = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+            and "resource_tracker" not in " ".join(p.cmdline())]
+    _, alive = psutil.wait_procs(kids, timeout=30)
+    return threads, [p.pid for p in alive]
+
+
+def test_a_local_cluster_is_checked_first_and_stopped_however_the_write_ends(
+        tmp_path: Path) -> None:
+    """The cluster starts while the inputs are opened: its settings are refused before an
+    input is looked at, and it is stopped when an input fails meanwhile and after a write."""
+    import psutil
+
+    paths = _inputs(tmp_path, False, False)
+    gone = tmp_path / "gone.h5ad"
+    with pytest.raises(InputError, match="scheduler='nope' is unknown"):
+        abt.create_anndata_collection([gone], tmp_path / "no", scheduler="nope")
+    with pytest.raises(InputError, match="n_workers"):
+        abt.create_anndata_collection([gone], tmp_path / "no", scheduler="processes",
+                                      n_workers=0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(InputError, match=r"gone\.h5ad: no such file"):
+        abt.create_anndata_collection([paths[0], gone], tmp_path / "no",
+                                      scheduler="processes", n_workers=2, progress=False)
+    assert _dask_leftovers(before) == ([], [])
+    kw: dict[str, Any] = dict(seed=1, n_obs_per_shard=SHARD, progress=False)
+    for scheduler in ("processes", "threads"):
+        par = abt.create_anndata_collection(paths, tmp_path / scheduler, scheduler=scheduler,
+                                            n_workers=2, **kw)
+        assert par.n_obs == 4300
+        assert _dask_leftovers(before) == ([], []), scheduler
+    assert not (tmp_path / "no").exists()

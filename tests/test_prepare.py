@@ -143,3 +143,22 @@ def test_a_touched_input_keeps_the_store_a_changed_one_rewrites_it(
     a.X = a.X * 2  # same shape, same size on disk (float32 values), other content
     a.write_h5ad(inputs[0])
     assert abt.prepare_collection(inputs, store, progress=False) is True
+
+
+def test_fingerprints_read_ahead_equal_the_function_and_reach_the_manifest(
+        synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    from annbatch_torch.store.inputs.fingerprint import Fingerprints, fingerprint
+
+    folder = tmp_path / "store.zarr"
+    (folder / "X").mkdir(parents=True)
+    (folder / "zarr.json").write_text('{"node_type": "group"}')
+    (folder / "X" / "c0").write_bytes(np.random.default_rng(0).bytes(3 << 20))
+    gone = tmp_path / "gone.h5ad"
+    ahead = Fingerprints([*synthetic_h5ads, folder, gone])
+    for p in (*synthetic_h5ads, folder):
+        assert ahead.get(p) == fingerprint(p), p
+    assert ahead.get(gone) is None  # left to whoever computes it again (and meets the error)
+    ahead.close()
+    coll = abt.create_anndata_collection(synthetic_h5ads, tmp_path / "out", progress=False)
+    assert [r["fingerprint"] for r in coll.manifest.inputs] == [
+        fingerprint(p) for p in synthetic_h5ads]

@@ -827,3 +827,40 @@ def test_long_rows_shuffled_equal_the_source(tmp_path: Path) -> None:
     assert sorted(out.obs_names) == sorted(a.obs_names)
     assert list(out.obs_names) != list(a.obs_names)
     np.testing.assert_array_equal(dense(out.X), dense(a[out.obs_names].X))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+@pytest.mark.parametrize("scheduler", [None, "threads"])
+def test_each_shard_is_sent_to_the_disk_as_soon_as_it_is_written(
+        synthetic_h5ads: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        scheduler: str | None) -> None:
+    """The writer starts the write-out of each shard's files when the shard is done (the
+    fsync before the manifest then finds them on the disk, not all in the page cache)."""
+    from annbatch_torch.write import publish
+    from annbatch_torch.write.writer import create_anndata_collection
+
+    real = publish._SYNC_FILE_RANGE
+    assert real is not None  # found in libc on Linux
+    started: list[tuple[str, int]] = []
+
+    def recording(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        started.append((os.readlink(f"/proc/self/fd/{fd}"), flags))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(publish, "_SYNC_FILE_RANGE", recording)
+    out = tmp_path / "store"
+    kw = {} if scheduler is None else {"scheduler": scheduler, "n_workers": 2}
+    coll = create_anndata_collection(synthetic_h5ads, out, seed=0, n_obs_per_shard=1024,
+                                     progress=False, **kw)
+    assert {flags for _, flags in started} == {2}  # SYNC_FILE_RANGE_WRITE: no waiting
+    sent = set()  # (shard, path within it) of each file started (part folders renamed)
+    for path, _ in started:
+        parts = Path(path).parts
+        at = next(i for i, p in enumerate(parts) if p.startswith("shard_"))
+        sent.add((parts[at].split(".part-")[0], *parts[at + 1:]))
+    for s in coll.manifest.shards:
+        files = {p.relative_to(out / s.path).parts for p in (out / s.path).rglob("*")
+                 if p.is_file()}
+        assert files, s.path
+        missing = [f for f in files if (s.path, *f) not in sent]
+        assert not missing, (s.path, missing[:3])

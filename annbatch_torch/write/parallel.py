@@ -50,6 +50,7 @@ from ..store.manifest import ShardInfo
 from .buckets import BucketSegment, BucketWriter, bucket_id, bucket_segments
 from .narrow import ValueRange
 from .passes import route_rows, write_shard_blocks
+from .publish import start_writeback
 from .remap import usable_cpus
 from .schema import Schema
 from .shardstore import stored_arrays
@@ -170,9 +171,19 @@ class ClusterStart:
             raise self._error
         return self._cluster
 
+    def close_soon(self) -> None:
+        """Begin stopping the cluster in a thread (its workers' exit then overlaps what the
+        writer does next); :meth:`close` waits for it."""
+        if self._thread.is_alive() or self._cluster is None:
+            return  # still starting (an error on the way): close() stops it
+        self._thread = threading.Thread(target=self.close, name="annbatch-dask-close",
+                                        daemon=True)
+        self._thread.start()
+
     def close(self) -> None:
-        """Stop the cluster (after its start, if that still runs)."""
-        self._thread.join()
+        """Stop the cluster (after its start or a :meth:`close_soon`, if one still runs)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join()
         cluster, self._cluster = self._cluster, None
         if cluster is not None:
             cluster.close()
@@ -196,21 +207,25 @@ def _distributed(scheduler: Any) -> Any:
 
 @contextlib.contextmanager
 def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any, int]]:
-    """``(client, workers)`` of ``scheduler``: the cluster of a :class:`ClusterStart` (or of
-    a local scheduler's name, started here), closed on the way out, or the caller's
-    ``distributed.Client`` as it is."""
+    """``(client, workers)`` of ``scheduler``: the cluster of a local scheduler's name,
+    started here and closed on the way out; that of a :class:`ClusterStart`, whose stop
+    begins on the way out (its owner's :meth:`ClusterStart.close` waits for it); or the
+    caller's ``distributed.Client`` as it is."""
     distributed = _distributed(scheduler)
     if isinstance(scheduler, distributed.Client):
         workers = len(scheduler.scheduler_info().get("workers", {})) or 1
         yield scheduler, workers
         return
-    start = scheduler if isinstance(scheduler, ClusterStart) else ClusterStart(scheduler,
-                                                                                n_workers)
+    own = not isinstance(scheduler, ClusterStart)
+    start = ClusterStart(scheduler, n_workers) if own else scheduler
     try:
         with distributed.Client(start.cluster()) as client:
             yield client, start.n_workers
     finally:
-        start.close()
+        if own:
+            start.close()
+        else:  # the caller's close() waits for it
+            start.close_soon()
 
 
 def _local_cluster(distributed: Any, procs: bool, n_workers: int) -> Any:
@@ -293,6 +308,7 @@ def write_shard(shard: int, n: int, tmp: str, task_dirs: Sequence[str], schema: 
     part = Path(tmp) / ".buckets" / f"{name}.part-{secrets.token_hex(4)}"
     dtypes = write_shard_blocks(part, n, paths, schema, layout, opts, f"{tmp}: shard {shard}",
                                 stored=stored or {})
+    start_writeback(part)  # on the disk while other tasks run (the driver's fsync then waits less)
     if final.exists():  # a run that died between its rename and its record: the same shard
         shutil.rmtree(final)
     os.rename(part, final)

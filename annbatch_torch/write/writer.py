@@ -69,6 +69,7 @@ import numpy as np
 
 from ..errors import InputError, check_int
 from ..store.collection import Collection, open_collection
+from ..store.inputs.fingerprint import Fingerprints
 from ..store.inputs.plan import (
     InputNames,
     open_inputs,
@@ -94,6 +95,7 @@ from .publish import (
     check_output,
     remove_stale_temporaries,
     sibling_path,
+    start_writeback,
     swap_into_place,
     sync_dir,
     sync_tree,
@@ -377,8 +379,11 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
     # a local cluster starts while the inputs are opened and read (its workers' start-up
     # would otherwise come after all that, on its own)
     early = None if scheduler is None else start_cluster(scheduler, n_workers)
+    prints: Fingerprints | None = None
     try:
         sources = open_inputs(adata_paths)  # the same input twice is refused
+        # the manifest's content fingerprints, read while the write goes on
+        prints = Fingerprints([s.path for s in sources if s.path is not None])
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
                                 _as_list(obsm), reference, raw)
         names = InputNames.read([s for s in sources if s.n_obs])
@@ -401,12 +406,15 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
                                       early or scheduler, n_workers)
         sync_tree(tmp)  # the shards reach the disk before a manifest can vouch for them
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
-                                   var_join, (shard_obs, block_obs), budget, opts, compressor)
+                                   var_join, (shard_obs, block_obs), budget, opts, compressor,
+                                   prints)
         sync_dir(tmp)  # the manifest's own rename
         swap_into_place(tmp, out, overwrite)
         sync_dir(out.parent)  # the rename of the collection into place
         tmp = None
     finally:
+        if prints is not None:
+            prints.close()
         if early is not None:
             early.close()
         for s in sources:
@@ -474,6 +482,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
                                         f"{tmp}: shard {s}", stored=schema.stored_in(s),
                                         delete=True,
                                         on_block=bar.update)
+            start_writeback(tmp / name)  # on the disk while the next shard is written
             shards.append(ShardInfo(name, n, stored=stored_arrays(dtypes, schema.kept)))
     shutil.rmtree(tmp / ".buckets", ignore_errors=True)
     return shards, dtypes
@@ -482,7 +491,8 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
 def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Schema,
                                shards: list[ShardInfo], dtypes: dict[str, str], seed: int,
                                shuffle: bool, var_join: str, layout: tuple[int, int],
-                               budget: int, opts: dict[str, Any], compressor: Any) -> None:
+                               budget: int, opts: dict[str, Any], compressor: Any,
+                               prints: Fingerprints) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -509,7 +519,8 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
         n_obs=sum(s.n_obs for s in shards), n_vars=len(schema.var_names), shards=shards,
         fields=fields, var_names=[str(v) for v in schema.var_names], seed=seed,
         shuffle=shuffle, var_join=var_join,
-        inputs=[{**s.record(), "generation": generation} for s in sources],
+        inputs=[{**s.record(None if s.path is None else prints.get(s.path)),
+                 "generation": generation} for s in sources],
         created_by=created_by, all_chunks_written=True,
         extra={"writer": writer, **({"unavailable": schema.unavailable}
                                     if schema.unavailable else {})},

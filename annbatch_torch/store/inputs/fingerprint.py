@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["fingerprint", "FINGERPRINT_VERSION"]
+__all__ = ["fingerprint", "Fingerprints", "FINGERPRINT_VERSION"]
 
 #: Part of every fingerprint: a change in what is read gives a different value.
 FINGERPRINT_VERSION = "fp1"
@@ -89,3 +91,40 @@ def fingerprint(path: str | os.PathLike[str]) -> str:
         h.update(rel.encode())
         _file_digest(h, f, size)
     return f"{FINGERPRINT_VERSION}:{h.hexdigest()}"
+
+
+class Fingerprints:
+    """:func:`fingerprint` of each of ``paths``, computed in a thread of its own while the
+    caller goes on (SHA-256 lets go of the GIL): a writer starts it when it has opened its
+    inputs and asks for the values when it writes its manifest.
+
+    :meth:`get` waits for the thread; a path whose fingerprint failed (an ``OSError``)
+    gives ``None``, for the caller to compute it again and meet the error itself.
+    :meth:`close` stops after the path being read and waits.
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]]) -> None:
+        self._done: dict[str, str] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, args=(list(paths),),
+                                        name="annbatch-fingerprint", daemon=True)
+        self._thread.start()
+
+    def _run(self, paths: list[str | os.PathLike[str]]) -> None:
+        for p in paths:
+            if self._stop:
+                return
+            try:
+                self._done[os.fspath(p)] = fingerprint(p)
+            except OSError:
+                continue
+
+    def get(self, path: str | os.PathLike[str]) -> str | None:
+        """The fingerprint of ``path`` (waits until every path is done)."""
+        self._thread.join()
+        return self._done.get(os.fspath(path))
+
+    def close(self) -> None:
+        """Stop after the path being read; wait for the thread."""
+        self._stop = True
+        self._thread.join()

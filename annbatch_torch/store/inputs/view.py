@@ -515,15 +515,17 @@ class InputSource:
             yield self.names(a, min(self.n_obs, a + block))
 
     # -- bookkeeping ----------------------------------------------------------------
-    def record(self) -> dict[str, Any]:
+    def record(self, digest: str | None = None) -> dict[str, Any]:
         """The manifest's description of this input (path, size, mtime, content
-        fingerprint, n_obs)."""
+        fingerprint, n_obs); ``digest``: its content fingerprint when computed
+        already (:class:`~annbatch_torch.store.inputs.fingerprint.Fingerprints`)."""
         if self.path is None:
             return {"path": None, "name": self.label, "kind": self.kind, "size": None,
                     "mtime": None, "n_obs": self.n_obs}
         size, mtime = disk_usage(self.path)
         return {"path": str(self.path), "name": self.path.name, "kind": self.kind,
-                "size": size, "mtime": mtime, "fingerprint": fingerprint(self.path),
+                "size": size, "mtime": mtime,
+                "fingerprint": digest or fingerprint(self.path),
                 "n_obs": self.n_obs}
 
     def close(self) -> None:
