@@ -181,8 +181,10 @@ def task_epoch(a: dict[str, Any]) -> dict[str, Any]:
                         pass
     peaks, stop = _rss_monitor()
     ds = abt.AnnBatchDataset(store, selector=SELECTOR, batch_size=4096, densify=a["dense"])
-    it = iter(ds if not a["workers"] else torch.utils.data.DataLoader(
-        ds, batch_size=None, num_workers=a["workers"]))
+    # a plain DataLoader densifies dense batches as they arrive (torch then holds those it
+    # puts back in order); AnnBatchDataLoader densifies them once they are in order
+    loader = abt.AnnBatchDataLoader if a.get("abt_loader") else torch.utils.data.DataLoader
+    it = iter(ds if not a["workers"] else loader(ds, batch_size=None, num_workers=a["workers"]))
     n = k = 0
     t = time.perf_counter()
     for b in it:
@@ -388,6 +390,10 @@ def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                     ok = sorted((r for r in runs if "cells_s" in r), key=lambda r: r["cells_s"])
                     if ok:
                         res[key] = {**ok[len(ok) // 2], "repeats": len(ok)}
+                    if dense and workers and not cold:
+                        run("epoch", f"{key}_abt_loader", cold=False, dense=True,
+                            workers=workers, max_batches=args.max_batches_dense,
+                            abt_loader=True)
     if want("samplers"):
         run("samplers")
     if want("resume"):
