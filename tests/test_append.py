@@ -231,3 +231,87 @@ def test_prepare_rewrites_when_the_grown_inputs_cannot_be_appended(tmp_path: Pat
     assert coll.n_obs == 700
     assert coll.n_vars == N_GENES - 3  # rewritten: the inner join of both
     assert "appended" not in coll.manifest.extra
+
+
+def _taken_names(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and "obs_names are in" in r.getMessage()]
+
+
+def test_names_already_in_the_collection_are_named_from_the_shards_hashes(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each shard stores its obs_names' hashes (uns/annbatch_torch_obs_name_hashes): an
+    append compares its names with them at any collection size; shards written before
+    (without them) have their names read, up to NAME_CHECK_MAX_CELLS cells."""
+    import zarr
+
+    from annbatch_torch.store.inputs.plan import name_hashes
+    from annbatch_torch.store.metadata import NAME_HASHES
+    from annbatch_torch.write import append
+
+    p0, _ = _input(tmp_path, 0, 1500, ["A"])
+    store = tmp_path / "store"
+    coll = abt.create_anndata_collection([p0], store, seed=0, n_obs_per_shard=512,
+                                         progress=False)
+    for s in coll.manifest.shards:  # what each shard stores: its own names' hashes
+        shard = ad.read_zarr(store / s.path)
+        np.testing.assert_array_equal(shard.uns[NAME_HASHES],
+                                      np.unique(name_hashes(shard.obs_names)))
+    _, a1 = _input(tmp_path, 1, 50, ["B"])
+    a1.obs_names = [*a1.obs_names[:47], "i0_5", "i0_700", "i0_1499"]  # 3 stored already
+    p1 = tmp_path / "in1.h5ad"
+    a1.write_h5ad(p1)
+    monkeypatch.setattr(append, "NAME_CHECK_MAX_CELLS", 0)  # no obs index is read
+    with caplog.at_level("INFO", logger="annbatch_torch"):
+        coll = abt.append_to_collection(store, [p1], progress=False)
+    (msg,) = _taken_names(caplog)
+    assert ": 3 obs_names are in " in msg
+    assert all(f"'{n}'" in msg for n in ("i0_5", "i0_700", "i0_1499")), msg
+    new = coll.manifest.shards[-1]  # the appended shard stores them too
+    np.testing.assert_array_equal(ad.read_zarr(store / new.path).uns[NAME_HASHES],
+                                  np.unique(name_hashes(a1.obs_names)))
+    # a collection whose shards predate the hashes: its names are read, within the limit
+    old = tmp_path / "old"
+    coll = abt.create_anndata_collection([p0], old, seed=0, n_obs_per_shard=512,
+                                         progress=False)
+    for s in coll.manifest.shards:
+        group = zarr.open_group(str(old / s.path / "uns"), mode="a")
+        del group[NAME_HASHES]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="annbatch_torch"):
+        abt.append_to_collection(old, [p1], progress=False)
+    assert not _taken_names(caplog)
+    assert any("before annbatch_torch stored name hashes" in r.getMessage()
+               for r in caplog.records)
+    monkeypatch.setattr(append, "NAME_CHECK_MAX_CELLS", 2_000_000)
+    _, a2 = _input(tmp_path, 2, 20, ["B"])
+    a2.obs_names = [*a2.obs_names[:19], "i0_3"]
+    p2 = tmp_path / "in2.h5ad"
+    a2.write_h5ad(p2)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="annbatch_torch"):
+        abt.append_to_collection(old, [p2], progress=False)
+    (msg,) = _taken_names(caplog)
+    assert ": 1 obs_names are in " in msg
+    assert "'i0_3'" in msg
+
+
+def test_damaged_name_hashes_are_an_error_and_nothing_is_appended(tmp_path: Path) -> None:
+    import zarr
+
+    from annbatch_torch.store.metadata import NAME_HASHES
+
+    p0, _ = _input(tmp_path, 0, 600, ["A"])
+    store = tmp_path / "store"
+    coll = abt.create_anndata_collection([p0], store, seed=0, progress=False)
+    arr = zarr.open_array(str(store / coll.manifest.shards[0].path / "uns" / NAME_HASHES),
+                          mode="r+")
+    arr[...] = arr[...][::-1]  # no longer sorted
+    manifest = (store / "manifest.json").read_bytes()
+    p1, _ = _input(tmp_path, 1, 40, ["B"])
+    with pytest.raises(abt.CollectionError, match=rf"shard_00000\.zarr.*uns/{NAME_HASHES} is "
+                       r"not the sorted distinct uint64 hashes.*rewrite"):
+        abt.append_to_collection(store, [p1], progress=False)
+    assert (store / "manifest.json").read_bytes() == manifest
+    assert not list(tmp_path.glob("store.tmp-*"))

@@ -37,6 +37,8 @@ __all__ = [
     "as_row_ids",
     "split_by_shard",
     "shard_obs_names",
+    "shard_name_hashes",
+    "NAME_HASHES",
     "gather",
     "check_codes",
     "count_codes",
@@ -181,6 +183,34 @@ def shard_obs_names(group: Any, n_obs: int, where: str,
         )
     logger.debug("%s: read %d obs_names", where, n_obs)
     return names
+
+
+#: a shard's ``uns`` array of the 64-bit hashes of its obs_names (sorted, distinct):
+#: what an append compares its new names with, 8 bytes a cell instead of the strings
+NAME_HASHES = "annbatch_torch_obs_name_hashes"
+
+
+def shard_name_hashes(group: Any, where: str) -> np.ndarray | None:
+    """The sorted distinct obs_name hashes one shard stores (``uns/`` :data:`NAME_HASHES`),
+    ``None`` for a shard written before they were stored.
+
+    Raises
+    ------
+    CollectionError
+        If the array is there but not a sorted 1-D uint64 array of distinct values.
+    """
+    try:
+        node = group["uns"][NAME_HASHES]
+    except KeyError:
+        return None
+    hashes = np.asarray(node[...])
+    if hashes.dtype != np.uint64 or hashes.ndim != 1 or (
+            hashes.size > 1 and not bool(np.all(hashes[1:] > hashes[:-1]))):
+        raise CollectionError(
+            f"{where}: uns/{NAME_HASHES} is not the sorted distinct uint64 hashes of the "
+            f"shard's obs_names ({hashes.dtype}, shape {hashes.shape}); the collection is "
+            f"damaged, {_REWRITE}")
+    return hashes
 
 
 def gather(el: Element, local: np.ndarray) -> np.ndarray:

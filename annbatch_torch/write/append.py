@@ -56,7 +56,7 @@ from ..store.manifest import (
     read_manifest,
     write_manifest,
 )
-from ..store.metadata import shard_obs_names
+from ..store.metadata import shard_name_hashes, shard_obs_names
 from . import budget as _budget
 from .budget import parse_memory
 from .narrow import FIELD, check_dtype_options
@@ -401,29 +401,54 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-#: collections up to this many cells have their obs_names compared with an append's (every
-#: shard's obs index is read: ~1 s per 400k cells); larger ones, and remote ones, are not
+#: cells of shards written before obs_name hashes were stored (their names are read, ~1 s
+#: per 400k cells) up to which an append's names are compared with theirs; shards with
+#: stored hashes (:data:`~annbatch_torch.store.metadata.NAME_HASHES`) are always compared
 NAME_CHECK_MAX_CELLS = 2_000_000
+
+
+def _in_sorted(values: np.ndarray, sorted_: np.ndarray) -> np.ndarray:
+    """Mask of ``values`` found in the sorted array ``sorted_``."""
+    if not sorted_.size:
+        return np.zeros(values.shape, bool)
+    at = np.minimum(np.searchsorted(sorted_, values), sorted_.size - 1)
+    return sorted_[at] == values
 
 
 def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
     """Warn, per new input, about obs_names ``coll`` holds already (how many, a few of them);
-    returns the count. Reads every shard's obs index once (not cached), keeping only the
-    new inputs' name hashes and each shard's in turn; skipped (logged at INFO) for a
-    collection on an object store or above :data:`NAME_CHECK_MAX_CELLS` cells."""
-    if coll.url is not None or coll.n_obs > NAME_CHECK_MAX_CELLS:
+    returns the count. Compares the new names' hashes with the hashes each shard stores
+    (8 bytes a cell); a shard written before those were stored has its obs index read
+    instead, up to :data:`NAME_CHECK_MAX_CELLS` cells of such shards (beyond, those shards
+    are left out, logged at INFO). Not done for a collection on an object store."""
+    if coll.url is not None:
         logger.info("%s: obs_names of the new inputs are not compared with the collection's "
-                    "(%s); rows are row ids, names are metadata: compare them yourself with "
-                    "Source.obs_names if they must be unique.", coll.describe(),
-                    "on an object store" if coll.url is not None
-                    else f"{coll.n_obs:,} cells, above {NAME_CHECK_MAX_CELLS:,}")
+                    "(on an object store); rows are row ids, names are metadata: compare "
+                    "them yourself with Source.obs_names if they must be unique.",
+                    coll.describe())
         return 0
     if not names.sources:
         return 0
     new = np.unique(np.concatenate(names.unique))
     hits = [np.zeros(0, np.uint64)]
-    for shard, n in enumerate(coll.shard_sizes):
-        stored = shard_obs_names(coll.shard_group(shard), n, coll.shard_name(shard))
+    unhashed = []
+    for shard in range(len(coll.shard_sizes)):
+        stored = shard_name_hashes(coll.shard_group(shard), coll.shard_name(shard))
+        if stored is None:
+            unhashed.append(shard)
+        else:
+            hits.append(new[_in_sorted(new, stored)])
+    cells = sum(coll.shard_sizes[s] for s in unhashed)
+    if cells > NAME_CHECK_MAX_CELLS:
+        logger.info("%s: obs_names of the new inputs are not compared with those of the %d "
+                    "shard(s) written before annbatch_torch stored name hashes (%s cells, "
+                    "above %s); compare them yourself with Source.obs_names if they must be "
+                    "unique.", coll.describe(), len(unhashed), f"{cells:,}",
+                    f"{NAME_CHECK_MAX_CELLS:,}")
+        unhashed = []
+    for shard in unhashed:
+        stored = shard_obs_names(coll.shard_group(shard), coll.shard_sizes[shard],
+                                 coll.shard_name(shard))
         hits.append(np.intersect1d(name_hashes(stored), new, assume_unique=False))
         del stored
     hit = np.unique(np.concatenate(hits))

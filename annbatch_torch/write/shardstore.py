@@ -23,7 +23,9 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CollectionError, InputError
+from ..store.inputs.plan import name_hashes
 from ..store.manifest import RAW_X
+from ..store.metadata import NAME_HASHES
 
 __all__ = ["Appender", "ShardStore", "array_kwargs", "carry_bytes", "compressors_for",
            "gather_rows", "stored_arrays"]
@@ -332,6 +334,15 @@ class ShardStore:
         write_elem(self.group, "obs", pd.DataFrame(obs, index=pd.Index(names, dtype=object)),
                    dataset_kwargs=array_kwargs(self.opts, (chunk,), (max(self.n_rows, 1),),
                                                sharded=False))
+        # the names' hashes, for an append's check of its names against the collection's
+        hashes = np.unique(name_hashes(names))
+        del names
+        arr = self.group["uns"].create_array(
+            NAME_HASHES, shape=hashes.shape, dtype=np.uint64, fill_value=0,
+            **array_kwargs(self.opts, (chunk,), (max(hashes.size, 1),), sharded=False))
+        arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+        if hashes.size:
+            arr[...] = hashes
         dtypes: dict[str, str] = {}
         for f in self.fields:
             if f.kind in ("csr", "dense"):
