@@ -15,6 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import annbatch_torch as abt
 from annbatch_torch import A, InputError
@@ -315,3 +317,18 @@ def test_damaged_name_hashes_are_an_error_and_nothing_is_appended(tmp_path: Path
         abt.append_to_collection(store, [p1], progress=False)
     assert (store / "manifest.json").read_bytes() == manifest
     assert not list(tmp_path.glob("store.tmp-*"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 2**64 - 1), max_size=300),
+       st.sets(st.integers(0, 2**64 - 1), max_size=300),
+       st.sets(st.integers(0, 2**64 - 1), max_size=20), st.booleans())
+def test_the_hash_filter_finds_exactly_the_stored_hashes_among_the_new(
+        new: set[int], stored: set[int], common: set[int], same_prefix: bool) -> None:
+    from annbatch_torch.write.append import _HashFilter
+
+    if same_prefix:  # hashes that share their leading bits and differ below them
+        stored = {h ^ 1 for h in new} | stored
+    a = np.array(sorted(new | common), dtype=np.uint64)
+    b = np.array(sorted(stored | common), dtype=np.uint64)
+    np.testing.assert_array_equal(np.sort(_HashFilter(a).hits(b)), np.intersect1d(a, b))

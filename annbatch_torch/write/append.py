@@ -415,6 +415,26 @@ def _in_sorted(values: np.ndarray, sorted_: np.ndarray) -> np.ndarray:
     return sorted_[at] == values
 
 
+#: leading bits of a name hash that index :class:`_HashFilter`'s table (4 MiB)
+_FILTER_BITS = 22
+
+
+class _HashFilter:
+    """Which stored hashes are among ``new`` (sorted distinct uint64), a shard at a time:
+    a table of ``new``'s leading bits lets through the few stored hashes that may be
+    (a fraction ~ len(new) / 2**22 of the others), and only those are looked up exactly."""
+
+    def __init__(self, new: np.ndarray) -> None:
+        self.new = new
+        self.table = np.zeros(1 << _FILTER_BITS, dtype=bool)
+        self.table[new >> np.uint64(64 - _FILTER_BITS)] = True
+
+    def hits(self, stored: np.ndarray) -> np.ndarray:
+        """The hashes of ``stored`` that are in ``new``."""
+        maybe = stored[self.table[stored >> np.uint64(64 - _FILTER_BITS)]]
+        return maybe[_in_sorted(maybe, self.new)]
+
+
 def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
     """Warn, per new input, about obs_names ``coll`` holds already (how many, a few of them);
     returns the count. Compares the new names' hashes with the hashes each shard stores
@@ -432,12 +452,13 @@ def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
     new = np.unique(np.concatenate(names.unique))
     hits = [np.zeros(0, np.uint64)]
     unhashed = []
+    among_new = _HashFilter(new)
     for shard in range(len(coll.shard_sizes)):
         stored = shard_name_hashes(coll.shard_group(shard), coll.shard_name(shard))
         if stored is None:
             unhashed.append(shard)
         else:
-            hits.append(new[_in_sorted(new, stored)])
+            hits.append(among_new.hits(stored))
     cells = sum(coll.shard_sizes[s] for s in unhashed)
     if cells > NAME_CHECK_MAX_CELLS:
         logger.info("%s: obs_names of the new inputs are not compared with those of the %d "
