@@ -264,8 +264,11 @@ def test_names_already_in_the_collection_are_named_from_the_shards_hashes(
     a1.obs_names = [*a1.obs_names[:47], "i0_5", "i0_700", "i0_1499"]  # 3 stored already
     p1 = tmp_path / "in1.h5ad"
     a1.write_h5ad(p1)
-    monkeypatch.setattr(append, "NAME_CHECK_MAX_CELLS", 0)  # no obs index is read
-    with caplog.at_level("INFO", logger="annbatch_torch"):
+    def no_names(*args: object) -> None:
+        raise AssertionError("a shard's obs index was read")
+
+    with monkeypatch.context() as mp, caplog.at_level("INFO", logger="annbatch_torch"):
+        mp.setattr(append, "shard_obs_names", no_names)  # the hashes alone
         coll = abt.append_to_collection(store, [p1], progress=False)
     (msg,) = _taken_names(caplog)
     assert ": 3 obs_names are in " in msg
@@ -281,6 +284,7 @@ def test_names_already_in_the_collection_are_named_from_the_shards_hashes(
         group = zarr.open_group(str(old / s.path / "uns"), mode="a")
         del group[NAME_HASHES]
     caplog.clear()
+    monkeypatch.setattr(append, "NAME_CHECK_MAX_CELLS", 0)
     with caplog.at_level("INFO", logger="annbatch_torch"):
         abt.append_to_collection(old, [p1], progress=False)
     assert not _taken_names(caplog)

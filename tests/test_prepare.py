@@ -159,6 +159,14 @@ def test_fingerprints_read_ahead_equal_the_function_and_reach_the_manifest(
         assert ahead.get(p) == fingerprint(p), p
     assert ahead.get(gone) is None  # left to whoever computes it again (and meets the error)
     ahead.close()
-    coll = abt.create_anndata_collection(synthetic_h5ads, tmp_path / "out", progress=False)
+
+    def not_here(path: object) -> str:
+        raise AssertionError(f"{path} fingerprinted where the manifest is written")
+
+    import annbatch_torch.store.inputs.view as view
+
+    with pytest.MonkeyPatch.context() as mp:  # the writer's thread computed them already
+        mp.setattr(view, "fingerprint", not_here)
+        coll = abt.create_anndata_collection(synthetic_h5ads, tmp_path / "out", progress=False)
     assert [r["fingerprint"] for r in coll.manifest.inputs] == [
         fingerprint(p) for p in synthetic_h5ads]

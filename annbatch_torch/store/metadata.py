@@ -308,15 +308,15 @@ def read_dataframe(group: Any, n_rows: int, where: str, what: str,
         it a column that is absent or lacks a member array (a categorical's
         ``categories``) is damage; without it (an input's ``var``) such a column is left
         out with a logged warning.
+    index
+        The group's index as the caller read it already (an input's var names): not read
+        again.
 
     Raises
     ------
     CollectionError
         If the index or a column does not hold ``n_rows`` rows, or (with ``check``) a
         column is damaged.
-    index
-        The group's index as the caller read it already (an input's var names): not read
-        again, its length is checked all the same.
     """
     key = index_key(group)
     try:

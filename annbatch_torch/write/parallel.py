@@ -156,9 +156,12 @@ class ClusterStart:
 
         # dask's default MALLOC_TRIM_THRESHOLD_ in workers turns every large numpy buffer
         # into an mmap and munmap (fresh page faults each block); the writer trims memory
+        # and workers spawned, never forked: this process's main thread is inside h5py
+        # (opening the inputs) while the cluster starts
         try:
             with dask.config.set(
-                    {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+                    {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                     "distributed.worker.multiprocessing-method": "spawn"}):
                 self._cluster = _local_cluster(distributed, self.name == "processes",
                                                self.n_workers)
         except BaseException as e:  # raised where the cluster is asked for
@@ -176,17 +179,25 @@ class ClusterStart:
         writer does next); :meth:`close` waits for it."""
         if self._thread.is_alive() or self._cluster is None:
             return  # still starting (an error on the way): close() stops it
-        self._thread = threading.Thread(target=self.close, name="annbatch-dask-close",
-                                        daemon=True)
-        self._thread.start()
+        closing = threading.Thread(target=self.close, name="annbatch-dask-close",
+                                   daemon=True)
+        closing.start()
+        self._thread = closing
 
     def close(self) -> None:
-        """Stop the cluster (after its start or a :meth:`close_soon`, if one still runs)."""
+        """Stop the cluster (after its start or a :meth:`close_soon`, if one still runs).
+        A failure to stop it is logged, never raised: this runs where a write is cleaning
+        up, whose own error matters more."""
         if self._thread is not threading.current_thread():
             self._thread.join()
         cluster, self._cluster = self._cluster, None
-        if cluster is not None:
+        if cluster is None:
+            return
+        try:
             cluster.close()
+        except Exception as e:
+            logger.warning("The local Dask cluster of the write did not stop cleanly (%s: %s); "
+                           "its worker processes may linger.", type(e).__name__, e)
 
 
 def start_cluster(scheduler: Any, n_workers: int | None) -> ClusterStart | None:

@@ -20,6 +20,7 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +131,11 @@ def sync_dir(path: Path) -> None:
 
 def _sync_file_range() -> Any:
     """libc's ``sync_file_range`` (Linux), ``None`` elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None  # (ctypes.CDLL(None) is a TypeError on Windows)
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
+    except Exception:  # a libc without it
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int

@@ -98,8 +98,8 @@ class Fingerprints:
     caller goes on (SHA-256 lets go of the GIL): a writer starts it when it has opened its
     inputs and asks for the values when it writes its manifest.
 
-    :meth:`get` waits for the thread; a path whose fingerprint failed (an ``OSError``)
-    gives ``None``, for the caller to compute it again and meet the error itself.
+    :meth:`get` waits for the thread; a path whose fingerprint failed gives ``None``, for
+    the caller to compute it again and meet the error itself.
     :meth:`close` stops after the path being read and waits.
     """
 
@@ -116,7 +116,7 @@ class Fingerprints:
                 return
             try:
                 self._done[os.fspath(p)] = fingerprint(p)
-            except OSError:
+            except Exception:  # computed again by the caller, who meets the error
                 continue
 
     def get(self, path: str | os.PathLike[str]) -> str | None:

@@ -40,6 +40,7 @@ from zarr.storage import LocalStore
 
 from ...errors import CollectionError, InputError, check_int
 from ..manifest import MANIFEST_NAME, ShardInfo
+from ..metadata import NAME_HASHES
 from .chunkcache import ChunkCache, cache_token
 from .location import ObjectInfo, RemoteLocation
 
@@ -390,15 +391,16 @@ class RemoteChunks:
 
 def _lazy_array(folder: str) -> bool:
     """Whether a (not raw) array of the mirror is a matrix field's (X, layers, obsm, raw's
-    X: nearly all the bytes), whose chunk objects are fetched when read rather than at
-    open. Other arrays (obs, var, names) are copied at open: anndata's own readers open
-    them as local files."""
+    X: nearly all the bytes) or the shard's obs_name hashes (8 bytes a cell, read by
+    appends only), whose chunk objects are fetched when read rather than at open. Other
+    arrays (obs, var, names) are copied at open: anndata's own readers open them as local
+    files."""
     parts = folder.split("/")
     for i, p in enumerate(parts):
         if p.endswith(".zarr"):  # the shard folder; the field follows
             rest = parts[i + 1:]
             return bool(rest) and (rest[0] in ("X", "layers", "obsm")
-                                   or rest[:2] == ["raw", "X"])
+                                   or rest[:2] in (["raw", "X"], ["uns", NAME_HASHES]))
     return False
 
 
