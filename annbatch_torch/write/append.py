@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +336,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     warm = warm_remap() if scheduler in (None, "threads") else None
     sources: list[InputSource] = []
     tmp: Path | None = None
+    names_check: ThreadPoolExecutor | None = None
     try:
         if coll is None:
             coll = open_collection(root)  # the current manifest, under the lock
@@ -356,8 +358,11 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         names = InputNames.read(with_cells)  # every new input's names read once
         warn_shared_obs_names(names)
         warn_repeated_obs_names(names)
-        warn_names_in_collection(names, coll)
-        del names  # 8 bytes per new cell, before the budget measures this process
+        # compared with the collection's names while the shards are written (it only warns;
+        # its error, damaged name hashes, is raised before anything is published)
+        names_check = ThreadPoolExecutor(1, thread_name_prefix="annbatch-names")
+        checked = names_check.submit(warn_names_in_collection, names, coll)
+        del names  # (the check's own reference goes when it is done)
         check = FitsStored({f.key: f.dtype for f in schema.fields
                             if f.kind in ("csr", "dense")}, value_check, coll.describe())
         shuffle = bool(manifest.shuffle)
@@ -383,6 +388,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             warm.join()  # (before any fork of a scheduler's workers)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, scheduler, n_workers, first)
+        checked.result()
         want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
         differ = {k: (v, want[k]) for k, v in dtypes.items()
                   if k in manifest.fields and v != want[k]}
@@ -395,6 +401,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     finally:
         if warm is not None:
             warm.join()  # no thread of ours in numba's compiler when the caller forks
+        if names_check is not None:
+            names_check.shutdown(wait=True)
         for s in sources:
             s.close()
         if tmp is not None:
