@@ -290,3 +290,14 @@ def test_a_local_cluster_is_checked_first_and_stopped_however_the_write_ends(
         assert par.n_obs == 4300
         assert _dask_leftovers(before) == ([], []), scheduler
     assert not (tmp_path / "no").exists()
+    # an append starts its cluster the same way
+    (tmp_path / "more").mkdir()
+    more = _inputs(tmp_path / "more", False, False)[:1]
+    with pytest.raises(InputError, match=r"gone\.h5ad: no such file"):
+        abt.append_to_collection(tmp_path / "processes", [*more, gone], scheduler="processes",
+                                 n_workers=2, progress=False)
+    assert _dask_leftovers(before) == ([], [])
+    grown = abt.append_to_collection(tmp_path / "processes", more, scheduler="processes",
+                                     n_workers=2, progress=False)
+    assert grown.n_obs == 4300 + 2500
+    assert _dask_leftovers(before) == ([], [])

@@ -61,6 +61,7 @@ from ..store.metadata import shard_name_hashes, shard_obs_names
 from . import budget as _budget
 from .budget import parse_memory
 from .narrow import FIELD, check_dtype_options
+from .parallel import start_cluster
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
 from .remap import warm_remap
 from .schema import OutField, Schema, resolve_schema
@@ -337,7 +338,10 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     sources: list[InputSource] = []
     tmp: Path | None = None
     names_check: ThreadPoolExecutor | None = None
+    early = None
     try:
+        # a local cluster starts while the collection and the inputs are opened
+        early = None if scheduler is None else start_cluster(scheduler, n_workers)
         if coll is None:
             coll = open_collection(root)  # the current manifest, under the lock
         manifest = coll.manifest
@@ -387,7 +391,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         if warm is not None:
             warm.join()  # (before any fork of a scheduler's workers)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
-                                      work, opts, progress, check, scheduler, n_workers, first)
+                                      work, opts, progress, check, early or scheduler,
+                                      n_workers, first)
         checked.result()
         want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
         differ = {k: (v, want[k]) for k, v in dtypes.items()
@@ -403,6 +408,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             warm.join()  # no thread of ours in numba's compiler when the caller forks
         if names_check is not None:
             names_check.shutdown(wait=True)
+        if early is not None:
+            early.close()
         for s in sources:
             s.close()
         if tmp is not None:
