@@ -341,7 +341,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     early = None
     try:
         # a local cluster starts while the collection and the inputs are opened
-        early = None if scheduler is None else start_cluster(scheduler, n_workers)
+        early = start_cluster(scheduler, n_workers)
         if coll is None:
             coll = open_collection(root)  # the current manifest, under the lock
         manifest = coll.manifest
@@ -392,7 +392,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             warm.join()  # (before any fork of a scheduler's workers)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
-                                      n_workers, first)
+                                      first)
         checked.result()
         want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
         differ = {k: (v, want[k]) for k, v in dtypes.items()
@@ -485,7 +485,7 @@ def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
     for shard in unhashed:
         stored = shard_obs_names(coll.shard_group(shard), coll.shard_sizes[shard],
                                  coll.shard_name(shard))
-        hits.append(np.intersect1d(name_hashes(stored), new, assume_unique=False))
+        hits.append(among_new.hits(np.unique(name_hashes(stored))))
         del stored
     hit = np.unique(np.concatenate(hits))
     total = 0

@@ -201,9 +201,12 @@ class ClusterStart:
 
 
 def start_cluster(scheduler: Any, n_workers: int | None) -> ClusterStart | None:
-    """A :class:`ClusterStart` for a local scheduler's name; ``None`` for ``None`` (the
-    serial writer) and for a caller's ``Client`` (started already)."""
-    return ClusterStart(scheduler, n_workers) if isinstance(scheduler, str) else None
+    """A :class:`ClusterStart` of the local scheduler ``scheduler`` names (refused here when
+    it names none); ``None`` for ``None`` (the serial writer) and for a caller's ``Client``
+    (started already)."""
+    if scheduler is None or isinstance(scheduler, _distributed(scheduler).Client):
+        return None
+    return ClusterStart(scheduler, n_workers)
 
 
 def _distributed(scheduler: Any) -> Any:
@@ -217,26 +220,21 @@ def _distributed(scheduler: Any) -> Any:
 
 
 @contextlib.contextmanager
-def open_scheduler(scheduler: Any, n_workers: int | None) -> Iterator[tuple[Any, int]]:
-    """``(client, workers)`` of ``scheduler``: the cluster of a local scheduler's name,
-    started here and closed on the way out; that of a :class:`ClusterStart`, whose stop
-    begins on the way out (its owner's :meth:`ClusterStart.close` waits for it); or the
-    caller's ``distributed.Client`` as it is."""
+def open_scheduler(scheduler: Any) -> Iterator[tuple[Any, int]]:
+    """``(client, workers)`` of ``scheduler`` (:func:`start_cluster`'s): the cluster of a
+    :class:`ClusterStart`, whose stop begins on the way out (its owner's
+    :meth:`ClusterStart.close` waits for it), or the caller's ``distributed.Client`` as
+    it is."""
     distributed = _distributed(scheduler)
-    if isinstance(scheduler, distributed.Client):
+    if not isinstance(scheduler, ClusterStart):
         workers = len(scheduler.scheduler_info().get("workers", {})) or 1
         yield scheduler, workers
         return
-    own = not isinstance(scheduler, ClusterStart)
-    start = ClusterStart(scheduler, n_workers) if own else scheduler
     try:
-        with distributed.Client(start.cluster()) as client:
-            yield client, start.n_workers
+        with distributed.Client(scheduler.cluster()) as client:
+            yield client, scheduler.n_workers
     finally:
-        if own:
-            start.close()
-        else:  # the caller's close() waits for it
-            start.close_soon()
+        scheduler.close_soon()
 
 
 def _local_cluster(distributed: Any, procs: bool, n_workers: int) -> Any:
@@ -463,14 +461,15 @@ class _WorkerWatch:
 def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
                  layout: tuple[int, int], dest: np.ndarray | None, work: int,
                  opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
-                 n_workers: int | None, first_shard: int = 0
-                 ) -> tuple[list[ShardInfo], dict[str, str]]:
-    """Both passes on ``scheduler``: the shards in ``tmp`` and the stored dtypes. Updates
-    ``schema.dropped`` with what pass 1 found."""
+                 first_shard: int = 0) -> tuple[list[ShardInfo], dict[str, str]]:
+    """Both passes on ``scheduler`` (a :class:`ClusterStart` or a caller's ``Client``): the
+    shards in ``tmp`` and the stored dtypes. Updates ``schema.dropped`` with what pass 1
+    found."""
     from tqdm.auto import tqdm
 
     shard_obs = layout[0]
-    name = scheduler.name if isinstance(scheduler, ClusterStart) else scheduler
+    local = isinstance(scheduler, ClusterStart)
+    name = scheduler.name if local else scheduler
     local_threads = name == "threads"
     for s in sources:
         if s.path is None and not local_threads:
@@ -483,13 +482,13 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
     schema.use_storage(opts)  # an explicit data_dtype: checked in the tasks, block by block
     # a cluster started here restarts a dead worker within seconds; the caller's may be
     # adaptive (scaling up from none takes minutes)
-    grace = NO_WORKERS_GRACE_S if isinstance(name, str) else NO_WORKERS_GRACE_CLIENT_S
-    with open_scheduler(scheduler, n_workers) as (client, workers):
+    grace = NO_WORKERS_GRACE_S if local else NO_WORKERS_GRACE_CLIENT_S
+    with open_scheduler(scheduler) as (client, workers):
         tasks = pass1_tasks([s.n_obs for s in sources], workers)
         n_shards = -(-n_total // shard_obs)
         logger.info("Writing on %d Dask workers (%s): %d pass-1 tasks, %d shards; each worker "
                     "within max_memory, %d x that in all.", workers,
-                    name if isinstance(name, str) else "a Client", len(tasks),
+                    name if local else "a Client", len(tasks),
                     n_shards, workers)
         objs = [s if s.path is None else s.path for s in sources]
         with tqdm(total=len(tasks) + n_shards, desc=f"shuffle on {workers} workers",

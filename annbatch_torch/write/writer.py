@@ -378,7 +378,7 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
     tmp: Path | None = None
     # a local cluster starts while the inputs are opened and read (its workers' start-up
     # would otherwise come after all that, on its own)
-    early = None if scheduler is None else start_cluster(scheduler, n_workers)
+    early = start_cluster(scheduler, n_workers)
     prints: Fingerprints | None = None
     try:
         sources = open_inputs(adata_paths)  # the same input twice is refused
@@ -403,7 +403,7 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         tmp.mkdir()
         shards, dtypes = write_shards(sources, schema, tmp, n_total, (shard_obs, block_obs),
                                       shuffle, seed, work, opts, progress, value_check,
-                                      early or scheduler, n_workers)
+                                      early or scheduler)
         sync_tree(tmp)  # the shards reach the disk before a manifest can vouch for them
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor,
@@ -436,16 +436,16 @@ def permutation(n_total: int, shuffle: bool, seed: int) -> np.ndarray | None:
 def write_shards(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
                  layout: tuple[int, int], shuffle: bool, seed: int, work: int,
                  opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
-                 n_workers: int | None, first_shard: int = 0
-                 ) -> tuple[list[ShardInfo], dict[str, str]]:
-    """Both passes, in this process (``scheduler=None``) or on Dask
-    (:mod:`.parallel`): the shards in ``tmp`` and the stored dtypes."""
+                 first_shard: int = 0) -> tuple[list[ShardInfo], dict[str, str]]:
+    """Both passes, in this process (``scheduler=None``) or on Dask (:mod:`.parallel`: a
+    :class:`~.parallel.ClusterStart` or a caller's ``Client``): the shards in ``tmp`` and
+    the stored dtypes."""
     if scheduler is None:
         return run_serial(sources, schema, tmp, n_total, layout, shuffle, seed, work, opts,
                           progress, value_check, first_shard)
     return run_parallel(sources, schema, tmp, n_total, layout,
                         permutation(n_total, shuffle, seed), work, opts, progress,
-                        value_check, scheduler, n_workers, first_shard)
+                        value_check, scheduler, first_shard)
 
 
 def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
