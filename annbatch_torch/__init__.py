@@ -34,6 +34,7 @@ from .store.zarrs import set_codec_pipeline
 if TYPE_CHECKING:
     from .annbatch_dataset import AnnBatchDataset
     from .convert import batch_dict_converter, to_device
+    from .diversity import diversity_report
     from .lightning import AnnBatchDataModule
     from .loader import AnnBatchDataLoader
     from .write.append import append_to_collection
@@ -65,6 +66,7 @@ __all__ = [
     "batch_dict_converter",
     "create_anndata_collection",
     "datasets",
+    "diversity_report",
     "open_collection",
     "open_source",
     "prepare_collection",
@@ -81,6 +83,7 @@ _LAZY = {
     "AnnBatchDataLoader": "loader",
     "batch_dict_converter": "convert",
     "to_device": "convert",
+    "diversity_report": "diversity",
     "create_anndata_collection": "write.writer",
     "append_to_collection": "write.append",
     "prepare_collection": "write.prepare",

@@ -34,7 +34,7 @@ NOT_RUN = {
 }
 
 #: the pages whose blocks the tests below run
-RUN_HERE = ["index", "remote", "scvi", "guides/ddp-lightning", "guides/gpu"]
+RUN_HERE = ["index", "remote", "scvi", "tuning", "guides/ddp-lightning", "guides/gpu"]
 
 
 def python_blocks(page: str) -> list[str]:
@@ -90,6 +90,18 @@ def test_index_page_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     ns = run_page("index", {}, {"num_workers=4": "num_workers=2"})
     _assert_rows_per_epoch(ns["loader"], 1200, "y")
     assert next(iter(ns["loader"]))["x"].layout == torch.strided
+
+
+def test_tuning_page_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shuffle-quality report of the tuning guide, on the synthetic inputs (their second
+    column is ``batch``, not ``donor_id``)."""
+    monkeypatch.chdir(tmp_path)
+    _write_inputs(tmp_path, grouped=True)
+    ns = run_page("tuning", {"abt": abt}, {"batch_size=4096": "batch_size=128",
+                                           '"donor_id"': '"batch"'})
+    report = abt.diversity_report(ns["ds"], ["cell_type", "batch"])
+    assert list(report.index) == ["cell_type", "batch"]
+    assert 0 < report.loc["cell_type", "entropy_ratio"] <= 1.05
 
 
 def test_remote_page_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3: Any) -> None:

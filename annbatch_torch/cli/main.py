@@ -1,4 +1,4 @@
-"""Command line: ``annbatch-torch {shuffle,info,demo,bench}``.
+"""Command line: ``annbatch-torch {shuffle,append,info,diversity,demo,bench}``.
 
 The command speaks its own flags: the package's errors (:class:`~.errors.AnnBatchError`)
 name Python parameters (``overwrite=True``, ``max_memory='4GB'``), and the command rewrites
@@ -39,6 +39,7 @@ from .args import (
     raw_choice,
     speak_cli,
 )
+from .diversity import add_diversity
 from .info import run_info
 
 __all__ = ["build_parser", "main", "version"]
@@ -57,6 +58,7 @@ Examples:
     annbatch-torch append store/ c.h5ad
     annbatch-torch info store/
     annbatch-torch info a.h5ad
+    annbatch-torch diversity store/ --obs cell_type --sampler balanced:cell_type
     annbatch-torch demo --n-obs 20000
     annbatch-torch bench --small
 
@@ -305,6 +307,8 @@ def build_parser() -> CliParser:
     i.add_argument("--max-categories", type=int_at_least(0), default=10, metavar="N",
                    help="categories shown per column (default: %(default)s)")
     i.set_defaults(func=run_info)
+
+    add_diversity(sub, p.commands)
 
     # demo and bench take every following argument (see main)
     sub.add_parser("demo", help="train a small classifier on synthetic data (options: "

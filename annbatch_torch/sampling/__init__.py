@@ -7,6 +7,8 @@ docstring of ``sampling/plan.py``. Sampling mode: ``sampling/samplers.py`` (whic
 epoch holds) and ``sampling/sampled_plan.py`` (their stream dealt like chunked mode's:
 ``SamplePlan``). ``sampling/replay.py``: what each worker of each rank has consumed of an
 epoch, and what a resumed epoch still owes (a resumed epoch's deal is the plan).
+``sampling/diversity.py``: how mixed batches are (per-batch class counts, entropy, and
+those of truly random batches), the figures of the shuffle-quality report.
 """
 
 from .plan import (
