@@ -17,29 +17,33 @@ import numpy as np
 import pandas as pd
 
 from .annbatch_dataset import AnnBatchDataset
-from .errors import SchemaError
+from .errors import SchemaError, check_int
 from .read.reader import PoolReader
-from .sampling.diversity import batch_class_counts, entropy, presence, random_entropy
+from .resume import MAX_EPOCH
+from .sampling.diversity import count_batches, presence, random_entropy
 from .sampling.plan import ChunkPlan
 from .sampling.sampled_plan import SamplePlan
 from .store.manifest import FieldInfo
 from .store.source import Source
 
-__all__ = ["diversity_report", "Classes", "column_values", "obs_classes", "report_batches"]
+__all__ = ["diversity_report", "report_tables", "DiversityTables", "Classes",
+           "column_values", "obs_classes", "report_batches", "MAX_CLASSES"]
 
 logger = logging.getLogger(__name__)
 
 #: what a report's rows are (:func:`diversity_report`'s ``per``)
 Per = Literal["column", "batch", "class"]
 PER_CHOICES = ("column", "batch", "class")
-#: label of the class of rows whose value is missing
-MISSING = "NaN"
+#: the label of the class of rows whose value is missing (no category can be ``None``)
+MISSING = None
+#: distinct values above which a column is refused (an identifier, not classes)
+MAX_CLASSES = 1_000_000
 
 
 @dataclass(frozen=True)
 class Classes:
     """An obs column as classes: one code per row of the source in ``[0, len(labels))``
-    (a missing value is a class of its own, labelled ``"NaN"``, last)."""
+    (a missing value is a class of its own, labelled ``None``, last)."""
 
     column: str
     codes: np.ndarray
@@ -74,47 +78,69 @@ def column_values(source: Source, column: str) -> tuple[str, FieldInfo, np.ndarr
     return key[4:], info, values.reshape(-1)
 
 
-def _is_class_column(info: FieldInfo) -> bool:
-    return info.kind in ("categorical", "bool") or np.dtype(info.dtype).kind in "iu"
+def _class_columns(source: Source) -> list[str]:
+    return [k[4:] for k, v in source.fields.items() if k.startswith("obs/") and (
+        v.kind in ("categorical", "bool") or np.dtype(v.dtype).kind in "iu")]
 
 
 def obs_classes(source: Source, column: str) -> Classes:
-    """Every row's class of obs ``column`` (categorical, integer or bool), read once.
+    """Every row's class of obs ``column``, read once: a categorical, integer or bool
+    column, or a float column holding whole numbers (a nullable integer column: its
+    missing values are NaN).
 
     Raises
     ------
     SchemaError
-        If ``column`` is not such an obs column of ``source`` (the message lists them).
+        If ``column`` is not such an obs column of ``source`` (the message lists them), or
+        holds more than :data:`MAX_CLASSES` distinct values.
     """
-    key = column if isinstance(column, str) and column.startswith("obs/") else f"obs/{column}"
-    info = source.fields.get(key)
-    if info is not None and not _is_class_column(info):
-        usable = [k[4:] for k, v in source.fields.items()
-                  if k.startswith("obs/") and _is_class_column(v)]
-        raise SchemaError(f"{source.describe()}: obs column {key[4:]!r} holds {info.dtype} "
-                          "values, not classes (bin it into a categorical column first); "
-                          f"categorical, integer and bool obs columns are {usable}.")
     name, info, values = column_values(source, column)
+    missing = np.zeros(len(values), dtype=bool)
     if info.kind == "categorical":
         labels: list[Any] = list(source.categories(name))
         codes = values.astype(np.int64, copy=False)
-        if codes.size and int(codes.min()) < 0:
-            codes = np.where(codes < 0, len(labels), codes)
-            labels.append(MISSING)
+        missing = codes < 0
     else:
-        uniq, codes = np.unique(values, return_inverse=True)
+        if values.dtype.kind == "f":
+            missing = np.isnan(values)
+            whole = values[~missing]
+            if not np.array_equal(whole, np.round(whole)) or not np.isfinite(whole).all():
+                raise SchemaError(
+                    f"{source.describe()}: obs column {name!r} holds {info.dtype} values that "
+                    "are not whole numbers, not classes (bin it into a categorical column "
+                    "first); categorical, integer and bool obs columns are "
+                    f"{_class_columns(source)}.")
+            values = np.where(missing, 0, values)
+        uniq, codes = np.unique(values[~missing] if missing.any() else values,
+                                return_inverse=True)
+        if missing.any():
+            full = np.empty(len(values), dtype=np.int64)
+            full[~missing] = codes
+            codes = full
         labels = uniq.tolist()
-    return Classes(name, codes.astype(np.int64, copy=False).reshape(-1), tuple(labels))
+    if len(labels) > MAX_CLASSES:
+        raise SchemaError(
+            f"{source.describe()}: obs column {name!r} holds {len(labels):,} distinct values, "
+            f"more than the report takes ({MAX_CLASSES:,}): an identifier rather than "
+            "classes. Report a column of classes (cell type, donor, batch).")
+    codes = codes.astype(np.int64, copy=False).reshape(-1)
+    if missing.any():
+        codes = np.where(missing, len(labels), codes)
+        labels.append(MISSING)
+    return Classes(name, codes, tuple(labels))
 
 
 def report_batches(dataset: AnnBatchDataset, n_batches: int | None,
                    epoch: int) -> list[np.ndarray]:
     """The global row ids of the first ``n_batches`` batches (``None``: all) the dataset's
-    rank yields of ``epoch``, in plan order: those a loader with ``num_workers=0`` yields
-    first (with workers the same batches arrive interleaved)."""
+    rank yields of a fresh ``epoch``, in plan order: those a loader with ``num_workers=0``
+    yields first (with workers the same batches arrive interleaved). Padding batches
+    (``even_batches="pad"``: masked repeats of the epoch's first rows) are left out."""
     items = dataset.epoch_plan.items(epoch, rank=dataset.rank, world_size=dataset.world_size)
     out: list[np.ndarray] = []
     for item in items:
+        if item.padding:
+            continue
         rows = item.rows
         for b in range(item.batch_start, item.batch_stop):
             if n_batches is not None and len(out) >= n_batches:
@@ -135,57 +161,108 @@ def _epoch_rows(dataset: AnnBatchDataset, epoch: int,
     return np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)  # pragma: no cover
 
 
+@dataclass(frozen=True)
+class DiversityTables:
+    """The three tables of one report (see :func:`diversity_report`'s ``per``)."""
+
+    summary: pd.DataFrame
+    batches: pd.DataFrame
+    classes: pd.DataFrame
+
+
 def _column_report(classes: Classes, batches: list[np.ndarray], epoch_rows: np.ndarray,
                    n_random: int, seed: int) -> tuple[dict[str, Any], pd.DataFrame,
                                                         pd.DataFrame]:
     k = len(classes.labels)
     codes = classes.codes
-    counts = batch_class_counts(codes, batches, k)
-    sizes = counts.sum(axis=1)
+    counts = count_batches(codes, batches, k)
+    sizes = counts.sizes
     collection = np.bincount(codes, minlength=k)
     population = np.bincount(codes[epoch_rows], minlength=k)
-    h = entropy(counts)
-    by_size = {int(s): (random_entropy(population, int(s), n_draws=n_random, seed=seed),
-                        presence(population, int(s))) for s in np.unique(sizes)}
-    h_random = np.array([by_size[int(s)][0] for s in sizes])
-    present = np.array([by_size[int(s)][1] for s in sizes]).reshape(len(sizes), k)
-    distinct = (counts > 0).sum(axis=1)
-    distinct_random = present.sum(axis=1)
+    h = counts.entropy()
+    distinct = counts.distinct()
+    by_size = {}
+    for s in np.unique(sizes).tolist():
+        present = presence(population, s)
+        by_size[s] = (random_entropy(population, s, n_draws=n_random, seed=seed),
+                      float(present.sum()), present)
+    h_random = np.array([by_size[s][0] for s in sizes.tolist()])
+    distinct_random = np.array([by_size[s][1] for s in sizes.tolist()])
+    n_b = counts.n_batches
+    in_random = (sum(by_size[s][2] * int((sizes == s).sum()) for s in by_size) / n_b
+                 if n_b else np.full(k, np.nan))
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(h_random > 0, h / h_random, np.nan)
     per_batch = pd.DataFrame({
         "rows": sizes, "entropy": h, "random_entropy": h_random, "entropy_ratio": ratio,
         "distinct": distinct, "random_distinct": distinct_random,
     })
-    n_b = len(batches)
     rows = int(sizes.sum())
-    with np.errstate(divide="ignore", invalid="ignore"):
-        shares = np.where(sizes[:, None] > 0, counts / sizes[:, None], 0.0)
-        per_class = pd.DataFrame({
-            "collection_cells": collection,
-            "collection_share": collection / max(int(collection.sum()), 1),
-            "epoch_share": population / max(int(population.sum()), 1),
-            "batch_share": counts.sum(axis=0) / max(rows, 1),
-            "batch_share_sd": shares.std(axis=0) if n_b else np.full(k, np.nan),
-            "in_batches": (counts > 0).mean(axis=0) if n_b else np.full(k, np.nan),
-            "random_in_batches": present.mean(axis=0) if n_b else np.full(k, np.nan),
-        }, index=pd.Index(list(classes.labels), name="category", dtype=object))
-    h_mean = float(h.mean()) if n_b else float("nan")
-    hr_mean = float(h_random.mean()) if n_b else float("nan")
-    d_mean = float(distinct.mean()) if n_b else float("nan")
-    dr_mean = float(distinct_random.mean()) if n_b else float("nan")
+    per_class = pd.DataFrame({
+        "collection_cells": collection,
+        "collection_share": collection / max(int(collection.sum()), 1),
+        "epoch_share": population / max(int(population.sum()), 1),
+        "batch_share": counts.class_rows() / max(rows, 1),
+        "batch_share_sd": counts.class_share_sd(),
+        "in_batches": counts.class_batches() / n_b if n_b else np.full(k, np.nan),
+        "random_in_batches": in_random,
+    }, index=pd.Index(list(classes.labels), name="category", dtype=object))
+    nan = float("nan")
+    h_mean = float(h.mean()) if n_b else nan
+    hr_mean = float(h_random.mean()) if n_b else nan
+    d_mean = float(distinct.mean()) if n_b else nan
+    dr_mean = float(distinct_random.mean()) if n_b else nan
+    finite = ratio[np.isfinite(ratio)]
     summary = {
         "batches": n_b, "rows": rows, "classes": int((population > 0).sum()),
         "entropy": h_mean, "random_entropy": hr_mean,
-        "entropy_ratio": h_mean / hr_mean if hr_mean > 0 else float("nan"),
-        "entropy_ratio_min": float(np.nanmin(ratio)) if n_b and np.isfinite(ratio).any()
-        else float("nan"),
+        "entropy_ratio": h_mean / hr_mean if hr_mean > 0 else nan,
+        "entropy_ratio_min": float(finite.min()) if finite.size else nan,
         "distinct": d_mean, "random_distinct": dr_mean,
-        "distinct_ratio": d_mean / dr_mean if dr_mean > 0 else float("nan"),
+        "distinct_ratio": d_mean / dr_mean if dr_mean > 0 else nan,
         "share_error": float(np.abs(per_class["batch_share"] - per_class["epoch_share"]).sum()
-                             / 2) if n_b else float("nan"),
+                             / 2) if n_b else nan,
     }
     return summary, per_batch, per_class
+
+
+def _check_count(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        extra = " or None (the whole epoch)" if allow_none else ""
+        raise ValueError(f"{name} must be an integer >= 1{extra}, got {value!r}.")
+
+
+def report_tables(dataset: AnnBatchDataset, column: str | Sequence[str],
+                  n_batches: int | None = 200, *, epoch: int | None = None,
+                  n_random: int = 200) -> DiversityTables:
+    """The three tables of :func:`diversity_report` from one pass (the obs columns read,
+    the batches planned and the random batches drawn once)."""
+    if not isinstance(dataset, AnnBatchDataset):
+        raise TypeError("diversity_report takes an AnnBatchDataset (build one over the "
+                        f"collection with the settings to judge), got {type(dataset).__name__}.")
+    _check_count("n_batches", n_batches, allow_none=True)
+    _check_count("n_random", n_random)
+    names = [column] if isinstance(column, str) else list(column)
+    if not names:
+        raise ValueError("column: give at least one obs column.")
+    ep = dataset.epoch if epoch is None else check_int(
+        "epoch", epoch, 0, maximum=MAX_EPOCH, maximum_text="2**63 - 1 (an int64)")
+    source = dataset.source
+    classes = [obs_classes(source, name) for name in names]  # every name checked first
+    batches = report_batches(dataset, n_batches, ep)
+    epoch_rows = _epoch_rows(dataset, ep, batches)
+    logger.debug("diversity report: %d batches of epoch %d, %d epoch rows", len(batches), ep,
+                 len(epoch_rows))
+    summaries, per_batch, per_class = {}, {}, {}
+    for c in classes:
+        summaries[c.column], per_batch[c.column], per_class[c.column] = _column_report(
+            c, batches, epoch_rows, int(n_random), dataset.seed)
+    return DiversityTables(
+        pd.DataFrame.from_dict(summaries, orient="index").rename_axis("column"),
+        pd.concat(per_batch, names=["column", "batch"]),
+        pd.concat(per_class, names=["column", "category"]))
 
 
 def diversity_report(dataset: AnnBatchDataset, column: str | Sequence[str],
@@ -205,12 +282,16 @@ def diversity_report(dataset: AnnBatchDataset, column: str | Sequence[str],
     dataset
         An :class:`~annbatch_torch.AnnBatchDataset`; its rank and world size are used.
     column
-        A categorical (or integer or bool) obs column, e.g. ``"cell_type"``, or several
-        (``["cell_type", "donor"]``): each is reported on the same batches. A missing value
-        counts as a class of its own (``"NaN"``).
+        An obs column of classes, e.g. ``"cell_type"``: categorical, integer or bool (or
+        float holding whole numbers, as a nullable integer column is stored), or several
+        (``["cell_type", "donor"]``), each reported on the same batches. A missing value
+        counts as a class of its own (labelled ``None``).
     n_batches
         The rank's first ``n_batches`` batches of the epoch in plan order (those a loader
-        with ``num_workers=0`` yields first); ``None``: the whole epoch.
+        with ``num_workers=0`` yields first; with workers the same batches arrive
+        interleaved); ``None``: the whole epoch. Always a fresh epoch: a resume state loaded
+        into the dataset is not applied. Padding batches (``even_batches="pad"``) are left
+        out.
     epoch
         The epoch (default: the dataset's, :meth:`~annbatch_torch.AnnBatchDataset.set_epoch`).
     per
@@ -246,43 +327,17 @@ def diversity_report(dataset: AnnBatchDataset, column: str | Sequence[str],
     Raises
     ------
     SchemaError
-        If a column is not a categorical, integer or bool obs column (the message lists
-        those the source has).
+        If a column is not an obs column of classes (the message lists those the source
+        has), or holds more than a million distinct values (an identifier).
     ValueError
-        If ``per``, ``n_batches`` or ``n_random`` is not one the function takes.
+        If ``per``, ``n_batches``, ``epoch`` or ``n_random`` is not one the function takes.
 
     Examples
     --------
     >>> ds = abt.AnnBatchDataset("store/", batch_size=4096, chunk_size=256)  # doctest: +SKIP
     >>> abt.diversity_report(ds, "cell_type")["entropy_ratio"]  # doctest: +SKIP
     """
-    if not isinstance(dataset, AnnBatchDataset):
-        raise TypeError("diversity_report takes an AnnBatchDataset (build one over the "
-                        f"collection with the settings to judge), got {type(dataset).__name__}.")
     if per not in PER_CHOICES:
         raise ValueError(f"per must be one of {list(PER_CHOICES)}, got {per!r}.")
-    if n_batches is not None and (isinstance(n_batches, bool) or not isinstance(
-            n_batches, int | np.integer) or n_batches < 1):
-        raise ValueError(f"n_batches must be an integer >= 1 or None (the whole epoch), got "
-                         f"{n_batches!r}.")
-    if isinstance(n_random, bool) or not isinstance(n_random, int | np.integer) or n_random < 1:
-        raise ValueError(f"n_random must be an integer >= 1, got {n_random!r}.")
-    names = [column] if isinstance(column, str) else list(column)
-    if not names:
-        raise ValueError("column: give at least one obs column.")
-    source = dataset.source
-    classes = [obs_classes(source, name) for name in names]  # every name checked first
-    ep = dataset.epoch if epoch is None else int(epoch)
-    batches = report_batches(dataset, n_batches, ep)
-    epoch_rows = _epoch_rows(dataset, ep, batches)
-    logger.debug("diversity_report: %d batches of epoch %d, %d epoch rows", len(batches), ep,
-                 len(epoch_rows))
-    summaries, per_batch, per_class = {}, {}, {}
-    for c in classes:
-        summaries[c.column], per_batch[c.column], per_class[c.column] = _column_report(
-            c, batches, epoch_rows, int(n_random), dataset.seed)
-    if per == "column":
-        return pd.DataFrame.from_dict(summaries, orient="index").rename_axis("column")
-    parts = per_batch if per == "batch" else per_class
-    out = pd.concat(parts, names=["column", "batch" if per == "batch" else "category"])
-    return out
+    tables = report_tables(dataset, column, n_batches, epoch=epoch, n_random=n_random)
+    return {"column": tables.summary, "batch": tables.batches, "class": tables.classes}[per]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import annbatch_torch as abt
 from annbatch_torch import A
 from annbatch_torch.cli.main import main
-from annbatch_torch.sampling.diversity import batch_class_counts, entropy, presence
+from annbatch_torch.sampling.diversity import count_batches, entropy, presence
 
 K_RUNS, RUN = 8, 64  # classes of the constructed collection, rows of each class's run
 
@@ -28,7 +28,8 @@ K_RUNS, RUN = 8, 64  # classes of the constructed collection, rows of each class
 def runs_collection(tmp_path_factory: pytest.TempPathFactory) -> abt.Collection:
     """Unshuffled: class k is rows [k * 64, (k + 1) * 64) (one class per 64-row chunk), plus
     a ``mixed`` column cycling through 4 values (each 64 rows hold 16 of each), an int
-    column ``plate`` (row // 128) and a bool ``flag`` (row % 3 == 0)."""
+    column ``plate`` (row // 128), a bool ``flag`` (row % 3 == 0), a float ``dose`` of whole
+    numbers and NaN (a nullable integer column) and a float ``score`` (not classes)."""
     n = K_RUNS * RUN
     rng = np.random.default_rng(0)
     x = sp.random(n, 5, density=0.5, format="csr", dtype=np.float32, random_state=rng)
@@ -38,6 +39,8 @@ def runs_collection(tmp_path_factory: pytest.TempPathFactory) -> abt.Collection:
         "mixed": pd.Categorical.from_codes(np.arange(n) % 4, ["a", "b", "c", "d"]),
         "plate": (np.arange(n) // 128).astype(np.int32),
         "flag": np.arange(n) % 3 == 0,
+        "dose": np.where(np.arange(n) % 5 == 0, np.nan, np.arange(n) % 3).astype(np.float32),
+        "score": (np.arange(n) / 7).astype(np.float32),
     }, index=[f"r{i}" for i in range(n)])
     folder = tmp_path_factory.mktemp("runs")
     ad.AnnData(x, obs=obs).write_h5ad(folder / "in.h5ad")
@@ -100,6 +103,70 @@ def test_integer_and_bool_columns_are_classes(runs_collection: abt.Collection) -
     assert list(classes.loc["flag", "collection_cells"]) == [512 - 171, 171]
 
 
+def test_whole_number_floats_are_classes_other_floats_are_refused(
+        runs_collection: abt.Collection) -> None:
+    ds = _runs_dataset(runs_collection, shuffle=False)
+    classes = abt.diversity_report(ds, "dose", None, per="class").loc["dose"]
+    assert list(classes.index) == [0.0, 1.0, 2.0, None]
+    n = K_RUNS * RUN
+    missing = int((np.arange(n) % 5 == 0).sum())
+    assert classes.loc[None, "collection_cells"] == missing
+    assert int(classes["collection_cells"].sum()) == n
+    with pytest.raises(abt.SchemaError, match=r"'score' holds float32 values that are not "
+                       r"whole numbers.*\['cell_type', 'mixed', 'plate', 'flag'\]"):
+        abt.diversity_report(ds, "score")
+
+
+def test_identifier_columns_are_refused(runs_collection: abt.Collection,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import annbatch_torch.diversity as div
+
+    monkeypatch.setattr(div, "MAX_CLASSES", 3)
+    with pytest.raises(abt.SchemaError, match=r"'plate' holds 4 distinct values.*identifier"):
+        abt.diversity_report(_runs_dataset(runs_collection), "plate")
+
+
+def test_padding_batches_are_left_out(imbalanced_collection: abt.Collection) -> None:
+    """even_batches="pad": a rank short of batches yields masked repeats; the report judges
+    the data batches only, and they are the loader's, batch for batch."""
+    k = len(imbalanced_collection.categories("cell_type"))
+    padded = 0
+    for rank in range(5):
+        ds = abt.AnnBatchDataset(imbalanced_collection, selector={"y": A.obs["cell_type"]},
+                                 batch_size=256, chunk_size=32, preload_nchunks=8, rank=rank,
+                                 world_size=5, even_batches="pad")
+        got = list(torch.utils.data.DataLoader(ds, batch_size=None))
+        real = [b["y"].numpy().astype(np.int64) for b in got if b["mask"].any()]
+        padded += len(got) - len(real)
+        report = abt.diversity_report(ds, "cell_type", None, per="batch").loc["cell_type"]
+        assert len(report) == len(real)
+        np.testing.assert_allclose(report["entropy"],
+                                   entropy(np.stack([np.bincount(b, minlength=k)
+                                                     for b in real])), atol=1e-12)
+    assert padded > 0  # the case was met
+
+
+def test_presence_is_exact_at_atlas_scale() -> None:
+    """Rare classes in 10^7 and 10^8 rows, against the product computed in 60-digit
+    decimals (scipy's ``1 - hypergeom.pmf(0, ...)`` is off by 1e-6 relative here, and a
+    difference of lgamma values of huge numbers would be too)."""
+    from decimal import Decimal, localcontext
+
+    def exact(total: int, n: int, b: int) -> float:
+        m, x = (n, b) if n <= b else (b, n)
+        with localcontext() as ctx:
+            ctx.prec = 60
+            absent = Decimal(1)
+            for i in range(m):
+                absent *= 1 - Decimal(x) / Decimal(total - i)
+            return float(1 - absent)
+
+    for total in (10**7, 10**8):
+        pop = np.array([1, 3, 4096, 5000, total - 9100])
+        want = [exact(total, int(n), 4096) for n in pop]
+        np.testing.assert_allclose(presence(pop, 4096), want, rtol=1e-12)
+
+
 def _read_labels(ds: abt.AnnBatchDataset, n: int | None, num_workers: int = 0
                  ) -> list[np.ndarray]:
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers)
@@ -144,7 +211,7 @@ def test_whole_epoch_with_workers_and_ranks(imbalanced_collection: abt.Collectio
     from annbatch_torch.diversity import report_batches
 
     batches = report_batches(ds, None, 0)
-    planned = sorted(tuple(r) for r in batch_class_counts(codes, batches, k))
+    planned = sorted(tuple(r) for r in count_batches(codes, batches, k).dense())
     assert read == planned
     assert len(read) == len(ds)
     summary = abt.diversity_report(ds, "cell_type", None)
@@ -173,7 +240,7 @@ def test_missing_values_are_a_class(tmp_path: Path) -> None:
     coll = abt.create_anndata_collection([tmp_path / "a.h5ad"], tmp_path / "s", progress=False)
     classes = abt.diversity_report(abt.AnnBatchDataset(coll, batch_size=50), "t", None,
                                    per="class").loc["t"]
-    assert list(classes.index) == ["x", "y", "NaN"]
+    assert list(classes.index) == ["x", "y", None]
     assert list(classes["collection_cells"]) == [100, 100, 100]
 
 
@@ -185,6 +252,8 @@ def test_bad_arguments_are_refused(imbalanced_collection: abt.Collection) -> Non
         abt.diversity_report(ds, "cell_type", per="row")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n_batches must be an integer >= 1"):
         abt.diversity_report(ds, "cell_type", 0)
+    with pytest.raises(ValueError, match="epoch must be an integer >= 0"):
+        abt.diversity_report(ds, "cell_type", epoch=-1)
     with pytest.raises(TypeError, match="takes an AnnBatchDataset"):
         abt.diversity_report(imbalanced_collection, "cell_type")  # type: ignore[arg-type]
 
@@ -206,16 +275,20 @@ def test_presence_is_the_hypergeometric_probability(population: list[int], size:
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_batch_class_counts_counts_every_row(data: st.DataObject) -> None:
+def test_count_batches_counts_every_row(data: st.DataObject) -> None:
     k = data.draw(st.integers(1, 5))
     codes = np.array(data.draw(st.lists(st.integers(0, k - 1), min_size=1, max_size=30)))
     batches = [np.array(data.draw(st.lists(st.integers(0, len(codes) - 1), max_size=12)),
                         dtype=np.int64)
                for _ in range(data.draw(st.integers(0, 4)))]
-    got = batch_class_counts(codes, batches, k)
+    counts = count_batches(codes, batches, k)
+    got = counts.dense()
     want = np.array([[int((codes[b] == c).sum()) for c in range(k)] for b in batches]
                     ).reshape(len(batches), k)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(counts.entropy(), entropy(want), atol=1e-12)
+    np.testing.assert_array_equal(counts.distinct(), (want > 0).sum(axis=1))
+    np.testing.assert_array_equal(counts.class_rows(), want.sum(axis=0))
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -237,6 +310,13 @@ def test_cli_prints_json_and_plots(runs_collection: abt.Collection, tmp_path: Pa
     assert main(["diversity", store, "--obs", "cell_type", "--sampler",
                  "balanced:cell_type", "--n-batches", "2"]) == 0
     assert "sampler balanced:cell_type" in capsys.readouterr().out
+    # the obs/ spelling, JSON beside a plot (stdout stays JSON), per-batch figures included
+    assert main([*args[:2], "--obs", "obs/cell_type", *args[4:], "--json", "--plot",
+                 str(png)]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert len(out["batches"]["cell_type"]) == K_RUNS
+    assert "plot written" in captured.err
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -245,6 +325,9 @@ def test_cli_prints_json_and_plots(runs_collection: abt.Collection, tmp_path: Pa
      "weighted:COL takes per-row weights from a numeric obs column"),
     (["--obs", "cell_type", "--sampler", "balanced:nothere"], "nothere"),
     (["--obs", "cell_type", "--sampler", "uniform"], "argument --sampler: 'uniform'"),
+    (["--obs", "cell_type", "--plot", "out.xyz"], "--plot out.xyz: give a file name ending"),
+    (["--obs", "cell_type", "--plot", "/nowhere/out.png"], "the folder /nowhere does not"),
+    (["--obs", "cell_type", "--rank", "2", "--world-size", "2"], "--rank 2: give a rank"),
 ])
 def test_cli_errors_name_the_column(runs_collection: abt.Collection, extra: list[str],
                                     message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -68,6 +68,12 @@ def add_diversity(sub: Any, commands: dict[str, CliParser]) -> None:
                    help="the loader's seed (default: %(default)s)")
     d.add_argument("--epoch", type=int_at_least(0), default=0,
                    help="the epoch to judge (default: %(default)s)")
+    d.add_argument("--no-shuffle", action="store_true",
+                   help="judge an unshuffled loader (AnnBatchDataset(shuffle=False))")
+    d.add_argument("--world-size", type=int_at_least(1), default=1, metavar="N",
+                   help="ranks of the job (default: %(default)s)")
+    d.add_argument("--rank", type=int_at_least(0), default=0, metavar="R",
+                   help="the rank whose batches are judged (default: %(default)s)")
     d.add_argument("--max-categories", type=int_at_least(0), default=10, metavar="N",
                    help="classes listed per column, the largest first (default: "
                         "%(default)s)")
@@ -82,6 +88,7 @@ def _sampler(source: Any, kind: str, column: str | None) -> Any:
     import annbatch_torch as abt
 
     from ..diversity import column_values
+    from ..errors import AnnBatchError
 
     if kind == "chunked":
         return None
@@ -93,7 +100,11 @@ def _sampler(source: Any, kind: str, column: str | None) -> Any:
         raise CliError(f"--sampler weighted:{name}: {name!r} is a {info.kind} obs column; "
                        "weighted:COL takes per-row weights from a numeric obs column "
                        f"(balanced:{name} draws its classes equally often).")
-    return abt.WeightedSampler(values.astype(np.float64))
+    try:
+        return abt.WeightedSampler(values.astype(np.float64))
+    except AnnBatchError as e:
+        raise CliError(f"--sampler weighted:{name}: obs column {name!r} cannot weigh rows: "
+                       f"{e}") from None
 
 
 def _number(value: Any) -> Any:
@@ -101,46 +112,78 @@ def _number(value: Any) -> Any:
         return None if math.isnan(value) else float(value)
     if isinstance(value, np.integer):
         return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
     return value if isinstance(value, int | str | bool) or value is None else str(value)
 
 
+def _plot_checked(path: Path) -> None:
+    """Refuse a ``--plot`` that cannot be written before any work is done."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise CliError(f"--plot {path}: needs matplotlib (pip install matplotlib).") from e
+    kinds = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in kinds:
+        raise CliError(f"--plot {path}: give a file name ending in one of "
+                       f"{', '.join('.' + k for k in sorted(kinds))} (e.g. report.png).")
+    if not path.parent.is_dir():
+        raise CliError(f"--plot {path}: the folder {path.parent} does not exist.")
+
+
 def run_diversity(args: argparse.Namespace, parser: CliParser) -> int:
+    import sys
+
     import annbatch_torch as abt
 
-    from ..diversity import diversity_report
+    from ..diversity import report_tables
 
+    if args.rank >= args.world_size:
+        raise CliError(f"--rank {args.rank}: give a rank below --world-size "
+                       f"{args.world_size}.")
+    if args.plot is not None:
+        _plot_checked(args.plot)
     kind, column = args.sampler
     source = abt.open_source(args.store[0] if len(args.store) == 1 else args.store)
     sizes = {k: v for k, v in (("chunk_size", args.chunk_size),
                                ("preload_nchunks", args.preload_nchunks)) if v is not None}
     ds = abt.AnnBatchDataset(source, batch_size=args.batch_size, seed=args.seed,
-                             sampler=_sampler(source, kind, column), rank=0, world_size=1,
+                             sampler=_sampler(source, kind, column), rank=args.rank,
+                             world_size=args.world_size, shuffle=not args.no_shuffle,
                              **sizes)
-    n_batches = args.n_batches or None
     columns = list(dict.fromkeys(args.obs))
-    summary = diversity_report(ds, columns, n_batches, epoch=args.epoch)
-    classes = diversity_report(ds, columns, n_batches, epoch=args.epoch, per="class")
-    per_batch = (diversity_report(ds, columns, n_batches, epoch=args.epoch, per="batch")
-                 if args.plot else None)
+    tables = report_tables(ds, columns, args.n_batches or None, epoch=args.epoch)
     mode = ("chunked mode" if kind == "chunked" else f"sampler {kind}:{column}")
     settings = (f"{mode}, batch_size={ds.batch_size}, chunk_size={ds.chunk_size}, "
-                f"preload_nchunks={ds.preload_nchunks}, seed={ds.seed}, epoch={args.epoch}")
+                f"preload_nchunks={ds.preload_nchunks}, shuffle={ds.shuffle}, seed={ds.seed}, "
+                f"epoch={args.epoch}"
+                + (f", rank {args.rank} of {args.world_size}" if args.world_size > 1 else ""))
     if args.json:
         out = {
-            "store": source.describe(), "settings": settings,
+            "source": source.describe(), "settings": settings,
             "summary": {c: {k: _number(v) for k, v in row.items()}
-                        for c, row in summary.to_dict(orient="index").items()},
+                        for c, row in tables.summary.to_dict(orient="index").items()},
             "classes": {c: [{"category": _number(cat),
                              **{k: _number(v) for k, v in row.items()}}
-                            for cat, row in classes.loc[c].to_dict(orient="index").items()]
-                        for c in columns},
+                            for cat, row in zip(tables.classes.loc[c].index,
+                                                tables.classes.loc[c].to_dict("records"))]
+                        for c in tables.summary.index},
+            "batches": {c: [{k: _number(v) for k, v in row.items()}
+                            for row in tables.batches.loc[c].to_dict("records")]
+                        for c in tables.summary.index},
         }
         print(json.dumps(out, indent=1))
     else:
-        _print(source, settings, summary, classes, args.max_categories)
+        _print(source, settings, tables.summary, tables.classes, args.max_categories)
     if args.plot is not None:
-        _plot(args.plot, settings, summary, classes, per_batch, args.max_categories)
-        print(f"plot written to {args.plot}")
+        _plot(args.plot, settings, tables.summary, tables.classes, tables.batches,
+              args.max_categories)
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -162,28 +205,25 @@ def _print(source: Any, settings: str, summary: pd.DataFrame, classes: pd.DataFr
             table = classes.loc[name].sort_values("collection_cells", ascending=False)
             shown = table.head(limit)[["collection_share", "epoch_share", "batch_share",
                                        "in_batches", "random_in_batches"]]
+            shown.index = ["(missing)" if v is None else v for v in shown.index]
             print(shown.to_string(float_format=lambda v: f"{v:.4f}"))
             if len(table) > limit:
                 print(f"  ... (+{len(table) - limit} classes; --max-categories N shows more)")
 
 
 def _plot(path: Path, settings: str, summary: pd.DataFrame, classes: pd.DataFrame,
-          per_batch: pd.DataFrame | None, limit: int) -> None:
-    try:
-        import matplotlib
+          per_batch: pd.DataFrame, limit: int) -> None:
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise CliError(f"--plot {path}: needs matplotlib (pip install matplotlib).") from e
-    assert per_batch is not None
     names = list(summary.index)
     fig, axes = plt.subplots(len(names), 2, figsize=(11, 3.4 * len(names)), squeeze=False)
     for (ax_b, ax_c), name in zip(axes, names):
         b = per_batch.loc[name]
         ax_b.plot(b.index, b["entropy_ratio"], lw=1)
         ax_b.axhline(1.0, color="grey", ls="--", lw=0.8)
-        ax_b.set_ylim(0, max(1.1, float(np.nanmax(b["entropy_ratio"])) + 0.05))
+        finite = b["entropy_ratio"].to_numpy()
+        finite = finite[np.isfinite(finite)]
+        ax_b.set_ylim(0, max(1.1, float(finite.max()) + 0.05 if finite.size else 1.1))
         ax_b.set_xlabel("batch")
         ax_b.set_ylabel("entropy / random")
         ax_b.set_title(f"{name}: per-batch entropy ratio (mean "
@@ -195,14 +235,15 @@ def _plot(path: Path, settings: str, summary: pd.DataFrame, classes: pd.DataFram
                                           ("epoch_share", "epoch"),
                                           ("batch_share", "batches"))):
             ax_c.bar(x + (i - 1) * 0.27, c[col], width=0.27, label=label)
-        ax_c.set_xticks(x, [str(v) for v in c.index], rotation=60, ha="right", fontsize=7)
+        ax_c.set_xticks(x, ["(missing)" if v is None else str(v) for v in c.index],
+                        rotation=60, ha="right", fontsize=7)
         ax_c.set_ylabel("share of rows")
         ax_c.set_title(f"{name}: class shares (largest {len(c)})", fontsize=9)
         ax_c.legend(fontsize=7)
     fig.suptitle(settings, fontsize=8)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, format=path.suffix.lower().lstrip("."))
     except OSError as e:
         raise CliError(f"--plot {path}: cannot write the image: {e.strerror or e}") from e
     finally:
