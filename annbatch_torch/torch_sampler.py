@@ -117,5 +117,6 @@ def bind_sampler(source: Source, sampler: Any, rows: np.ndarray | None = None) -
             codes = reader.read(np.array([[0, source.n_obs]], dtype=np.int64))[field]
         finally:
             reader.close()
-        columns[name] = ObsColumn(np.asarray(codes), tuple(categories))
+        grouped = source.group_by is not None and field == f"obs/{source.group_by}"
+        columns[name] = ObsColumn(np.asarray(codes), tuple(categories), grouped=grouped)
     return sampler.bind(source.n_obs, columns, rows)

@@ -152,6 +152,17 @@ def imbalanced_collection(imbalanced_h5ad: Path, tmp_path_factory: pytest.TempPa
                                      progress=False)
 
 
+@pytest.fixture(scope="session")
+def grouped_collection(imbalanced_h5ad: Path, tmp_path_factory: pytest.TempPathFactory
+                       ) -> Collection:
+    """``imbalanced_h5ad`` written as ``imbalanced_collection`` is (seed 0, shards of at most
+    2,048 rows) with ``group_by="cell_type"``: the same cells in the same shards, each
+    shard's rows sorted by cell type."""
+    out = tmp_path_factory.mktemp("grouped_collection") / "store"
+    return create_anndata_collection([imbalanced_h5ad], out, seed=0, n_obs_per_shard=2048,
+                                     group_by="cell_type", progress=False)
+
+
 class S3Server:
     """A moto S3 server on loopback (a separate process) and the storage_options that
     reach it; ``bucket(name)`` creates a bucket and returns ``s3://name``. ``env``: extra

@@ -2,7 +2,8 @@
 ``tests/test_sampling_mode.py``. Each rank runs ``DataLoader(num_workers=2)`` over a
 :class:`~annbatch_torch.ClassBalancedSampler` and an ``all_reduce`` after every batch (a
 rank yielding more batches than its peer would hang until the timeout), then saves the
-rows and labels it saw as ``rank{r}.npz``."""
+rows and labels it saw as ``rank{r}.npz``. ``chunk_size``: the sampler's (runs of rows
+on a collection grouped by cell type)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,20 @@ SEED = 3
 NUM_SAMPLES = 24_000
 
 
-def dataset(store: str) -> AnnBatchDataset:
+def dataset(store: str, chunk_size: int | str = "auto") -> AnnBatchDataset:
     return AnnBatchDataset(store, selector={"y": A.obs["cell_type"]}, batch_size=BATCH,
                            return_index=True, seed=SEED,
-                           sampler=ClassBalancedSampler("cell_type", num_samples=NUM_SAMPLES))
+                           sampler=ClassBalancedSampler("cell_type", num_samples=NUM_SAMPLES,
+                                                        chunk_size=chunk_size))
 
 
-def entry(rank: int, world_size: int, port: int, store: str, out: str) -> None:
+def entry(rank: int, world_size: int, port: int, store: str, out: str,
+          chunk_size: int | str = "auto") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=150))
     try:
-        ds = dataset(store)  # rank and world size from the group
+        ds = dataset(store, chunk_size)  # rank and world size from the group
         index, labels = [], []
         for batch in DataLoader(ds, batch_size=None, num_workers=2):
             index.append(batch["index"].numpy())

@@ -208,7 +208,7 @@ def test_translation_table_comes_from_the_flags() -> None:
         "progress": "--no-progress", "zarr_format": "--zarr-format",
         "zarr_chunk_elems": "--chunk-elems", "zarr_shard_elems": "--shard-elems",
         "compressor": "--compressor", "scheduler": "--scheduler", "n_workers": "--n-workers",
-        "data_dtype": "--data-dtype", "index_dtype": "--index-dtype"}
+        "data_dtype": "--data-dtype", "index_dtype": "--index-dtype", "group_by": "--group-by"}
     from annbatch_torch.write.append import append_to_collection
 
     append = parser.commands["append"]

@@ -125,14 +125,21 @@ def test_a_subset_in_order_keeps_its_order_with_workers(imbalanced_collection: C
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("store", "chunk_size", "rtol"), [
+    ("imbalanced_collection", "auto", 0.1),  # single rows
+    ("grouped_collection", 8, 0.2),  # runs of 8 rows of one class, mixed in the pools
+])
 def test_class_balanced_on_two_gloo_ranks_with_two_workers_each(
-        imbalanced_collection: Collection, tmp_path: Path) -> None:
+        request: pytest.FixtureRequest, store: str, chunk_size: int | str, rtol: float,
+        tmp_path: Path) -> None:
+    coll = request.getfixturevalue(store)
     world = 2
-    tmp.spawn(sampling_ddp.entry, args=(world, free_port(), str(imbalanced_collection.path),
-                                        str(tmp_path)), nprocs=world, join=True)
+    tmp.spawn(sampling_ddp.entry, args=(world, free_port(), str(coll.path), str(tmp_path),
+                                        chunk_size), nprocs=world, join=True)
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
-    ds = sampling_ddp.dataset(str(imbalanced_collection.path))
-    codes = np.asarray(imbalanced_collection.categories("cell_type"))
+    ds = sampling_ddp.dataset(str(coll.path), chunk_size)
+    assert ds.sampler.run == (1 if chunk_size == "auto" else chunk_size)
+    codes = np.asarray(coll.categories("cell_type"))
     smallest = ds.sampler._table.counts.min() / N_OBS
     assert smallest <= 0.005
     for r, res in enumerate(ranks):
@@ -140,7 +147,7 @@ def test_class_balanced_on_two_gloo_ranks_with_two_workers_each(
         assert res["counts"].tolist() == [int(res["n_batches"])] * world
         assert int(res["n_batches"]) == int(res["len"])
         share = np.bincount(res["labels"], minlength=len(codes)) / len(res["labels"])
-        np.testing.assert_allclose(share, 1 / N_CLASSES, rtol=0.1)
+        np.testing.assert_allclose(share, 1 / N_CLASSES, rtol=rtol)
         # the rows are the plan's for this rank, whatever the workers
         want = np.concatenate(_stream(ds, 0, r, world))
         assert sorted(res["index"].tolist()) == sorted(want.tolist())

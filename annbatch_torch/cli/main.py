@@ -266,6 +266,9 @@ def build_parser() -> CliParser:
            help="raw (uncompressed + CRC-32C, fastest reads), lz4, zstd or none (no "
                 "checksum) (default: %(default)s)")
     _dtype_feeds(s, "(default: %(default)s)")
+    s.feed("--group-by", param="group_by", metavar="COLUMN",
+           help="sort each shard's rows by this categorical obs column, so that a "
+                "class-balanced sampler over it reads runs of rows (default: none)")
     _scheduler_feeds(s)
     s.set_defaults(func=_shuffle)
 

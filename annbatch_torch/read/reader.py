@@ -135,10 +135,8 @@ def repeat_rows(data: np.ndarray, indices: np.ndarray, indptr: np.ndarray,
         return
     src = indptr[first[order[dup]]]
     n = indptr[dup + 1] - indptr[dup]
-    offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-    to, frm = np.repeat(indptr[dup], n) + offset, np.repeat(src, n) + offset
-    data[to] = data[frm]
-    indices[to] = indices[frm]
+    for arr in (data, indices):  # compiled row copies (no index array per element)
+        scatter_rows(arr, src, n, arr, indptr[dup])
 
 
 def _piece_rows(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray]:
@@ -241,6 +239,9 @@ IO_DEPTH = 16
 #: a pool of this many pieces or more (rows a sampler drew) is read in a few calls per
 #: shard (:meth:`CSRElement.read_rows_gather`; other fields by covering ranges)
 GATHER_PIECES = 64
+#: rows per piece, on average, from which drawn rows are read by all the read threads
+#: (runs of rows drawn from a grouped collection) rather than by one
+RUN_ROWS = 8
 #: bytes between pieces up to which a non-sparse field's covering read spans both (in rows:
 #: 8,192 of an int64 obs column, 327 of 50 float32 obsm columns, 0 of a wide dense matrix)
 GATHER_GAP_BYTES = 1 << 16
@@ -532,8 +533,12 @@ class PoolReader:
                 el.can_scatter and hasattr(el, "read_rows_gather") for el in els):
             jobs, job_els = [], []
             # from the disk: many reads in flight; from the page cache: one call per shard
-            # (the per-run work holds the GIL: two threads were 0.75x as fast as one, warm)
-            for a, b in _groups(pieces, self.io_depth if self._from_disk else 1):
+            # for single rows (the per-row work holds the GIL: two threads were 0.75x as
+            # fast as one, warm), the read threads for runs of rows (a collection grouped
+            # for the sampler: the copies, not the Python steps, are the work)
+            runs = len(out_len) >= RUN_ROWS * len(pieces)
+            for a, b in _groups(pieces, self.io_depth if self._from_disk else
+                                self.threads if runs else 1):
                 rows, canon = _piece_rows(pieces[a:b])
                 jobs.append((pieces[a], ex.submit(self._gated, self._read_csr_gather, els[a],
                                                   [rows, data, indices, dests[canon]], fused)))

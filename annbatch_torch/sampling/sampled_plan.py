@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import SamplerError
 from .plan import EpochDeal, EpochPlan, EvenBatches, rank_batches
 from .samplers import Sampler
-from .worklist import WorkList, merge_ranges
+from .worklist import WorkList, merge_ranges, pool_order, pool_permutation
 
 __all__ = ["SampleRows", "SamplePlan", "sample_deal", "sample_rank_items",
            "sample_batches_per_rank"]
@@ -33,14 +33,20 @@ __all__ = ["SampleRows", "SamplePlan", "sample_deal", "sample_rank_items",
 
 class SampleRows:
     """The rows of a sampler's stream for one ``(seed, epoch)``, pool by pool (the
-    :class:`~annbatch_torch.sampling.worklist.PoolRows` of sampling mode)."""
+    :class:`~annbatch_torch.sampling.worklist.PoolRows` of sampling mode).
 
-    shuffled = False  # a pool's batches are runs of the stream, in stream order
+    A pool's batches are runs of the stream, in stream order; with ``mix`` (a sampler whose
+    stream is runs of rows, :attr:`~annbatch_torch.Sampler.mixes_in_pool`, in a shuffled
+    dataset) the pool's positions are permuted first, as chunked mode permutes a pool's
+    rows (``pool_permutation`` of the pool index).
+    """
+
     random_access = True
 
-    def __init__(self, sampler: Sampler, seed: int, epoch: int) -> None:
+    def __init__(self, sampler: Sampler, seed: int, epoch: int, mix: bool = False) -> None:
         self.sampler, self.seed, self.epoch = sampler, int(seed), int(epoch)
         self.total = len(sampler)
+        self.shuffled = bool(mix)
 
     def pool(self, pool_index: int, a: int, b: int, batch_size: int
              ) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +69,12 @@ class SampleRows:
                                    "draw (the training split); draw from self.allowed.")
         ranges = merge_ranges(np.stack([uniq, uniq + 1], axis=1))
         ranges.flags.writeable = False
-        return ranges, inverse.reshape(-1).astype(np.int64, copy=False)
+        order = inverse.reshape(-1).astype(np.int64, copy=False)
+        if self.shuffled and pool_index >= 0:  # batches of rows from all over the pool
+            perm = pool_permutation(b - a, seed=self.seed, epoch=self.epoch,
+                                    pool_index=pool_index, shuffle=True)
+            order = order[pool_order(perm, batch_size)]
+        return ranges, order
 
 
 def sample_rank_items(sampler: Sampler, batch_size: int, pool: int, *, seed: int, epoch: int,
@@ -91,8 +102,10 @@ def sample_deal(sampler: Sampler, batch_size: int, pool: int, *, seed: int, epoc
                 drop_last: bool = False, even_batches: EvenBatches = "drop",
                 in_order: bool = False) -> EpochDeal:
     """The :class:`~annbatch_torch.sampling.plan.EpochDeal` of one epoch in sampling mode
-    (``in_order``: the stream's batch order is kept with several DataLoader workers)."""
-    return EpochDeal(SampleRows(sampler, seed, epoch), pool, batch_size, drop_last=drop_last,
+    (``in_order``: the stream's batch order is kept with several DataLoader workers; else
+    a sampler that :attr:`~annbatch_torch.Sampler.mixes_in_pool` has its pools mixed)."""
+    rows = SampleRows(sampler, seed, epoch, mix=sampler.mixes_in_pool and not in_order)
+    return EpochDeal(rows, pool, batch_size, drop_last=drop_last,
                      even_batches=even_batches, in_order=in_order)
 
 

@@ -46,6 +46,9 @@ __all__ = [
 BLOCK = 1 << 16
 #: Seed tag of a block of the sample stream: ``default_rng([seed, epoch, block, TAG_SAMPLE])``.
 TAG_SAMPLE = 0x53414D50  # "SAMP"
+#: Rows per run of a :class:`ClassBalancedSampler` over a source grouped by its column
+#: (``chunk_size="auto"``): a pool of 16,384 rows mixes 256 runs, and each run is one read
+AUTO_RUN = 64
 #: Rows per block of :class:`_ClassTable`'s counting sort (its temporaries: ~40 bytes a row).
 _GROUP_BLOCK = 1 << 18
 
@@ -53,10 +56,13 @@ _GROUP_BLOCK = 1 << 18
 @dataclass(frozen=True)
 class ObsColumn:
     """A categorical obs column as a sampler sees it: one global code per row (``-1``: a
-    missing value) and the categories the codes index."""
+    missing value), the categories the codes index, and whether the source stores each
+    class's rows as contiguous runs (a collection written with ``group_by`` this
+    column)."""
 
     codes: np.ndarray
     categories: tuple[Any, ...]
+    grouped: bool = False
 
 
 def _count(name: str, value: object, minimum: int = 1) -> int | None:
@@ -107,6 +113,10 @@ class Sampler:
     _pure = False
     #: prepare() builds ``allowed`` into the tables, so bind need not keep it
     _drops_allowed = False
+    #: the stream is made of runs of rows to be mixed inside each pool after reading
+    #: (``ClassBalancedSampler`` drawing chunks): the dataset then shuffles each pool, as
+    #: chunked mode does, instead of yielding the stream's order
+    mixes_in_pool: bool = False
     #: what identifies the bound sampler's streams (set by :meth:`bind`: its repr, epoch
     #: length and a checksum of the start of its ``(seed=0, epoch=0)`` stream and of
     #: ``allowed``); resume states record it
@@ -309,6 +319,21 @@ class _ClassTable:
         return self.rows[np.minimum(pos, self.starts[cls] + self.counts[cls] - 1)].astype(
             np.int64)
 
+    def draw_runs(self, rng: np.random.Generator, classes: np.ndarray, n: int,
+                  run: int) -> np.ndarray:
+        """``n`` rows in runs of ``run``: the runs' classes in rounds (each round a random
+        order of ``classes``, so every class gets as many runs to within one), then
+        ``run`` consecutive rows of the class's row list from a uniform start (wrapping at
+        its end, so every row of the class is as likely); the last run cut at ``n``."""
+        k = -(-n // run)
+        rounds = -(-k // len(classes))
+        cls = classes[rng.permuted(np.tile(np.arange(len(classes)), (rounds, 1)),
+                                   axis=1).reshape(-1)[:k]]
+        count = self.counts[cls]
+        first = np.minimum((rng.random(k) * count).astype(np.int64), count - 1)
+        pos = (first[:, None] + np.arange(run, dtype=np.int64)) % count[:, None]
+        return self.rows[(self.starts[cls][:, None] + pos).reshape(-1)[:n]].astype(np.int64)
+
 
 def _cdf(weights: np.ndarray) -> np.ndarray:
     """Cumulative weights normalised to end at exactly 1.0."""
@@ -505,14 +530,32 @@ class ClassBalancedSampler(_BlockSampler):
         A categorical obs column of the source (``"cell_type"``).
     num_samples
         Row ids per epoch (default ``n_obs``).
+    chunk_size
+        Draw runs of this many rows of one category (the categories in rounds, each round
+        a random order of all of them, so every category gets as many runs to within one;
+        then a run of its rows from a uniform start) and mix the runs inside each pool
+        after reading,
+        as chunked mode mixes chunks: on a collection written with
+        ``group_by=column`` a run is one contiguous read instead of one read per row.
+        Each row of a category is still drawn equally often, but rows of a run come
+        together (rows stored next to each other). ``"auto"`` (default): runs of
+        64 rows when the source is grouped by ``column``
+        (:attr:`~annbatch_torch.Collection.group_by`), single rows otherwise; ``1`` or
+        ``None``: single rows; an integer: runs of that many rows on any source (e.g.
+        inputs read in place that are sorted by the column).
     """
 
-    def __init__(self, column: str, *, num_samples: int | None = None) -> None:
+    def __init__(self, column: str, *, num_samples: int | None = None,
+                 chunk_size: int | str | None = "auto") -> None:
         if not isinstance(column, str) or not column:
             raise SamplerError(f"column must be an obs column name, got {column!r}.")
         self.column = column
         self.columns = (column,)
         self.num_samples = _count("ClassBalancedSampler num_samples", num_samples)
+        if chunk_size != "auto":
+            chunk_size = _count("ClassBalancedSampler chunk_size", chunk_size)
+        self.chunk_size = chunk_size
+        self.run = 1
 
     def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
         col = columns[self.column]
@@ -523,17 +566,26 @@ class ClassBalancedSampler(_BlockSampler):
                                f"{self.column!r} has no row with a value; choose a column "
                                "with labelled rows.")
         self._class_cdf = _cdf(present.astype(np.float64))
+        self._present = np.flatnonzero(present)
         self.n_classes = int(present.sum())
         self._len = self.n_allowed if self.num_samples is None else self.num_samples
+        self.run = (AUTO_RUN if col.grouped else 1) if self.chunk_size == "auto" else int(
+            self.chunk_size or 1)
+        self.mixes_in_pool = self.run > 1
 
     def __len__(self) -> int:
         return self._len
 
     def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.run > 1:
+            return self._table.draw_runs(rng, self._present, n, self.run)
         return self._table.draw(rng, self._class_cdf, n)
 
-    def __repr__(self) -> str:
-        return f"ClassBalancedSampler({self.column!r}, num_samples={self.num_samples})"
+    def __repr__(self) -> str:  # single rows: as before chunk_size (resume states match)
+        if self.run == 1 and self.chunk_size in ("auto", None, 1):
+            return f"ClassBalancedSampler({self.column!r}, num_samples={self.num_samples})"
+        return (f"ClassBalancedSampler({self.column!r}, num_samples={self.num_samples}, "
+                f"chunk_size={self.chunk_size!r}, runs of {self.run} rows)")
 
 
 class SubsetSampler(Sampler):

@@ -150,6 +150,13 @@ class Collection(Source):
     def shard_path(self, shard: int) -> Path:
         return self.path / self.manifest.shards[shard].path
 
+    @property
+    def group_by(self) -> str | None:
+        """The obs column whose classes are contiguous inside every shard
+        (``create_anndata_collection(group_by=...)``), or ``None``."""
+        got = (self.manifest.extra.get("writer") or {}).get("group_by")
+        return got if isinstance(got, str) and got else None
+
     def _identity(self) -> tuple[int, int, int] | None:
         return (_manifest_identity(self.path) if self.mirror is None
                 else self.mirror.manifest_identity())

@@ -214,6 +214,14 @@ class CSRElement(Element):
         sampler drew)."""
         rows = np.asarray(rows, dtype=np.int64)
         starts, ends = self.indptr[rows], self.indptr[rows + 1]
+        dests = np.asarray(dests, dtype=np.int64)
+        if len(rows) > 1:  # rows that continue each other here and in the output: one run
+            cont = (starts[1:] == ends[:-1]) & (dests[1:] == dests[:-1] + (ends[:-1]
+                                                                        - starts[:-1]))
+            if cont.any():
+                first = np.flatnonzero(np.concatenate([[True], ~cont]))
+                last = np.append(first[1:] - 1, len(rows) - 1)
+                starts, ends, dests = starts[first], ends[last], dests[first]
         crcs: dict[int, int] | None = None
         for src, out in ((self.data, data_out), (self.indices, indices_out)):
             is_indices = src is self.indices

@@ -170,6 +170,10 @@ class Source:
             )
         return list(info.categories or ())
 
+    #: the obs column whose classes are contiguous runs of rows (a collection written
+    #: with ``group_by``), or ``None``
+    group_by: str | None = None
+
     # -- reading -------------------------------------------------------------------
     def describe(self) -> str:
         raise NotImplementedError

@@ -3,7 +3,8 @@
 ``prepare`` (write once, when missing or stale; append when the inputs only grew) and
 ``staleness`` (is a collection current for its inputs?), ``append`` (new inputs as new shards),
 ``writer`` (``create_anndata_collection``), ``parallel`` (the passes as Dask tasks), ``passes``
-(pass 1 routes rows into buckets, pass 2 writes a shard from its buckets), ``remap`` (a
+(pass 1 routes rows into buckets, pass 2 writes a shard from its buckets), ``grouping``
+(``group_by``: each shard's rows sorted by a class column), ``remap`` (a
 block's genes in the collection's order, in one compiled loop), ``budget`` (the
 ``max_memory`` accounting), ``shardstore`` (a shard's zarr arrays, written block by block),
 ``schema`` (the fields a collection stores), ``narrow`` (the stored dtype of their values and

@@ -60,6 +60,7 @@ from ..store.manifest import (
 from ..store.metadata import shard_name_hashes, shard_obs_names
 from . import budget as _budget
 from .budget import parse_memory
+from .grouping import check_group_by
 from .narrow import FIELD, check_dtype_options
 from .parallel import start_cluster
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
@@ -358,6 +359,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             _publish(root, root, manifest, [], None, sources, seed)
             return
         schema = _append_schema(sources, coll)
+        group_by = (manifest.extra.get("writer") or {}).get("group_by")
+        check_group_by(schema, group_by, coll.describe())  # before any work
         with_cells = [s for s in sources if s.n_obs]
         names = InputNames.read(with_cells)  # every new input's names read once
         warn_shared_obs_names(names)
@@ -376,6 +379,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         data_dtype, index_dtype = (writer.get(k, old) if v is None else v for k, v, old in
                                    zip(("data_dtype", "index_dtype"), dtypes, (FIELD, "int32")))
         opts["data_dtype"], opts["index_dtype"] = check_dtype_options(data_dtype, index_dtype)
+        opts["group_by"] = group_by  # new shards grouped as the others are
         shard_obs = int(writer.get("n_obs_per_shard") or max(coll.shard_sizes or [1]))
         work = _budget.working_memory(budget, n_new)
         shard_obs = min(shard_obs, max(n_new, 1))

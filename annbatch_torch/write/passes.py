@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import scipy.sparse as sp
 
 from ..errors import InputError
@@ -32,6 +31,7 @@ from .buckets import (
     load_bucket,
 )
 from .budget import release_memory
+from .grouping import global_codes
 from .remap import remap_rows
 
 if TYPE_CHECKING:
@@ -169,11 +169,7 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
             parts.append(_placeholder(f, b - a))
             continue
         if f.kind == "categorical":
-            lut = f.luts[i] if f.luts else None  # type: ignore[index]
-            if values.dtype.kind in "iu":
-                values = lut[values.astype(np.int64)]  # code -1 hits the trailing -1
-            else:
-                values = pd.Index(f.categories).get_indexer(pd.Index(values, dtype=object))
+            values = global_codes(f, np.asarray(values), i)
         parts.append(("col", take(np.asarray(values).astype(
             np.int32 if f.kind == "categorical" else f.dtype, copy=False))))
     bounds = np.flatnonzero(np.diff(bucket)) + 1

@@ -88,6 +88,7 @@ from ..store.remote.location import RemoteLocation, is_url
 from . import budget as _budget
 from .buckets import BucketWriter, bucket_id, bucket_segments
 from .budget import parse_memory
+from .grouping import check_group_by, class_codes, group_in_shards
 from .narrow import check_dtype_options, dtype_options
 from .parallel import run_parallel, start_cluster
 from .passes import route_rows, write_shard_blocks
@@ -160,6 +161,7 @@ def create_anndata_collection(
     scheduler: Any = None,
     n_workers: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    group_by: str | None = None,
 ) -> Collection:
     """Shuffle AnnData inputs into a collection of zarr shards, out of core.
 
@@ -268,6 +270,15 @@ def create_anndata_collection(
     storage_options
         For a URL ``output_path``: the fsspec filesystem's options (for S3: key,
         secret, endpoint_url...; see :func:`~annbatch_torch.open_collection`).
+    group_by
+        A categorical obs column (``"cell_type"``): inside every shard, its rows are sorted
+        by this column (each class one contiguous run, its rows in shuffled order; missing
+        values last). The shards hold the same cells as without it. A
+        :class:`~annbatch_torch.ClassBalancedSampler` over the column then reads runs of
+        rows of one class instead of single rows (its ``chunk_size``); chunked mode reads
+        chunks of mostly one class, mixed by the pool. Recorded in the manifest
+        (:attr:`~annbatch_torch.Collection.group_by`); appends group their new shards the
+        same way. Default ``None``: rows in shuffled order.
 
     Returns
     -------
@@ -328,7 +339,9 @@ def create_anndata_collection(
             "shard_elems": int(zarr_shard_elems) if zarr_shard_elems and zarr_format == 3
             else None,
             "compressors": compressors_for(compressor, zarr_format),
-            "data_dtype": stored_data, "index_dtype": stored_index}
+            "data_dtype": stored_data, "index_dtype": stored_index, "group_by": group_by}
+    if group_by is not None and (not isinstance(group_by, str) or not group_by):
+        raise InputError(f"group_by must be an obs column name (or None), got {group_by!r}.")
     if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
         adata_paths = [adata_paths]
     if not adata_paths:
@@ -386,6 +399,7 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         prints = Fingerprints([s.path for s in sources if s.path is not None])
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
                                 _as_list(obsm), reference, raw)
+        check_group_by(schema, opts.get("group_by"), str(out))  # before any work
         names = InputNames.read([s for s in sources if s.n_obs])
         warn_shared_obs_names(names)
         warn_repeated_obs_names(names)
@@ -433,6 +447,19 @@ def permutation(n_total: int, shuffle: bool, seed: int) -> np.ndarray | None:
     return dest
 
 
+def destinations(sources: list[InputSource], schema: Schema, n_total: int,
+                 layout: tuple[int, int], shuffle: bool, seed: int,
+                 opts: dict[str, Any]) -> np.ndarray | None:
+    """``dest[g]``, the output position of global input row ``g`` (``None``: in order):
+    :func:`permutation`, its rows grouped by class inside each shard with ``group_by``
+    (:mod:`.grouping`)."""
+    dest = permutation(n_total, shuffle, seed)
+    f = check_group_by(schema, opts.get("group_by"), "the write")
+    if f is None or not n_total:
+        return dest
+    return group_in_shards(dest, class_codes(sources, f), layout[0])
+
+
 def write_shards(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
                  layout: tuple[int, int], shuffle: bool, seed: int, work: int,
                  opts: dict[str, Any], progress: bool, value_check: Any, scheduler: Any,
@@ -444,8 +471,8 @@ def write_shards(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
         return run_serial(sources, schema, tmp, n_total, layout, shuffle, seed, work, opts,
                           progress, value_check, first_shard)
     return run_parallel(sources, schema, tmp, n_total, layout,
-                        permutation(n_total, shuffle, seed), work, opts, progress,
-                        value_check, scheduler, first_shard)
+                        destinations(sources, schema, n_total, layout, shuffle, seed, opts),
+                        work, opts, progress, value_check, scheduler, first_shard)
 
 
 def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: int,
@@ -455,7 +482,7 @@ def run_serial(sources: list[InputSource], schema: Schema, tmp: Path, n_total: i
     """Both passes in this process: the shards (named from ``shard_<first_shard>``) in
     ``tmp`` and the stored dtypes."""
     shard_obs, block_obs = layout
-    dest = permutation(n_total, shuffle, seed)
+    dest = destinations(sources, schema, n_total, layout, shuffle, seed, opts)
     schema.use_storage(opts)
     buckets = BucketWriter(tmp / ".buckets", bucket_segments(schema.fields))
     offset = 0
@@ -512,7 +539,7 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
               "zarr_format": opts["zarr_format"], "zarr_chunk_elems": opts["chunk_elems"],
               "zarr_shard_elems": opts["shard_elems"],
               "compressor": compressor if isinstance(compressor, str) else repr(compressor),
-              **dtype_options(opts)}
+              **dtype_options(opts), "group_by": opts.get("group_by")}
     generation = secrets.token_hex(8)  # this write's shards, told apart from a rewrite's
     shards = [dataclasses.replace(s, generation=generation) for s in shards]
     manifest = Manifest(

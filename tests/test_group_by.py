@@ -1,0 +1,218 @@
+"""``group_by``: each shard's rows sorted by a class column (the writer, append, the parallel
+writer), and ``ClassBalancedSampler`` drawing runs of rows of one class from such a
+collection, read as runs and mixed in the pools."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+from conftest import IMBALANCED
+
+import annbatch_torch as abt
+from annbatch_torch import A
+from annbatch_torch.sampling.samplers import AUTO_RUN
+
+N_OBS, N_VARS, N_CLASSES = IMBALANCED
+
+
+@pytest.fixture(scope="module")
+def adata(imbalanced_h5ad: Path) -> ad.AnnData:
+    return ad.read_h5ad(imbalanced_h5ad)
+
+
+def _codes(coll: abt.Collection) -> np.ndarray:
+    return np.asarray(coll.obs_at(np.arange(coll.n_obs), "cell_type")["cell_type"].cat.codes)
+
+
+def _assert_grouped(coll: abt.Collection, column: str = "cell_type") -> None:
+    codes = np.asarray(coll.obs_at(np.arange(coll.n_obs), column)[column].cat.codes,
+                       dtype=np.int64)
+    codes[codes < 0] = 1 << 30  # missing values last
+    for a, b in zip(coll.shard_offsets[:-1], coll.shard_offsets[1:]):
+        assert (np.diff(codes[a:b]) >= 0).all(), f"shard rows [{a}, {b}) not grouped"
+
+
+def test_grouped_shards_hold_the_same_cells_sorted_by_class(
+        grouped_collection: abt.Collection, imbalanced_collection: abt.Collection,
+        adata: ad.AnnData) -> None:
+    g, plain = grouped_collection, imbalanced_collection
+    assert g.group_by == "cell_type"
+    assert plain.group_by is None
+    assert g.shard_sizes == plain.shard_sizes
+    _assert_grouped(g)
+    names, plain_names = g.obs_names, plain.obs_names
+    for a, b in zip(g.shard_offsets[:-1], g.shard_offsets[1:]):
+        assert set(names[a:b]) == set(plain_names[a:b])  # the shuffle is the same
+    assert not np.array_equal(names, plain_names)
+    # every cell's values are its input's
+    rows = adata.obs_names.get_indexer(names)
+    x = abt.AnnBatchDataset(g, selector={"x": A.X}, batch_size=N_OBS, shuffle=False,
+                            chunk_size=N_OBS, preload_nchunks=1)
+    got = next(iter(x))["x"]
+    dense = got.to_dense().numpy() if got.layout != __import__("torch").strided else got.numpy()
+    np.testing.assert_array_equal(dense, adata.X[rows].toarray())
+    assert list(g.obs_at(np.arange(N_OBS), "cell_type")["cell_type"].astype(str)) == list(
+        adata.obs["cell_type"].iloc[rows].astype(str))
+    # a shard is still an AnnData zarr store, read by anndata itself
+    shard = ad.read_zarr(g.shard_path(0))
+    assert list(shard.obs_names) == list(names[: g.shard_sizes[0]])
+    manifest = json.loads((g.path / "manifest.json").read_text())
+    assert manifest["extra"]["writer"]["group_by"] == "cell_type"
+
+
+def _tiny(folder: Path, n: int = 300, seed: int = 0, prefix: str = "c",
+          with_type: bool = True) -> Path:
+    rng = np.random.default_rng(seed)
+    obs = {"score": rng.random(n)}
+    if with_type:
+        obs["cell_type"] = pd.Categorical.from_codes(rng.integers(-1, 4, n),
+                                                     ["a", "b", "c", "d"])
+    a = ad.AnnData(sp.random(n, 6, density=0.5, format="csr", dtype=np.float32,
+                             random_state=seed),
+                   obs=pd.DataFrame(obs, index=[f"{prefix}{i}" for i in range(n)]))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{prefix}.h5ad"
+    a.write_h5ad(path)
+    return path
+
+
+def test_missing_values_go_last_and_bad_columns_are_refused(tmp_path: Path) -> None:
+    path = _tiny(tmp_path / "in")
+    coll = abt.create_anndata_collection([path], tmp_path / "s", group_by="cell_type",
+                                         n_obs_per_shard=128, progress=False)
+    _assert_grouped(coll)
+    for column, what in (("score", "a numeric column"),
+                         ("nothere", "not carried into the collection")):
+        out = tmp_path / f"bad_{column}"
+        with pytest.raises(abt.InputError, match=rf"group_by='{column}': the obs column is "
+                           rf"{what}; .*carried: \['cell_type'\]"):
+            abt.create_anndata_collection([path], out, group_by=column, progress=False)
+        assert not out.exists()  # refused before anything was written
+    with pytest.raises(abt.InputError, match="group_by must be an obs column name"):
+        abt.create_anndata_collection([path], tmp_path / "x", group_by=3, progress=False)
+
+
+def test_the_parallel_writer_groups_alike(imbalanced_h5ad: Path,
+                                          grouped_collection: abt.Collection,
+                                          tmp_path: Path) -> None:
+    par = abt.create_anndata_collection([imbalanced_h5ad], tmp_path / "p", seed=0,
+                                        n_obs_per_shard=2048, group_by="cell_type",
+                                        scheduler="threads", n_workers=2, progress=False)
+    assert list(par.obs_names) == list(grouped_collection.obs_names)
+
+
+def test_append_groups_its_new_shards(tmp_path: Path) -> None:
+    first = _tiny(tmp_path / "in", seed=1, prefix="a")
+    coll = abt.create_anndata_collection([first], tmp_path / "s", group_by="cell_type",
+                                         n_obs_per_shard=128, progress=False)
+    before = (coll.path / "manifest.json").read_text()
+    lacking = _tiny(tmp_path / "in", seed=2, prefix="b", with_type=False)
+    with pytest.raises(abt.InputError, match=r"b.h5ad: has no obs column 'cell_type'"):
+        abt.append_to_collection(coll.path, [lacking], progress=False)
+    assert (coll.path / "manifest.json").read_text() == before  # nothing published
+    more = _tiny(tmp_path / "in", n=400, seed=3, prefix="c")
+    coll = abt.append_to_collection(coll.path, [more], progress=False)
+    assert coll.n_obs == 700
+    assert coll.group_by == "cell_type"
+    _assert_grouped(coll)
+
+
+def test_balanced_sampler_draws_runs_on_a_grouped_collection(
+        grouped_collection: abt.Collection, imbalanced_collection: abt.Collection) -> None:
+    ds = abt.AnnBatchDataset(grouped_collection, batch_size=512,
+                             sampler=abt.ClassBalancedSampler("cell_type"))
+    assert ds.sampler.run == AUTO_RUN
+    assert ds.sampler.mixes_in_pool
+    plain = abt.AnnBatchDataset(imbalanced_collection, batch_size=512,
+                                sampler=abt.ClassBalancedSampler("cell_type"))
+    assert plain.sampler.run == 1
+    assert not plain.sampler.mixes_in_pool
+    item = ds.epoch_plan.items(0, rank=0, world_size=1)[0]
+    single = plain.epoch_plan.items(0, rank=0, world_size=1)[0]
+    # a pool is a few runs (split at shard ends), not a range per row
+    assert len(item.ranges) <= 3 * item.n_rows // AUTO_RUN < len(single.ranges) // 4
+    # runs are mixed in the pool: batches are as mixed as random ones
+    report = abt.diversity_report(ds, "cell_type", None).loc["cell_type"]
+    assert report["entropy_ratio"] > 0.9
+    assert abs(report["share_error"]) < 0.05
+    classes = abt.diversity_report(ds, "cell_type", None, per="class").loc["cell_type"]
+    np.testing.assert_allclose(classes["batch_share"], 1 / N_CLASSES, rtol=0.2)
+    # without shuffle the stream's runs stay in order: each batch holds few classes
+    ordered = abt.AnnBatchDataset(grouped_collection, batch_size=512, shuffle=False,
+                                  sampler=abt.ClassBalancedSampler("cell_type"))
+    low = abt.diversity_report(ordered, "cell_type", None).loc["cell_type"]
+    assert low["entropy_ratio"] < report["entropy_ratio"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_run_row_equals_its_source_cell(grouped_collection: abt.Collection,
+                                              adata: ad.AnnData, num_workers: int) -> None:
+    coll = grouped_collection
+    sampler = abt.ClassBalancedSampler("cell_type", num_samples=3000)
+    ds = abt.AnnBatchDataset(coll, selector={"x": A.X, "y": A.obs["cell_type"]},
+                             batch_size=256, densify=True, return_index=True, seed=5,
+                             sampler=sampler)
+    cats = np.asarray(coll.categories("cell_type"), dtype=object)
+    seen = []
+    for batch in abt.AnnBatchDataLoader(ds, num_workers=num_workers):
+        index = batch["index"].numpy()
+        rows = adata.obs_names.get_indexer(coll.obs_names_at(index))
+        np.testing.assert_array_equal(batch["x"].numpy(), adata.X[rows].toarray())
+        assert list(cats[batch["y"].numpy()]) == list(adata.obs["cell_type"].iloc[rows]
+                                                      .astype(str))
+        seen.append(index)
+    got = np.concatenate(seen)
+    assert len(got) == 3000  # the epoch's draws, every one yielded
+    from annbatch_torch.diversity import report_batches
+
+    want = np.concatenate(report_batches(ds, None, 0))
+    assert sorted(got.tolist()) == sorted(want.tolist())
+    if num_workers == 0:
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_with_runs_yields_exactly_the_rest(grouped_collection: abt.Collection,
+                                                  num_workers: int) -> None:
+    def make() -> abt.AnnBatchDataset:
+        ds = abt.AnnBatchDataset(grouped_collection, selector={"y": A.obs["cell_type"]},
+                                 batch_size=100, chunk_size=100, preload_nchunks=3,
+                                 return_index=True, seed=4,
+                                 sampler=abt.ClassBalancedSampler("cell_type",
+                                                                  num_samples=2345))
+        ds.set_epoch(1)
+        return ds
+
+    full = [b["index"].numpy().copy() for b in abt.AnnBatchDataLoader(
+        make(), num_workers=num_workers)]
+    loader = abt.AnnBatchDataLoader(make(), num_workers=num_workers)
+    it = iter(loader)
+    k = len(full) // 2 + 1
+    head = [next(it)["index"].numpy().copy() for _ in range(k)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = abt.AnnBatchDataLoader(make(), num_workers=num_workers)
+    resumed.load_state_dict(state)
+    tail = [b["index"].numpy().copy() for b in resumed]
+    assert len(head) + len(tail) == len(full)
+    for a, b in zip(head + tail, full):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_chunk_size_is_checked_and_explicit_runs_work_anywhere(
+        imbalanced_collection: abt.Collection) -> None:
+    with pytest.raises(abt.SamplerError, match="chunk_size must be an integer >= 1"):
+        abt.ClassBalancedSampler("cell_type", chunk_size=0)
+    ds = abt.AnnBatchDataset(imbalanced_collection, batch_size=256,
+                             sampler=abt.ClassBalancedSampler("cell_type", chunk_size=16))
+    assert ds.sampler.run == 16
+    assert "runs of 16 rows" in ds.sampler.signature
+    rows = ds.epoch_plan.sampler.rows(0, 0, 0, 64)
+    codes = _codes(imbalanced_collection)
+    assert len(set(codes[rows[:16]].tolist())) == 1  # a run is one class
