@@ -387,9 +387,16 @@ class AnnBatchDataModule(pl.LightningDataModule):
         )
 
     def _split_of(self, n_obs: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """``(split_chunk_size, train, val, test)`` of ``n_obs`` rows (see :func:`_split`)."""
+        """``(split_chunk_size, train, val, test)`` of ``n_obs`` rows (see :func:`_split`);
+        on a collection grouped by a column, stratified by its classes."""
+        codes = None
+        group_by = getattr(self.collection, "group_by", None)
+        if group_by is not None and (self.val_fraction > 0 or self.test_fraction > 0):
+            from .diversity import column_values
+
+            codes = column_values(self.collection, group_by)[2]
         return _split(n_obs, self.chunk_size, self.val_fraction, self.test_fraction,
-                      self.seed)
+                      self.seed, codes)
 
     def _warn_split_fractions(self, n_obs: int) -> None:
         """Warn for each held-out part more than 2x off its fraction (after the split)."""
@@ -630,7 +637,8 @@ def _miss(n_obs: int, rows: int, fraction: float) -> float:
 
 
 def _split(n_obs: int, chunk_size: int, val_fraction: float, test_fraction: float,
-           seed: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+           seed: int, codes: np.ndarray | None = None
+           ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     """``(split_chunk_size, train_ids, val_ids, test_ids)``: the DataModule's split.
 
     Whole chunks of ``chunk_size`` rows (:func:`~annbatch_torch.sampling.split_chunks3`)
@@ -642,15 +650,19 @@ def _split(n_obs: int, chunk_size: int, val_fraction: float, test_fraction: floa
     rows, or 1), or the size that misses least. Pure and deterministic: every rank and a
     resumed run compute the same split from the same ``n_obs``, fractions and ``seed``.
     """
+    def strata(unit: int) -> np.ndarray | None:
+        return None if codes is None else codes[np.arange(0, n_obs, unit)]
+
     if -(-n_obs // chunk_size) > FEW_CHUNKS:  # many chunks: whole ones, as always
         return (chunk_size, *sampling.split_chunks3(n_obs, chunk_size, val_fraction,
-                                                    test_fraction, seed))
+                                                    test_fraction, seed, strata(chunk_size)))
     fractions = [f for f in (val_fraction, test_fraction) if f > 0]
     lowest = max(1, int(min(fractions, default=0.0) * n_obs) // 4)
     best: tuple[float, int, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
     unit = chunk_size
     while True:
-        parts = sampling.split_chunks3(n_obs, unit, val_fraction, test_fraction, seed)
+        parts = sampling.split_chunks3(n_obs, unit, val_fraction, test_fraction, seed,
+                                       strata(unit))
         miss = max(_miss(n_obs, sampling.chunk_rows(n_obs, unit, ids), frac)
                    for frac, ids in ((val_fraction, parts[1]), (test_fraction, parts[2])))
         if best is None or miss < best[0]:

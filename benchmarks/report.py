@@ -30,6 +30,10 @@ LABELS: dict[str, tuple[str, str]] = {
     **{f"ours_{k}_{m}_w{w}": ("sampling", f"annbatch_torch {what}, {desc}, {w} workers")
        for k, what in (("balanced", "ClassBalancedSampler"), ("weighted", "WeightedSampler"))
        for m, desc in (("sparse", "torch-CSR"), ("dense", "dense")) for w in (0, 2)},
+    **{f"ours_grouped_{k}_{m}_w{w}": ("sampling", f"annbatch_torch group_by collection, {what}, "
+                                                  f"{desc}, {w} workers")
+       for k, what in (("balanced", "ClassBalancedSampler runs"), ("chunked", "chunked"))
+       for m, desc in (("sparse", "torch-CSR"), ("dense", "dense")) for w in (0, 2)},
     "scdataset_balanced_w0": ("sampling", "scDataset ClassBalancedSampling, in-process"),
     "scdataset_weighted_w0": ("sampling", "scDataset BlockWeightedSampling, in-process"),
     "ceiling_inmemory": ("ceiling", "ceiling: CSR in RAM, random rows + toarray"),
@@ -40,7 +44,8 @@ LABELS: dict[str, tuple[str, str]] = {
 #: cold cases (run.py --cold): the page cache dropped first, the first epoch timed
 LABELS.update({f"{n}_cold": (g, f"{label}, cold") for n, (g, label) in list(LABELS.items())
                if n in ("ours_sparse_w0", "ours_dense_w0", "ours_sparse_w2", "ours_dense_w2",
-                        "annbatch", "ceiling_seq_raw", "ours_balanced_sparse_w0")})
+                        "annbatch", "ceiling_seq_raw", "ours_balanced_sparse_w0",
+                        "ours_grouped_balanced_sparse_w0", "ours_grouped_chunked_sparse_w0")})
 LABELS["ceiling_disk_cold"] = ("ceiling", "ceiling: the disk's cold sequential read / the "
                                "collection's bytes per cell")
 LABELS["ceiling_disk_parallel_cold"] = ("ceiling", "ceiling: the collection's files read cold "
@@ -82,6 +87,16 @@ def _target(name: str, value: float | None, goal: float, *, higher: bool, fmt: s
         met = value >= goal if higher else value <= goal
     return {"target": name, "value": value, "goal": goal, "higher_is_better": higher,
             "met": met, "fmt": fmt, "detail": detail, "cpu_value": cpu_value}
+
+
+def _vs_chunked_cold(c: dict[str, Any], name: str, case: str, goal: float) -> list[dict]:
+    """A cold case against chunked mode's cold sparse epoch (none when either is missing)."""
+    got, _ = _rate(c, case)
+    base, _ = _rate(c, "ours_sparse_w0_cold")
+    if got is None or base is None:
+        return []
+    return [_target(name, got / base, goal, higher=True, fmt="{:.2f}x",
+                    detail=f"{case} / ours_sparse_w0_cold")]
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -144,6 +159,29 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                            detail=f"best ours class-balanced ({bal_case}) / "
                            "scdataset_balanced_w0",
                            cpu_value=cpu_ratio(bal_case, "scdataset_balanced_w0")))
+    if sampled is not None:  # issue 33: sampling at the speed of chunked reading
+        out.append(_target("sampling mode >= 0.8x chunked mode (sparse, warm)",
+                           ratio(sampled, sparse), 0.8, higher=True, fmt="{:.2f}x",
+                           detail=f"{sampled_case} / {sparse_case}"))
+        out += _vs_chunked_cold(c, "class-balanced cold >= 0.6x chunked mode cold",
+                                "ours_balanced_sparse_w0_cold", 0.6)
+    grouped, grouped_case = _rate(c, "ours_grouped_balanced_sparse_w0",
+                                  "ours_grouped_balanced_sparse_w2")
+    if grouped is not None:
+        out.append(_target("group_by: class-balanced >= 0.9x chunked mode (warm)",
+                           ratio(grouped, sparse), 0.9, higher=True, fmt="{:.2f}x",
+                           detail=f"{grouped_case} / {sparse_case}"))
+        out += _vs_chunked_cold(c, "group_by: class-balanced cold >= 0.9x chunked mode cold",
+                                "ours_grouped_balanced_sparse_w0_cold", 0.9)
+        scd_bal, _ = _rate(c, "scdataset_balanced_w0")
+        out.append(_target("group_by: class-balanced >= 4x scDataset's ClassBalancedSampling",
+                           ratio(grouped, scd_bal), 4.0, higher=True, fmt="{:.2f}x",
+                           detail=f"{grouped_case} / scdataset_balanced_w0"))
+        q = (c.get(grouped_case) or {}).get("entropy_ratio")
+        out.append(_target("group_by: per-batch entropy >= 0.9x random batches",
+                           q, 0.9, higher=True, fmt="{:.3f}",
+                           detail=f"{grouped_case}: diversity_report's entropy_ratio (random "
+                           "batches of the epoch the sampler draws)"))
     qual = [c[n]["quality"] for n in _OURS_COLLECTION if _ok(c, n) and "quality" in c[n]]
     out.append(_target("shuffle quality >= 0.97", min(qual) if qual else None, 0.97,
                        higher=True, fmt="{:.3f}",

@@ -18,6 +18,7 @@ TINY = ["--n-obs", "3000", "--n-vars", "200", "--batch-size", "256", "--n-batche
 LOADERS = ["ours_dense_w0", "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2",
            "ours_inplace_dense_w0", "scdataset_w0", "scdataset_w2", "annloader_w0",
            "ours_balanced_sparse_w0", "ours_weighted_dense_w2", "scdataset_balanced_w0",
+           "ours_grouped_balanced_sparse_w0",
            "ceiling_inmemory", "ceiling_seq_raw", "ceiling_seq_zarr"]
 
 

@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 from conftest import IMBALANCED
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import annbatch_torch as abt
 from annbatch_torch import A
@@ -143,11 +145,12 @@ def test_balanced_sampler_draws_runs_on_a_grouped_collection(
     assert abs(report["share_error"]) < 0.05
     classes = abt.diversity_report(ds, "cell_type", None, per="class").loc["cell_type"]
     np.testing.assert_allclose(classes["batch_share"], 1 / N_CLASSES, rtol=0.2)
-    # without shuffle the stream's runs stay in order: each batch holds few classes
+    # shuffle=False does not leave the runs in stream order (a batch of one class or two):
+    # a sampler of runs always has its pools mixed
     ordered = abt.AnnBatchDataset(grouped_collection, batch_size=512, shuffle=False,
                                   sampler=abt.ClassBalancedSampler("cell_type"))
-    low = abt.diversity_report(ordered, "cell_type", None).loc["cell_type"]
-    assert low["entropy_ratio"] < report["entropy_ratio"]
+    mixed = abt.diversity_report(ordered, "cell_type", None).loc["cell_type"]
+    assert mixed["entropy_ratio"] > 0.9
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -216,3 +219,78 @@ def test_chunk_size_is_checked_and_explicit_runs_work_anywhere(
     rows = ds.epoch_plan.sampler.rows(0, 0, 0, 64)
     codes = _codes(imbalanced_collection)
     assert len(set(codes[rows[:16]].tolist())) == 1  # a run is one class
+
+
+def test_obs_prefix_and_per_shard_record(imbalanced_h5ad: Path, tmp_path: Path) -> None:
+    """group_by="obs/cell_type" is recorded as the column's name; a shard that does not
+    record it (appended by a version that did not group) turns the collection's grouping
+    off, and an append then writes ungrouped shards instead of claiming a grouping."""
+    coll = abt.create_anndata_collection([imbalanced_h5ad], tmp_path / "s", seed=0,
+                                         n_obs_per_shard=2048, group_by="obs/cell_type",
+                                         progress=False)
+    assert coll.group_by == "cell_type"
+    ds = abt.AnnBatchDataset(coll, batch_size=256, sampler=abt.ClassBalancedSampler(
+        "cell_type"))
+    assert ds.sampler.run == AUTO_RUN
+    path = coll.path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert [sh["grouped_by"] for sh in manifest["shards"]] == ["cell_type"] * 3
+    del manifest["shards"][1]["grouped_by"]  # what an older appender leaves
+    path.write_text(json.dumps(manifest))
+    old = abt.open_collection(coll.path)
+    assert old.group_by is None
+    ds = abt.AnnBatchDataset(old, batch_size=256, sampler=abt.ClassBalancedSampler(
+        "cell_type"))
+    assert ds.sampler.run == 1  # single rows: correct, as fast as an ungrouped collection
+
+
+def test_prepare_rewrites_when_group_by_changes(imbalanced_h5ad: Path, tmp_path: Path) -> None:
+    store = tmp_path / "s"
+    assert abt.prepare_collection([imbalanced_h5ad], store, progress=False)
+    assert not abt.prepare_collection([imbalanced_h5ad], store, progress=False)
+    assert abt.prepare_collection([imbalanced_h5ad], store, group_by="cell_type",
+                                  progress=False)
+    assert abt.open_collection(store).group_by == "cell_type"
+    assert not abt.prepare_collection([imbalanced_h5ad], store, group_by="cell_type",
+                                      progress=False)
+    assert abt.prepare_collection([imbalanced_h5ad], store, group_by=None, progress=False)
+    assert abt.open_collection(store).group_by is None
+
+
+def test_the_datamodule_split_is_stratified_on_a_grouped_collection(
+        grouped_collection: abt.Collection, imbalanced_collection: abt.Collection) -> None:
+    """Chunks of a grouped collection are mostly one class: the held-out chunks are taken
+    class by class in proportion, so every class keeps its share in validation."""
+    from annbatch_torch.lightning import AnnBatchDataModule
+
+    dm = AnnBatchDataModule(None, grouped_collection, batch_size=64, chunk_size=32,
+                            val_fraction=0.2, seed=1)
+    dm.setup("fit")
+    size = dm.split_chunk_size
+    rows = abt.sampling.global_rows(np.stack(
+        [dm.val_chunks * size, np.minimum((dm.val_chunks + 1) * size, N_OBS)], axis=1))
+    codes = _codes(grouped_collection)
+    held, cells = (np.bincount(c, minlength=N_CLASSES) for c in (codes[rows], codes))
+    # each class's share to within a chunk per shard (a chunk's class is its first row's)
+    slack = size * (len(grouped_collection.shards) + 1)
+    assert (np.abs(held - 0.2 * cells) <= slack).all(), (held, cells)
+    # the split is split_chunks3's with each chunk's first row's class as its stratum
+    want = abt.sampling.split_chunks3(N_OBS, size, 0.2, 0.0, 1, codes[::size])[1]
+    np.testing.assert_array_equal(dm.val_chunks, want)
+    assert not np.array_equal(want, abt.sampling.split_chunks3(N_OBS, size, 0.2, 0.0, 1)[1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=2, max_size=80), st.floats(0.05, 0.45),
+       st.integers(0, 2**31))
+def test_stratified_chunks_take_each_stratum_in_proportion(labels: list[int], frac: float,
+                                                           seed: int) -> None:
+    strata = np.array(labels)
+    n = len(strata)
+    train, val, test = abt.sampling.split_chunks3(n, 1, frac, 0.0, seed, strata)
+    plain = abt.sampling.split_chunks3(n, 1, frac, 0.0, seed)
+    assert len(val) == len(plain[1])  # as many chunks as without strata
+    assert sorted([*train, *val, *test]) == list(range(n))
+    for k in np.unique(strata):
+        want = np.count_nonzero(strata == k) * len(val) / n
+        assert abs(np.count_nonzero(strata[val] == k) - want) <= 1

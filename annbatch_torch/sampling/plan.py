@@ -683,7 +683,8 @@ def split_chunks(
 
 
 def split_chunks3(
-    n_obs: int, chunk_size: int, val_fraction: float, test_fraction: float, seed: int
+    n_obs: int, chunk_size: int, val_fraction: float, test_fraction: float, seed: int,
+    strata: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split whole chunks into sorted, disjoint ``(train_ids, val_ids, test_ids)``.
 
@@ -693,6 +694,12 @@ def split_chunks3(
     are cut down to leave it, validation first served). The validation part is the one
     :func:`split_chunks` gives for the same ``val_fraction`` and ``seed``, so adding a test
     split moves chunks out of training only.
+
+    ``strata`` (one label per chunk; a collection grouped by a class column, whose chunks
+    are mostly of one class): the chunks are taken stratum by stratum in proportion (the
+    chunks in a random order, each stratum's interleaved by its share), so every held-out
+    part holds each stratum's share of the chunks to within one. ``None``: the chunks in
+    a random order.
     """
     check_int("n_obs", n_obs, 0)
     check_int("chunk_size", chunk_size, 1)
@@ -712,6 +719,17 @@ def split_chunks3(
     if test_fraction > 0 and spare - n_val > 0:
         n_test = max(n_test, 1)
     perm = np.random.default_rng([seed, TAG_SPLIT]).permutation(n)
+    if strata is not None:
+        labels = np.asarray(strata)
+        if labels.shape != (n,):
+            raise ValueError(f"strata must hold one label per chunk ({n}), got shape "
+                             f"{labels.shape}")
+        _, inv, counts = np.unique(labels[perm], return_inverse=True, return_counts=True)
+        inv = inv.reshape(-1)
+        by = np.argsort(inv, kind="stable")  # each stratum's chunks, in the random order
+        rank = np.empty(n, dtype=np.int64)
+        rank[by] = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+        perm = perm[np.argsort((rank + 0.5) / counts[inv], kind="stable")]
     held = n_val + n_test
     return np.sort(perm[held:]), np.sort(perm[:n_val]), np.sort(perm[n_val:held])
 

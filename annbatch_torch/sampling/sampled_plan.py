@@ -127,9 +127,12 @@ class SamplePlan(EpochPlan):
     sampler: Sampler
 
     def deal(self, epoch: int) -> EpochDeal:
+        # a sampler of runs has its pools mixed whatever shuffle says (its stream's order
+        # is runs of one class: kept, each batch would hold one or two classes)
         return sample_deal(self.sampler, self.batch_size, self.pool, seed=self.seed,
                            epoch=epoch, drop_last=self.drop_last,
-                           even_batches=self.even_batches, in_order=not self.shuffle)
+                           even_batches=self.even_batches,
+                           in_order=not self.shuffle and not self.sampler.mixes_in_pool)
 
     def fresh_batches(self, world_size: int) -> int:
         return sample_batches_per_rank(self.sampler, self.batch_size, self.pool,

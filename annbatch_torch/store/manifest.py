@@ -163,6 +163,9 @@ class ShardInfo:
     #: (``{"X/data": "uint8", "X/indices": "uint16"}``); readers widen them to the field's
     #: dtype. Empty in collections written before: ``dtype`` and int32.
     stored: dict[str, str] = field(default_factory=dict, hash=False)
+    #: the obs column by which this shard's rows are sorted (``group_by``), ``None``: not
+    #: sorted (or written by a version that did not record it)
+    grouped_by: str | None = None
 
 
 @dataclass
@@ -211,7 +214,8 @@ class Manifest:
             "var_names_sha256": var_names_digest(self.var_names),
             "shards": [{"path": s.path, "n_obs": s.n_obs,
                         **({"generation": s.generation} if s.generation else {}),
-                        **({"stored": s.stored} if s.stored else {})}
+                        **({"stored": s.stored} if s.stored else {}),
+                        **({"grouped_by": s.grouped_by} if s.grouped_by else {})}
                        for s in self.shards],
             "fields": {k: v.to_json() for k, v in self.fields.items()},
             "shuffle": self.shuffle,
@@ -385,11 +389,12 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
         shards, where_to = [], []
         for s in raw_shards:
             where_to.append(_safe_child(root, s["path"], "shard", str(mpath)))
-            gen = s.get("generation")
-            if gen is not None and not isinstance(gen, str):
-                raise TypeError(f"shard generation must be a string, got {gen!r}")
+            gen, grouped = s.get("generation"), s.get("grouped_by")
+            for what, value in (("generation", gen), ("grouped_by", grouped)):
+                if value is not None and not isinstance(value, str):
+                    raise TypeError(f"shard {what} must be a string, got {value!r}")
             shards.append(ShardInfo(s["path"], _json_int(s["n_obs"], "n_obs"), gen,
-                                    _stored(s.get("stored", {}))))
+                                    _stored(s.get("stored", {})), grouped))
     except (KeyError, TypeError, ValueError) as e:
         raise CollectionError(
             f"{mpath}: missing or malformed entry {e}; the manifest is damaged, rewrite the "

@@ -359,7 +359,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
             _publish(root, root, manifest, [], None, sources, seed)
             return
         schema = _append_schema(sources, coll)
-        group_by = (manifest.extra.get("writer") or {}).get("group_by")
+        group_by = coll.group_by  # None where a shard was appended ungrouped
         check_group_by(schema, group_by, coll.describe())  # before any work
         with_cells = [s for s in sources if s.n_obs]
         names = InputNames.read(with_cells)  # every new input's names read once
@@ -397,6 +397,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
                                       first)
+        shards = [dataclasses.replace(s, grouped_by=group_by) for s in shards]
         checked.result()
         want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
         differ = {k: (v, want[k]) for k, v in dtypes.items()

@@ -9,7 +9,11 @@ column draws runs of rows of one class, each a single read (sampling mode's
 ``chunk_size``), instead of one read per drawn row.
 
 Costs: the column of every input is read once before pass 1 (4 bytes per cell), and the
-destinations are regrouped shard by shard (a few more bytes per cell, freed before pass 1).
+destinations are regrouped shard by shard: the row at each position and the new
+destinations, 4 bytes per cell each below 2**32 cells (8 above), beside the permutation
+(the same again) while they are made; the codes and the row table are freed before pass 1,
+the new destinations replace the permutation. With ``shuffle=False`` the destinations are
+an array (4 bytes per cell) where they are otherwise implicit.
 """
 
 from __future__ import annotations
@@ -95,11 +99,12 @@ def group_in_shards(dest: np.ndarray | None, codes: np.ndarray, shard_obs: int) 
     else:
         at = np.empty(n, dtype=dtype)
         at[dest] = np.arange(n, dtype=dtype)
-    key = codes[at].astype(np.int64)
-    key[key < 0] = np.iinfo(np.int32).max  # missing values last
     out = np.empty(n, dtype=dtype)
-    for a in range(0, n, shard_obs):
+    top = np.iinfo(np.int32).max
+    for a in range(0, n, shard_obs):  # one shard's sort key at a time
         b = min(n, a + shard_obs)
-        order = np.argsort(key[a:b], kind="stable")
-        out[at[a:b][order]] = np.arange(a, b, dtype=dtype)
+        rows = at[a:b]
+        key = codes[rows].astype(np.int32)
+        key[key < 0] = top  # missing values last
+        out[rows[np.argsort(key, kind="stable")]] = np.arange(a, b, dtype=dtype)
     return out

@@ -30,10 +30,11 @@ logger = logging.getLogger(__name__)
 
 def explicit_settings(collection_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The writer arguments in ``collection_kwargs`` that a current store must match
-    (``seed``, ``shuffle``, ``var_join``, ``var_names``, and the ``layers`` / ``obsm`` /
-    ``obs_columns`` it must hold); others (``progress``, ``max_memory``...) do not make a
-    store stale."""
-    return {k: collection_kwargs[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS, "raw")
+    (``seed``, ``shuffle``, ``var_join``, ``var_names``, ``group_by``, and the ``layers`` /
+    ``obsm`` / ``obs_columns`` it must hold); others (``progress``, ``max_memory``...) do
+    not make a store stale."""
+    return {k: collection_kwargs[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS, "raw",
+                                              "group_by")
             if k in collection_kwargs}
 
 

@@ -53,7 +53,8 @@ def store_staleness(
     settings
         Writer settings to compare with the manifest's record (``seed``, ``shuffle``,
         ``var_join``, ``var_names``: the reference gene list, which makes ``var_join``
-        moot), and field lists (``layers``, ``obsm``, ``obs_columns``; ``raw=True``) whose
+        moot; ``group_by``, compared when given, ``None`` included), and field lists
+        (``layers``, ``obsm``, ``obs_columns``; ``raw=True``) whose
         fields the store must hold; keys missing or ``None`` here are not compared.
 
     Returns
@@ -105,6 +106,14 @@ def _manifest_staleness(
     for key in ("seed", "shuffle", "var_join"):
         if settings.get(key) is not None and recorded_settings[key] != settings[key]:
             return f"it was written with {key}={recorded_settings[key]!r}, now {settings[key]!r}"
+    if "group_by" in settings:  # asked for (None: rows in shuffled order): as written?
+        want = settings["group_by"]
+        want = want.removeprefix("obs/") if isinstance(want, str) else want
+        shards = manifest.shards
+        have = shards[0].grouped_by if shards and all(
+            s.grouped_by == shards[0].grouped_by for s in shards) else None
+        if want != have:
+            return f"it was written with group_by={have!r}, now {want!r}"
     if settings.get("raw") is True and RAW_X not in manifest.fields:
         return "it lacks raw/X, asked for by raw=True"
     for key, prefix in FIELD_SETTINGS.items():

@@ -340,8 +340,11 @@ def create_anndata_collection(
             else None,
             "compressors": compressors_for(compressor, zarr_format),
             "data_dtype": stored_data, "index_dtype": stored_index, "group_by": group_by}
-    if group_by is not None and (not isinstance(group_by, str) or not group_by):
+    if group_by is not None and (not isinstance(group_by, str) or not group_by.removeprefix(
+            "obs/")):
         raise InputError(f"group_by must be an obs column name (or None), got {group_by!r}.")
+    if group_by is not None:
+        opts["group_by"] = group_by.removeprefix("obs/")  # recorded as the column's name
     if isinstance(adata_paths, str | os.PathLike) or not isinstance(adata_paths, Sequence):
         adata_paths = [adata_paths]
     if not adata_paths:
@@ -541,7 +544,8 @@ def _write_collection_manifest(tmp: Path, sources: list[InputSource], schema: Sc
               "compressor": compressor if isinstance(compressor, str) else repr(compressor),
               **dtype_options(opts), "group_by": opts.get("group_by")}
     generation = secrets.token_hex(8)  # this write's shards, told apart from a rewrite's
-    shards = [dataclasses.replace(s, generation=generation) for s in shards]
+    shards = [dataclasses.replace(s, generation=generation, grouped_by=opts.get("group_by"))
+              for s in shards]
     manifest = Manifest(
         n_obs=sum(s.n_obs for s in shards), n_vars=len(schema.var_names), shards=shards,
         fields=fields, var_names=[str(v) for v in schema.var_names], seed=seed,

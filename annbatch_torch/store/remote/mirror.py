@@ -156,7 +156,7 @@ class Mirror:
         try:
             obj = json.loads(self.location.get(MANIFEST_NAME))
             return [ShardInfo(str(s["path"]), int(s["n_obs"]), s.get("generation"),
-                              dict(s.get("stored", {})))
+                              dict(s.get("stored", {})), s.get("grouped_by"))
                     for s in obj["shards"]]
         except (ValueError, KeyError, TypeError):
             return None
