@@ -294,3 +294,31 @@ def test_stratified_chunks_take_each_stratum_in_proportion(labels: list[int], fr
     for k in np.unique(strata):
         want = np.count_nonzero(strata == k) * len(val) / n
         assert abs(np.count_nonzero(strata[val] == k) - want) <= 1
+
+
+def test_weighted_from_column_draws_runs_in_proportion(grouped_collection: abt.Collection,
+                                                       adata: ad.AnnData) -> None:
+    """Per-category weights on a grouped collection: runs of one category, each category
+    drawn with its weight x cells share (to within a run per block), rows equal to their
+    source cells."""
+    weights = {f"t{i}": float(i + 1) for i in range(N_CLASSES)}
+    sampler = abt.WeightedSampler.from_column("cell_type", weights, num_samples=12_000)
+    ds = abt.AnnBatchDataset(grouped_collection, selector={"x": A.X}, batch_size=500,
+                             densify=True, return_index=True, sampler=sampler)
+    assert ds.sampler.run == AUTO_RUN
+    assert ds.sampler.mixes_in_pool
+    cats = list(grouped_collection.categories("cell_type"))
+    cells = np.bincount(_codes(grouped_collection), minlength=N_CLASSES)
+    mass = np.array([weights[c] for c in cats]) * cells
+    classes = abt.diversity_report(ds, "cell_type", None, per="class").loc["cell_type"]
+    np.testing.assert_allclose(classes["epoch_share"], mass / mass.sum(), atol=0.01)
+    assert abt.diversity_report(ds, "cell_type", None).loc["cell_type", "entropy_ratio"] > 0.9
+    for batch in abt.AnnBatchDataLoader(ds, num_workers=2):
+        rows = adata.obs_names.get_indexer(grouped_collection.obs_names_at(batch["index"]))
+        np.testing.assert_array_equal(batch["x"].numpy(), adata.X[rows].toarray())
+    per_row = abt.WeightedSampler.from_column("cell_type", weights, replacement=False)
+    plain = abt.AnnBatchDataset(grouped_collection, batch_size=500, sampler=per_row)
+    assert plain.sampler.run == 1  # without replacement: single rows
+    assert "runs" not in plain.sampler.signature
+    with pytest.raises(abt.SamplerError, match="runs of rows are drawn with replacement"):
+        abt.WeightedSampler.from_column("cell_type", weights, replacement=False, chunk_size=8)

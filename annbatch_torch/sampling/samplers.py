@@ -323,14 +323,31 @@ class _ClassTable:
                   run: int) -> np.ndarray:
         """``n`` rows in runs of ``run``: the runs' classes in rounds (each round a random
         order of ``classes``, so every class gets as many runs to within one), then
-        ``run`` consecutive rows of the class's row list from a uniform start (wrapping at
-        its end, so every row of the class is as likely); the last run cut at ``n``."""
+        :meth:`run_rows`."""
         k = -(-n // run)
         rounds = -(-k // len(classes))
         cls = classes[rng.permuted(np.tile(np.arange(len(classes)), (rounds, 1)),
                                    axis=1).reshape(-1)[:k]]
+        return self.run_rows(rng, cls, n, run)
+
+    def draw_weighted_runs(self, rng: np.random.Generator, class_cdf: np.ndarray, n: int,
+                           run: int) -> np.ndarray:
+        """``n`` rows in runs of ``run``: the runs' classes allotted by ``class_cdf``
+        systematically (run ``j`` at ``(j + u) / k`` of the cumulative weights, so each class
+        gets its share of the runs to within one), in a random order, then
+        :meth:`run_rows`."""
+        k = -(-n // run)
+        at = (np.arange(k) + rng.random()) / k
+        cls = rng.permutation(np.searchsorted(class_cdf, at, side="right"))
+        return self.run_rows(rng, np.minimum(cls, len(class_cdf) - 1), n, run)
+
+    def run_rows(self, rng: np.random.Generator, cls: np.ndarray, n: int,
+                 run: int) -> np.ndarray:
+        """Run ``j``: ``run`` consecutive rows of class ``cls[j]``'s row list from a uniform
+        start (wrapping at its end, so every row of the class is as likely); the last run
+        cut at ``n`` rows in all."""
         count = self.counts[cls]
-        first = np.minimum((rng.random(k) * count).astype(np.int64), count - 1)
+        first = np.minimum((rng.random(len(cls)) * count).astype(np.int64), count - 1)
         pos = (first[:, None] + np.arange(run, dtype=np.int64)) % count[:, None]
         return self.rows[(self.starts[cls][:, None] + pos).reshape(-1)[:n]].astype(np.int64)
 
@@ -388,11 +405,14 @@ class WeightedSampler(_BlockSampler):
         self.category_weights: dict[Hashable, float] | None = None
         self.default: float | None = None
         self.columns = ()
+        self.chunk_size: int | str | None = None  # from_column's
+        self.run = 1
 
     @classmethod
     def from_column(cls, column: str, weights: Mapping[Hashable, float], *,
                     default: float | None = None, num_samples: int | None = None,
-                    replacement: bool = True) -> WeightedSampler:
+                    replacement: bool = True,
+                    chunk_size: int | str | None = "auto") -> WeightedSampler:
         """Weights per category of a categorical obs column: each row weighs its
         category's weight.
 
@@ -407,9 +427,23 @@ class WeightedSampler(_BlockSampler):
             category must be given. Rows with a missing value are never drawn.
         num_samples, replacement
             As for :class:`WeightedSampler`.
+        chunk_size
+            With replacement: draw runs of this many rows of one category (each category
+            gets its weight's share of the runs, a run starts uniformly in the category's
+            rows) and mix them in the pools after reading, as
+            :class:`ClassBalancedSampler` does: ``"auto"`` (default) on a collection written
+            with ``group_by=column`` (runs of 64 rows, each one read), single rows
+            otherwise; ``1`` or ``None``: single rows; an integer: runs on any source.
         """
         if not isinstance(column, str) or not column:
             raise SamplerError(f"column must be an obs column name, got {column!r}.")
+        if chunk_size != "auto":
+            chunk_size = _count("WeightedSampler.from_column chunk_size", chunk_size)
+            if chunk_size not in (None, 1) and not replacement:
+                raise SamplerError(
+                    f"WeightedSampler.from_column({column!r}, chunk_size={chunk_size}): runs "
+                    "of rows are drawn with replacement; pass replacement=True (or "
+                    "chunk_size=1).")
         if not isinstance(weights, Mapping) or not weights:
             raise SamplerError("weights must be a non-empty mapping {category: weight}, got "
                                f"{weights!r}.")
@@ -427,6 +461,7 @@ class WeightedSampler(_BlockSampler):
         self._init(num_samples, replacement)
         self.column = column
         self.columns = (column,)
+        self.chunk_size = chunk_size
         self.category_weights = dict(zip(weights, values[: len(weights)].tolist()))
         self.default = None if default is None else float(values[-1])
         return self
@@ -474,6 +509,10 @@ class WeightedSampler(_BlockSampler):
             row_w = np.where(codes >= 0, class_w[np.maximum(codes, 0)], 0.0) if (
                 not self.replacement) else None
             self._class_cdf = _cdf(mass)
+            if self.replacement:
+                self.run = ((AUTO_RUN if col.grouped else 1) if self.chunk_size == "auto"
+                            else int(self.chunk_size or 1))
+                self.mixes_in_pool = self.run > 1
         self._len = self.n_allowed if self.num_samples is None else self.num_samples
         if not self.replacement:
             assert row_w is not None
@@ -492,6 +531,8 @@ class WeightedSampler(_BlockSampler):
         return self._len
 
     def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.column is not None and self.run > 1:
+            return self._table.draw_weighted_runs(rng, self._class_cdf, n, self.run)
         if self.column is not None:
             return self._table.draw(rng, self._class_cdf, n)
         return np.searchsorted(self._row_cdf, rng.random(n), side="right").astype(np.int64)
@@ -511,11 +552,13 @@ class WeightedSampler(_BlockSampler):
         top = np.argpartition(-keys, self._len - 1)[: self._len]
         return top[np.argsort(-keys[top], kind="stable")].astype(np.int64)
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # single rows: as before chunk_size (resume states match)
         what = (f"from_column({self.column!r})" if self.column is not None
                 else f"({self.n_obs if self._n_obs is not None else '?'} weights)")
+        runs = ("" if self.run == 1 and self.chunk_size in ("auto", None, 1) else
+                f", chunk_size={self.chunk_size!r}, runs of {self.run} rows")
         return (f"WeightedSampler{what}(num_samples={self.num_samples}, "
-                f"replacement={self.replacement})")
+                f"replacement={self.replacement}{runs})")
 
 
 class ClassBalancedSampler(_BlockSampler):
