@@ -391,6 +391,11 @@ class AnnBatchDataset(IterableDataset):
 
     # -- configuration ---------------------------------------------------------------
     def _bind_sampler(self, sampler: Any) -> Sampler:
+        if getattr(sampler, "draw_size", 1) != 1:  # sampling.pairing: batches of pairs
+            raise SamplerError(
+                f"{sampler!r} draws a perturbed row with its controls; AnnBatchDataset does "
+                "not yet build batches of such draws (their control_ keys). Use its stream "
+                "directly (sampler.bind(...).rows(seed, epoch, 0, len(sampler))) for now.")
         if self.chunk_ids is not None:
             raise SamplerError(
                 "sampler and chunk_ids cannot be combined: a sampler chooses the rows itself; "

@@ -9,6 +9,8 @@ epoch holds) and ``sampling/sampled_plan.py`` (their stream dealt like chunked m
 epoch, and what a resumed epoch still owes (a resumed epoch's deal is the plan).
 ``sampling/diversity.py``: how mixed batches are (per-batch class counts, entropy, and
 those of truly random batches), the figures of the shuffle-quality report.
+``sampling/pairing.py``: perturbation / control pairing, ``PairedSampler``'s stream (not yet
+read by the dataset).
 """
 
 from .plan import (

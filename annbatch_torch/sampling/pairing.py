@@ -1,0 +1,217 @@
+"""Perturbation / control pairing: the stream of :class:`PairedSampler` (issue 34, first part).
+
+Pure numpy, no torch, no I/O. A perturbation screen's rows are *perturbed* (the
+perturbation column holds a perturbation) or *controls* (it holds one of the control
+values, e.g. ``"non-targeting"``). Each epoch holds every perturbed row once, in a random
+order of ``(seed, epoch)``, each followed by ``n_controls`` control rows drawn uniformly,
+with replacement, from the controls of its *match group* (the rows sharing its values of the
+``match`` columns, e.g. cell line and GEM group). The stream is laid out in *draws* of
+``1 + n_controls`` positions, ``[perturbed, control_1, ..., control_n]``
+(:attr:`PairedSampler.draw_size`), so a batch of ``b`` draws is ``b * draw_size``
+consecutive positions and keeps each pair together.
+
+With ``set_size=S`` the perturbed rows come in *sets* of ``S`` rows sharing their
+perturbation and match values (cell-load's "cell sentences"): a group of ``m`` such rows
+gives ``ceil(m / S)`` sets, its rows in a random order, the last set filled up with rows of
+the same group drawn anew each epoch (so each row is drawn at least once, exactly once when
+``S`` divides ``m``); the sets are in a random order.
+
+Not yet wired into :class:`~annbatch_torch.AnnBatchDataset` (the plan's batches in draws and
+the ``control_`` keys of a batch come next): what is here is the stream and its checks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import SamplerError, check_int
+from .samplers import ObsColumn, Sampler
+
+__all__ = ["PairedSampler", "TAG_PAIR", "MissingControlWarning"]
+
+#: Seed tag of a paired epoch: ``default_rng([seed, epoch, TAG_PAIR])``.
+TAG_PAIR = 0x50414952  # "PAIR"
+
+
+class MissingControlWarning(UserWarning):
+    """Perturbed rows were left out: their match group has no control row
+    (``on_missing_control="skip"``)."""
+
+
+def _as_values(control: Any) -> list[Hashable]:
+    if isinstance(control, str) or not isinstance(control, Sequence):
+        return [control]
+    return list(control)
+
+
+class PairedSampler(Sampler):
+    """Every perturbed row once per epoch, each with ``n_controls`` matched control rows.
+
+    Parameters
+    ----------
+    perturbation
+        A categorical obs column naming each row's perturbation (``"target_gene"``).
+    control
+        The value (or values) of ``perturbation`` that mark control rows
+        (``"non-targeting"``). Rows with a missing value are neither.
+    match
+        Categorical obs columns a control must share with its perturbed row
+        (``("cell_line", "gem_group")``); ``()``: any control.
+    n_controls
+        Control rows per perturbed row (drawn with replacement).
+    set_size
+        Perturbed rows per set (rows sharing their perturbation and match values, kept
+        together in the stream); ``None``: single rows.
+    on_missing_control
+        ``"error"`` (default): a match group with perturbed rows but no control is an error
+        naming it; ``"skip"``: its perturbed rows are left out, counted in a
+        :class:`MissingControlWarning`.
+    """
+
+    def __init__(self, perturbation: str, control: Hashable | Sequence[Hashable], *,
+                 match: Sequence[str] = (), n_controls: int = 1, set_size: int | None = None,
+                 on_missing_control: str = "error") -> None:
+        for what, name in (("perturbation", perturbation),
+                           *(("match", m) for m in _as_values(match))):
+            if not isinstance(name, str) or not name:
+                raise SamplerError(f"PairedSampler {what} must be an obs column name, got "
+                                   f"{name!r}.")
+        self.perturbation = perturbation
+        self.control = _as_values(control)
+        if not self.control:
+            raise SamplerError("PairedSampler control: give the control value(s) of "
+                               f"{perturbation!r}, e.g. 'non-targeting'.")
+        self.match = tuple(_as_values(match))
+        if perturbation in self.match or len(set(self.match)) != len(self.match):
+            raise SamplerError(f"PairedSampler match={self.match!r}: name each column once, "
+                               f"and not the perturbation column {perturbation!r}.")
+        self.n_controls = check_int("PairedSampler n_controls", n_controls, 1,
+                                    error=SamplerError)
+        self.set_size = None if set_size is None else check_int(
+            "PairedSampler set_size", set_size, 1, error=SamplerError, note=" (or None)")
+        if on_missing_control not in ("error", "skip"):
+            raise SamplerError(f"on_missing_control must be 'error' or 'skip', got "
+                               f"{on_missing_control!r}.")
+        self.on_missing_control = on_missing_control
+        self.columns = (perturbation, *self.match)
+
+    @property
+    def draw_size(self) -> int:
+        """Stream positions per draw: the perturbed row and its controls."""
+        return 1 + self.n_controls
+
+    # -- tables ------------------------------------------------------------------------
+    def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
+        pert = columns[self.perturbation]
+        cats = list(pert.categories)
+        unknown = [c for c in self.control if c not in cats]
+        if unknown:
+            raise SamplerError(
+                f"PairedSampler: control value(s) {unknown} are not categories of obs column "
+                f"{self.perturbation!r} (its categories: {cats[:10]}"
+                f"{'...' if len(cats) > 10 else ''}); give the value that marks control "
+                "cells.")
+        codes = self._restricted_codes(pert.codes).astype(np.int64)
+        is_control = np.isin(codes, [cats.index(c) for c in self.control])
+        is_pert = (codes >= 0) & ~is_control
+        if self.allowed is not None:  # controls come from the allowed rows too
+            keep = np.zeros(n_obs, dtype=bool)
+            keep[self.allowed] = True
+            is_control &= keep
+        group = self._match_groups(n_obs, columns)
+        controls = np.flatnonzero(is_control)
+        order = np.argsort(group[controls], kind="stable")
+        self._controls = controls[order]  # control rows, group by group
+        n_groups = int(group.max()) + 1 if n_obs else 0
+        counts = np.bincount(group[controls], minlength=n_groups)
+        self._control_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._control_count = counts.astype(np.int64)
+        perturbed = np.flatnonzero(is_pert)
+        lacking = self._control_count[group[perturbed]] == 0
+        if lacking.any():
+            bad = np.unique(group[perturbed[lacking]])
+            where = "; ".join(self._describe(columns, int(perturbed[lacking][np.flatnonzero(
+                group[perturbed[lacking]] == g)[0]])) for g in bad[:3])
+            what = (f"{int(lacking.sum())} perturbed rows in {len(bad)} match group(s) with no "
+                    f"control ({where}{'; ...' if len(bad) > 3 else ''})")
+            if self.on_missing_control == "error":
+                raise SamplerError(
+                    f"PairedSampler: {what}. Add controls there, match on fewer columns, or "
+                    "pass on_missing_control='skip' to leave those rows out.")
+            warnings.warn(f"PairedSampler: left out {what}.", MissingControlWarning,
+                          stacklevel=2)
+            perturbed = perturbed[~lacking]
+        if not len(perturbed):
+            raise SamplerError(f"PairedSampler: no perturbed row (obs column "
+                               f"{self.perturbation!r} holds only controls {self.control} or "
+                               "missing values among the rows it may draw).")
+        self._perturbed = perturbed
+        self._group = group.astype(np.int64)
+        self._set_keys = None
+        if self.set_size is not None:  # sets: rows of one (perturbation, match group)
+            key = codes[perturbed] * n_groups + self._group[perturbed]
+            self._set_keys = np.unique(key, return_inverse=True)[1].reshape(-1)
+            sizes = np.bincount(self._set_keys)
+            self._n_draws = int((-(-sizes // self.set_size)).sum()) * self.set_size
+        else:
+            self._n_draws = len(perturbed)
+
+    def _match_groups(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> np.ndarray:
+        """Each row's match group (0 .. k-1): its combination of the match columns' codes
+        (a missing value is a value of its own)."""
+        if not self.match:
+            return np.zeros(n_obs, dtype=np.int64)
+        stacked = np.stack([np.asarray(columns[m].codes, dtype=np.int64) for m in self.match],
+                           axis=1)
+        return np.unique(stacked, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+    def _describe(self, columns: Mapping[str, ObsColumn], row: int) -> str:
+        parts = []
+        for m in self.match:
+            code = int(columns[m].codes[row])
+            parts.append(f"{m}={columns[m].categories[code]!r}" if code >= 0 else f"{m}=NaN")
+        return ", ".join(parts) or "all rows"
+
+    # -- the stream --------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._n_draws * self.draw_size
+
+    def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([int(seed), int(epoch), TAG_PAIR])
+        pert = self._epoch_perturbed(rng)
+        g = self._group[pert]
+        count, start = self._control_count[g], self._control_start[g]
+        pick = (rng.random((len(pert), self.n_controls)) * count[:, None]).astype(np.int64)
+        pick = np.minimum(pick, count[:, None] - 1)
+        controls = self._controls[start[:, None] + pick]
+        return np.concatenate([pert[:, None], controls], axis=1).reshape(-1)
+
+    def _epoch_perturbed(self, rng: np.random.Generator) -> np.ndarray:
+        """The epoch's perturbed rows in stream order (sets of ``set_size`` together)."""
+        if self._set_keys is None:
+            return rng.permutation(self._perturbed)
+        s = self.set_size
+        assert s is not None
+        keys = self._set_keys
+        order = np.lexsort((rng.random(len(keys)), keys))  # by set key, shuffled inside
+        rows, k = self._perturbed[order], keys[order]
+        sizes = np.bincount(keys)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        n_sets = -(-sizes // s)
+        fill = n_sets * s - sizes  # rows drawn anew to complete each key's last set
+        extra = starts.repeat(fill) + (rng.random(int(fill.sum())) * sizes.repeat(fill)
+                                       ).astype(np.int64)
+        by_key = np.concatenate([rows, rows[extra]])
+        key_of = np.concatenate([k, np.arange(len(sizes)).repeat(fill)])
+        by_key = by_key[np.argsort(key_of, kind="stable")]  # each key's rows, then its fill
+        sets = by_key.reshape(-1, s)
+        return sets[rng.permutation(len(sets))].reshape(-1)
+
+    def __repr__(self) -> str:
+        extra = "" if self.set_size is None else f", set_size={self.set_size}"
+        return (f"PairedSampler({self.perturbation!r}, {self.control!r}, "
+                f"match={self.match!r}, n_controls={self.n_controls}{extra})")
