@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 #: what a report's rows are (:func:`diversity_report`'s ``per``)
 Per = Literal["column", "batch", "class"]
 PER_CHOICES = ("column", "batch", "class")
-#: the label of the class of rows whose value is missing (no category can be ``None``)
-MISSING = None
+#: the label of the class of rows whose value is missing (``pandas.isna`` is true of it; no
+#: category can be NaN)
+MISSING = float("nan")
 #: distinct values above which a column is refused (an identifier, not classes)
 MAX_CLASSES = 1_000_000
 
@@ -43,7 +44,7 @@ MAX_CLASSES = 1_000_000
 @dataclass(frozen=True)
 class Classes:
     """An obs column as classes: one code per row of the source in ``[0, len(labels))``
-    (a missing value is a class of its own, labelled ``None``, last)."""
+    (a missing value is a class of its own, labelled NaN, last)."""
 
     column: str
     codes: np.ndarray
@@ -285,7 +286,7 @@ def diversity_report(dataset: AnnBatchDataset, column: str | Sequence[str],
         An obs column of classes, e.g. ``"cell_type"``: categorical, integer or bool (or
         float holding whole numbers, as a nullable integer column is stored), or several
         (``["cell_type", "donor"]``), each reported on the same batches. A missing value
-        counts as a class of its own (labelled ``None``).
+        counts as a class of its own (labelled NaN: ``pandas.isna(label)``).
     n_batches
         The rank's first ``n_batches`` batches of the epoch in plan order (those a loader
         with ``num_workers=0`` yields first; with workers the same batches arrive

@@ -322,3 +322,10 @@ def test_weighted_from_column_draws_runs_in_proportion(grouped_collection: abt.C
     assert "runs" not in plain.sampler.signature
     with pytest.raises(abt.SamplerError, match="runs of rows are drawn with replacement"):
         abt.WeightedSampler.from_column("cell_type", weights, replacement=False, chunk_size=8)
+
+
+def test_too_few_runs_for_the_classes_is_warned(grouped_collection: abt.Collection) -> None:
+    with pytest.warns(UserWarning, match=r"holds 2 runs of 64 rows, fewer than its 8 classes"):
+        abt.AnnBatchDataset(grouped_collection, batch_size=64, sampler=abt.ClassBalancedSampler(
+            "cell_type", num_samples=128))
+    assert "group_by='cell_type'" in repr(grouped_collection)

@@ -18,18 +18,25 @@ from .args import CliError, CliParser, int_at_least
 __all__ = ["add_diversity", "run_diversity", "parse_sampler"]
 
 SAMPLER_HELP = ("chunked (the default: chunked mode, shuffled chunks mixed in pools), "
-                "balanced:COL (ClassBalancedSampler over categorical obs column COL) or "
-                "weighted:COL (WeightedSampler, per-row weights from numeric obs column COL)")
+                "balanced:COL (ClassBalancedSampler over categorical obs column COL; "
+                "balanced:COL:N draws runs of N rows, balanced:COL:1 single rows; default: "
+                "runs on a collection grouped by COL) or weighted:COL (WeightedSampler, "
+                "per-row weights from numeric obs column COL)")
 
 
-def parse_sampler(text: str) -> tuple[str, str | None]:
-    """``--sampler`` as ``(kind, column)``: ``("chunked", None)``, ``("balanced", COL)`` or
-    ``("weighted", COL)``."""
-    kind, sep, column = text.partition(":")
+def parse_sampler(text: str) -> tuple[str, str | None, int | None]:
+    """``--sampler`` as ``(kind, column, run)``: ``("chunked", None, None)``,
+    ``("balanced", COL, N or None)`` or ``("weighted", COL, None)``."""
+    kind, sep, rest = text.partition(":")
+    column, sep2, run = rest.rpartition(":") if kind == "balanced" and ":" in rest else (
+        rest, "", "")
     if kind == "chunked" and not sep:
-        return "chunked", None
+        return "chunked", None, None
     if kind in ("balanced", "weighted") and sep and column:
-        return kind, column
+        if not sep2:
+            return kind, column, None
+        if run.isdigit() and int(run) >= 1:
+            return kind, column, int(run)
     raise argparse.ArgumentTypeError(f"{text!r}: give {SAMPLER_HELP}")
 
 
@@ -53,7 +60,7 @@ def add_diversity(sub: Any, commands: dict[str, CliParser]) -> None:
     d.add_argument("--obs", action="append", required=True, metavar="COLUMN",
                    help="categorical (or integer / bool) obs column to report; give it again "
                         "for a second column, e.g. --obs cell_type --obs donor_id")
-    d.add_argument("--sampler", type=parse_sampler, default=("chunked", None),
+    d.add_argument("--sampler", type=parse_sampler, default=("chunked", None, None),
                    metavar="chunked|balanced:COL|weighted:COL", help=SAMPLER_HELP)
     d.add_argument("--chunk-size", type=int_at_least(1), metavar="N",
                    help="rows per chunk (default: AnnBatchDataset's)")
@@ -84,7 +91,7 @@ def add_diversity(sub: Any, commands: dict[str, CliParser]) -> None:
     d.set_defaults(func=run_diversity)
 
 
-def _sampler(source: Any, kind: str, column: str | None) -> Any:
+def _sampler(source: Any, kind: str, column: str | None, run: int | None) -> Any:
     import annbatch_torch as abt
 
     from ..diversity import column_values
@@ -94,7 +101,7 @@ def _sampler(source: Any, kind: str, column: str | None) -> Any:
         return None
     assert column is not None
     if kind == "balanced":
-        return abt.ClassBalancedSampler(column)
+        return abt.ClassBalancedSampler(column, chunk_size="auto" if run is None else run)
     name, info, values = column_values(source, column)
     if info.kind not in ("numeric", "bool"):
         raise CliError(f"--sampler weighted:{name}: {name!r} is a {info.kind} obs column; "
@@ -148,17 +155,17 @@ def run_diversity(args: argparse.Namespace, parser: CliParser) -> int:
                        f"{args.world_size}.")
     if args.plot is not None:
         _plot_checked(args.plot)
-    kind, column = args.sampler
+    kind, column, run = args.sampler
     source = abt.open_source(args.store[0] if len(args.store) == 1 else args.store)
     sizes = {k: v for k, v in (("chunk_size", args.chunk_size),
                                ("preload_nchunks", args.preload_nchunks)) if v is not None}
     ds = abt.AnnBatchDataset(source, batch_size=args.batch_size, seed=args.seed,
-                             sampler=_sampler(source, kind, column), rank=args.rank,
+                             sampler=_sampler(source, kind, column, run), rank=args.rank,
                              world_size=args.world_size, shuffle=not args.no_shuffle,
                              **sizes)
     columns = list(dict.fromkeys(args.obs))
     tables = report_tables(ds, columns, args.n_batches or None, epoch=args.epoch)
-    mode = ("chunked mode" if kind == "chunked" else f"sampler {kind}:{column}")
+    mode = "chunked mode" if ds.sampler is None else f"sampler {ds.sampler!r}"
     settings = (f"{mode}, batch_size={ds.batch_size}, chunk_size={ds.chunk_size}, "
                 f"preload_nchunks={ds.preload_nchunks}, shuffle={ds.shuffle}, seed={ds.seed}, "
                 f"epoch={args.epoch}"
@@ -173,8 +180,8 @@ def run_diversity(args: argparse.Namespace, parser: CliParser) -> int:
                             for cat, row in zip(tables.classes.loc[c].index,
                                                 tables.classes.loc[c].to_dict("records"))]
                         for c in tables.summary.index},
-            "batches": {c: [{k: _number(v) for k, v in row.items()}
-                            for row in tables.batches.loc[c].to_dict("records")]
+            "batches": {c: [{"batch": i, **{k: _number(v) for k, v in row.items()}}
+                            for i, row in enumerate(tables.batches.loc[c].to_dict("records"))]
                         for c in tables.summary.index},
         }
         print(json.dumps(out, indent=1))
@@ -192,8 +199,9 @@ def _print(source: Any, settings: str, summary: pd.DataFrame, classes: pd.DataFr
     print(f"source      {source.describe()} ({source.n_obs:,} cells)")
     print(f"settings    {settings}")
     for name, row in summary.iterrows():
-        print(f"\n{name}: {int(row['batches'])} batches, {int(row['rows']):,} rows, "
-              f"{int(row['classes'])} classes in the epoch")
+        n_b, n_c = int(row["batches"]), int(row["classes"])
+        print(f"\n{name}: {n_b} batch{'' if n_b == 1 else 'es'}, {int(row['rows']):,} rows, "
+              f"{n_c} class{'' if n_c == 1 else 'es'} in the epoch")
         print(f"  entropy per batch   {row['entropy']:.3f} nats, random batches "
               f"{row['random_entropy']:.3f}: ratio {row['entropy_ratio']:.3f} (least mixed "
               f"batch {row['entropy_ratio_min']:.3f}; 1 is a perfect shuffle)")
@@ -205,7 +213,7 @@ def _print(source: Any, settings: str, summary: pd.DataFrame, classes: pd.DataFr
             table = classes.loc[name].sort_values("collection_cells", ascending=False)
             shown = table.head(limit)[["collection_share", "epoch_share", "batch_share",
                                        "in_batches", "random_in_batches"]]
-            shown.index = ["(missing)" if v is None else v for v in shown.index]
+            shown.index = ["(missing)" if pd.isna(v) else v for v in shown.index]
             print(shown.to_string(float_format=lambda v: f"{v:.4f}"))
             if len(table) > limit:
                 print(f"  ... (+{len(table) - limit} classes; --max-categories N shows more)")
@@ -235,7 +243,7 @@ def _plot(path: Path, settings: str, summary: pd.DataFrame, classes: pd.DataFram
                                           ("epoch_share", "epoch"),
                                           ("batch_share", "batches"))):
             ax_c.bar(x + (i - 1) * 0.27, c[col], width=0.27, label=label)
-        ax_c.set_xticks(x, ["(missing)" if v is None else str(v) for v in c.index],
+        ax_c.set_xticks(x, ["(missing)" if pd.isna(v) else str(v) for v in c.index],
                         rotation=60, ha="right", fontsize=7)
         ax_c.set_ylabel("share of rows")
         ax_c.set_title(f"{name}: class shares (largest {len(c)})", fontsize=9)

@@ -104,6 +104,8 @@ def _info_collection(path: Path | str, args: argparse.Namespace) -> int:
                                 else "(no columns)"))
     print(f"shards      {len(sizes)} of {min(sizes):,}-{max(sizes):,} rows" if sizes else
           "shards      0")
+    if coll.group_by is not None:
+        print(f"grouped by  {coll.group_by} (each shard's rows sorted by it)")
     if coll.mirror is not None:
         print(f"stored      {_human(sum(s for s, _ in coll.mirror.objects.values()))}")
     else:

@@ -23,6 +23,7 @@ class, int32) plus ``O(n_classes)``; :class:`SubsetSampler` 8 bytes per subset r
 from __future__ import annotations
 
 import copy
+import warnings
 import zlib
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -352,6 +353,18 @@ class _ClassTable:
         return self.rows[(self.starts[cls][:, None] + pos).reshape(-1)[:n]].astype(np.int64)
 
 
+def _warn_few_runs(sampler: Sampler, n: int, n_classes: int) -> None:
+    """Warn when an epoch of ``n`` draws in runs of ``sampler.run`` rows holds fewer runs
+    than there are classes to draw (some then get none in an epoch)."""
+    run = getattr(sampler, "run", 1)
+    if run > 1 and -(-n // run) < n_classes:
+        warnings.warn(
+            f"{sampler!r}: an epoch of {n} draws holds {-(-n // run)} runs of {run} rows, "
+            f"fewer than its {n_classes} classes, so some classes get no run in an epoch; "
+            "lower chunk_size (1: single rows) or raise num_samples.", UserWarning,
+            stacklevel=4)
+
+
 def _cdf(weights: np.ndarray) -> np.ndarray:
     """Cumulative weights normalised to end at exactly 1.0."""
     weights = np.asarray(weights, dtype=np.float64)
@@ -513,6 +526,8 @@ class WeightedSampler(_BlockSampler):
                 self.run = ((AUTO_RUN if col.grouped else 1) if self.chunk_size == "auto"
                             else int(self.chunk_size or 1))
                 self.mixes_in_pool = self.run > 1
+                _warn_few_runs(self, self.n_allowed if self.num_samples is None
+                               else self.num_samples, int(np.count_nonzero(mass)))
         self._len = self.n_allowed if self.num_samples is None else self.num_samples
         if not self.replacement:
             assert row_w is not None
@@ -557,6 +572,7 @@ class WeightedSampler(_BlockSampler):
                 else f"({self.n_obs if self._n_obs is not None else '?'} weights)")
         runs = ("" if self.run == 1 and self.chunk_size in ("auto", None, 1) else
                 f", chunk_size={self.chunk_size!r}, runs of {self.run} rows")
+        # (kept as written before chunk_size: a resume state records the repr)
         return (f"WeightedSampler{what}(num_samples={self.num_samples}, "
                 f"replacement={self.replacement}{runs})")
 
@@ -615,6 +631,7 @@ class ClassBalancedSampler(_BlockSampler):
         self.run = (AUTO_RUN if col.grouped else 1) if self.chunk_size == "auto" else int(
             self.chunk_size or 1)
         self.mixes_in_pool = self.run > 1
+        _warn_few_runs(self, self._len, self.n_classes)
 
     def __len__(self) -> int:
         return self._len

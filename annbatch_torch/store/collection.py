@@ -290,7 +290,8 @@ class Collection(Source):
         fields = ", ".join(self.fields)
         return (
             f"Collection({self.describe()!r}, n_obs={self.n_obs}, n_vars={self.n_vars}, "
-            f"shards={len(self.shard_sizes)}, fields=[{fields}])"
+            f"shards={len(self.shard_sizes)}, fields=[{fields}]"
+            + (f", group_by={self.group_by!r}" if self.group_by else "") + ")"
         )
 
 

@@ -127,10 +127,11 @@ def prepare_collection(
         The collection folder.
     **collection_kwargs
         Arguments of :func:`~annbatch_torch.create_anndata_collection`. Those that shape
-        the store (``seed``, ``shuffle``, ``var_join``, ``var_names``, ``layers``, ``obsm``,
-        ``obs_columns``) are compared with the existing store's manifest when given: a
-        store written with another explicit ``seed`` is stale, one written with any seed
-        is current when ``seed`` is not given.
+        the store (``seed``, ``shuffle``, ``var_join``, ``var_names``, ``group_by``,
+        ``layers``, ``obsm``, ``obs_columns``) are compared with the existing store's
+        manifest when given: a store written with another explicit ``seed`` is stale, one
+        written with any seed is current when ``seed`` is not given (``group_by=None``
+        given: a grouped store is stale).
 
     Returns
     -------
