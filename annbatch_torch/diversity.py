@@ -216,6 +216,7 @@ def _column_report(classes: Classes, batches: list[np.ndarray], epoch_rows: np.n
     finite = ratio[np.isfinite(ratio)]
     summary = {
         "batches": n_b, "rows": rows, "classes": int((population > 0).sum()),
+        "collection_classes": int((collection > 0).sum()),
         "entropy": h_mean, "random_entropy": hr_mean,
         "entropy_ratio": h_mean / hr_mean if hr_mean > 0 else nan,
         "entropy_ratio_min": float(finite.min()) if finite.size else nan,
@@ -299,7 +300,8 @@ def diversity_report(dataset: AnnBatchDataset, column: str | Sequence[str],
         What a row of the result is:
 
         * ``"column"`` (default): one row per column: ``batches``, ``rows``, ``classes``
-          (classes the epoch holds), ``entropy`` and ``random_entropy`` (mean per-batch
+          (classes the epoch holds; a sampler may leave some out), ``collection_classes``
+          (those the collection holds), ``entropy`` and ``random_entropy`` (mean per-batch
           Shannon entropy, nats, of the batches and of random batches),
           ``entropy_ratio`` (their quotient: 1 is a perfect shuffle),
           ``entropy_ratio_min`` (the least mixed batch's), ``distinct`` and

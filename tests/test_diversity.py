@@ -307,7 +307,7 @@ def test_cli_prints_json_and_plots(runs_collection: abt.Collection, tmp_path: Pa
     png = tmp_path / "report.png"
     assert main([*args, "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    assert "cell_type: 8 batches, 512 rows, 8 classes" in text
+    assert "cell_type: 8 batches, 512 rows, 8 classes in the epoch (of 8 in" in text
     assert png.stat().st_size > 1000
     assert main(["diversity", store, "--obs", "cell_type", "--sampler",
                  "balanced:cell_type", "--n-batches", "2"]) == 0

@@ -201,7 +201,8 @@ def _print(source: Any, settings: str, summary: pd.DataFrame, classes: pd.DataFr
     for name, row in summary.iterrows():
         n_b, n_c = int(row["batches"]), int(row["classes"])
         print(f"\n{name}: {n_b} batch{'' if n_b == 1 else 'es'}, {int(row['rows']):,} rows, "
-              f"{n_c} class{'' if n_c == 1 else 'es'} in the epoch")
+              f"{n_c} class{'' if n_c == 1 else 'es'} in the epoch (of "
+              f"{int(row['collection_classes'])} in the collection)")
         print(f"  entropy per batch   {row['entropy']:.3f} nats, random batches "
               f"{row['random_entropy']:.3f}: ratio {row['entropy_ratio']:.3f} (least mixed "
               f"batch {row['entropy_ratio_min']:.3f}; 1 is a perfect shuffle)")
