@@ -329,3 +329,14 @@ def test_too_few_runs_for_the_classes_is_warned(grouped_collection: abt.Collecti
         abt.AnnBatchDataset(grouped_collection, batch_size=64, sampler=abt.ClassBalancedSampler(
             "cell_type", num_samples=128))
     assert "group_by='cell_type'" in repr(grouped_collection)
+
+
+def test_the_automatic_run_lets_a_default_pool_hold_every_class() -> None:
+    from annbatch_torch.sampling.samplers import AUTO_MIN_RUN, AUTO_POOL, auto_run
+
+    assert [auto_run(k) for k in (1, 8, 256, 257, 500, 1000, 10_000)] == [
+        64, 64, 64, 32, 32, 16, 8]
+    for k in range(1, 3000, 7):
+        run = auto_run(k)
+        assert run & (run - 1) == 0  # a power of two
+        assert AUTO_POOL // run >= k or run == AUTO_MIN_RUN  # a pool holds a run of each

@@ -47,9 +47,22 @@ __all__ = [
 BLOCK = 1 << 16
 #: Seed tag of a block of the sample stream: ``default_rng([seed, epoch, block, TAG_SAMPLE])``.
 TAG_SAMPLE = 0x53414D50  # "SAMP"
-#: Rows per run of a :class:`ClassBalancedSampler` over a source grouped by its column
+#: Most rows per run of a sampler over a source grouped by its column
 #: (``chunk_size="auto"``): a pool of 16,384 rows mixes 256 runs, and each run is one read
 AUTO_RUN = 64
+#: Fewest rows per automatic run, and the pool the automatic length is made for: runs of
+#: ``AUTO_POOL // n_classes`` rows (a power of two in [AUTO_MIN_RUN, AUTO_RUN]), so a
+#: default pool holds a run of every class (500 classes: runs of 32; 8 classes: 64)
+AUTO_MIN_RUN = 8
+AUTO_POOL = 16384
+
+
+def auto_run(n_classes: int) -> int:
+    """Rows per run of ``chunk_size="auto"`` on a grouped source of ``n_classes`` classes
+    (longer runs read faster; a pool holding fewer runs than classes mixes fewer classes
+    into a batch: ``docs/guides/samplers.md`` has the measured trade-off)."""
+    fit = max(1, AUTO_POOL // max(1, int(n_classes)))
+    return int(min(AUTO_RUN, max(AUTO_MIN_RUN, 1 << (fit.bit_length() - 1))))
 #: Rows per block of :class:`_ClassTable`'s counting sort (its temporaries: ~40 bytes a row).
 _GROUP_BLOCK = 1 << 18
 
@@ -445,8 +458,8 @@ class WeightedSampler(_BlockSampler):
             gets its weight's share of the runs, a run starts uniformly in the category's
             rows) and mix them in the pools after reading, as
             :class:`ClassBalancedSampler` does: ``"auto"`` (default) on a collection written
-            with ``group_by=column`` (runs of 64 rows, each one read), single rows
-            otherwise; ``1`` or ``None``: single rows; an integer: runs on any source.
+            with ``group_by=column`` (runs of 8-64 rows as there, each one read), single
+            rows otherwise; ``1`` or ``None``: single rows; an integer: runs on any source.
         """
         if not isinstance(column, str) or not column:
             raise SamplerError(f"column must be an obs column name, got {column!r}.")
@@ -523,8 +536,8 @@ class WeightedSampler(_BlockSampler):
                 not self.replacement) else None
             self._class_cdf = _cdf(mass)
             if self.replacement:
-                self.run = ((AUTO_RUN if col.grouped else 1) if self.chunk_size == "auto"
-                            else int(self.chunk_size or 1))
+                self.run = ((auto_run(int(np.count_nonzero(mass))) if col.grouped else 1)
+                            if self.chunk_size == "auto" else int(self.chunk_size or 1))
                 self.mixes_in_pool = self.run > 1
                 _warn_few_runs(self, self.n_allowed if self.num_samples is None
                                else self.num_samples, int(np.count_nonzero(mass)))
@@ -598,7 +611,8 @@ class ClassBalancedSampler(_BlockSampler):
         ``group_by=column`` a run is one contiguous read instead of one read per row.
         Each row of a category is still drawn equally often, but rows of a run come
         together (rows stored next to each other). ``"auto"`` (default): runs of
-        64 rows when the source is grouped by ``column``
+        8-64 rows when the source is grouped by ``column`` (64 for up to 256 categories,
+        fewer for more, so that a default pool of 16,384 rows holds a run of each)
         (:attr:`~annbatch_torch.Collection.group_by`), single rows otherwise; ``1`` or
         ``None``: single rows; an integer: runs of that many rows on any source (e.g.
         inputs read in place that are sorted by the column).
@@ -628,8 +642,8 @@ class ClassBalancedSampler(_BlockSampler):
         self._present = np.flatnonzero(present)
         self.n_classes = int(present.sum())
         self._len = self.n_allowed if self.num_samples is None else self.num_samples
-        self.run = (AUTO_RUN if col.grouped else 1) if self.chunk_size == "auto" else int(
-            self.chunk_size or 1)
+        self.run = (auto_run(self.n_classes) if col.grouped else 1) if (
+            self.chunk_size == "auto") else int(self.chunk_size or 1)
         self.mixes_in_pool = self.run > 1
         _warn_few_runs(self, self._len, self.n_classes)
 
