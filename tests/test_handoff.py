@@ -5,8 +5,10 @@ outside it travels as torch sends it."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
+import re
 import signal
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -212,9 +214,18 @@ def test_a_worker_killed_mid_epoch_is_an_error_and_kept_batches_stay_whole(
     it = iter(loader)
     kept = [next(it) for _ in range(6)]
     os.kill(it._workers[0].pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match=r"DataLoader worker .* exited unexpectedly|killed"):
+    # torch reports it as its RuntimeError (its SIGCHLD handler, or the queue's timeout);
+    # a worker killed while it sends a batch resets the connection first
+    with pytest.raises((RuntimeError, ConnectionError, EOFError)) as info:
         _read_on(it, kept)
-    del it
+    if isinstance(info.value, RuntimeError):
+        assert re.search(r"DataLoader worker .* exited unexpectedly|killed", str(info.value))
+    try:  # the SIGCHLD handler may raise once more at the next step: here, not in pytest
+        del it
+        gc.collect()
+        time.sleep(0.5)
+    except RuntimeError:
+        pass
     source = _source(small_collection)
     for b in kept:
         np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
