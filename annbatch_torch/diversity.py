@@ -18,7 +18,7 @@ import pandas as pd
 
 from .annbatch_dataset import AnnBatchDataset
 from .errors import SchemaError, check_int
-from .read.reader import PoolReader
+from .read.reader import read_column
 from .resume import MAX_EPOCH
 from .sampling.diversity import count_batches, presence, random_entropy
 from .sampling.plan import ChunkPlan
@@ -71,12 +71,7 @@ def column_values(source: Source, column: str) -> tuple[str, FieldInfo, np.ndarr
         known = [k[4:] for k in source.fields if k.startswith("obs/")]
         raise SchemaError(f"{source.describe()}: {key[4:]!r} is not an obs column{why}; "
                           f"obs columns are {known}.")
-    reader = PoolReader(source, [key], threads=1)
-    try:
-        values = np.asarray(reader.read(np.array([[0, source.n_obs]], dtype=np.int64))[key])
-    finally:
-        reader.close()
-    return key[4:], info, values.reshape(-1)
+    return key[4:], info, read_column(source, key).reshape(-1)
 
 
 def _class_columns(source: Source) -> list[str]:
@@ -228,14 +223,6 @@ def _column_report(classes: Classes, batches: list[np.ndarray], epoch_rows: np.n
     return summary, per_batch, per_class
 
 
-def _check_count(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        extra = " or None (the whole epoch)" if allow_none else ""
-        raise ValueError(f"{name} must be an integer >= 1{extra}, got {value!r}.")
-
-
 def report_tables(dataset: AnnBatchDataset, column: str | Sequence[str],
                   n_batches: int | None = 200, *, epoch: int | None = None,
                   n_random: int = 200) -> DiversityTables:
@@ -244,8 +231,9 @@ def report_tables(dataset: AnnBatchDataset, column: str | Sequence[str],
     if not isinstance(dataset, AnnBatchDataset):
         raise TypeError("diversity_report takes an AnnBatchDataset (build one over the "
                         f"collection with the settings to judge), got {type(dataset).__name__}.")
-    _check_count("n_batches", n_batches, allow_none=True)
-    _check_count("n_random", n_random)
+    if n_batches is not None:
+        n_batches = check_int("n_batches", n_batches, 1, note=" or None (the whole epoch)")
+    n_random = check_int("n_random", n_random, 1)
     names = [column] if isinstance(column, str) else list(column)
     if not names:
         raise ValueError("column: give at least one obs column.")

@@ -28,7 +28,7 @@ from torch.utils.data import DistributedSampler
 from torch.utils.data import Sampler as TorchSampler
 
 from .errors import SamplerError, SchemaError
-from .read.reader import PoolReader
+from .read.reader import read_column
 from .sampling import ObsColumn, Sampler
 from .store.source import Source
 
@@ -112,11 +112,7 @@ def bind_sampler(source: Source, sampler: Any, rows: np.ndarray | None = None) -
         except SchemaError as e:
             raise SamplerError(f"sampler {sampler!r}: {e}") from None
         field = name if name.startswith("obs/") else f"obs/{name}"
-        reader = PoolReader(source, [field], threads=1)
-        try:
-            codes = reader.read(np.array([[0, source.n_obs]], dtype=np.int64))[field]
-        finally:
-            reader.close()
+        codes = read_column(source, field)
         grouped = source.group_by is not None and field == f"obs/{source.group_by}"
-        columns[name] = ObsColumn(np.asarray(codes), tuple(categories), grouped=grouped)
+        columns[name] = ObsColumn(codes, tuple(categories), grouped=grouped)
     return sampler.bind(source.n_obs, columns, rows)

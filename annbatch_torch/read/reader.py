@@ -37,7 +37,8 @@ from .buffers import BufferCache
 from .csr import csr_view
 from .scatter import scatter_rows, scratch
 
-__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "default_read_threads",
+__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "read_column",
+           "default_read_threads",
            "read_fused", "IO_DEPTH", "GATHER_PIECES", "GATHER_GAP_BYTES", "SCRATCH_ELEMS",
            "FUSED_SCATTER"]
 
@@ -693,3 +694,13 @@ class PoolReader:
                     sl = slice(p.out_start, p.out_start + (p.stop - p.start))
                     values[sl] = table[values[sl]]
         return values
+
+
+def read_column(source: Source, field: str) -> np.ndarray:
+    """Every row of one field of ``source`` (an obs column: a categorical's global codes),
+    read once by a one-thread :class:`PoolReader`."""
+    reader = PoolReader(source, [field], threads=1)
+    try:
+        return np.asarray(reader.read(np.array([[0, source.n_obs]], dtype=np.int64))[field])
+    finally:
+        reader.close()

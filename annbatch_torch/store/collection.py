@@ -155,11 +155,7 @@ class Collection(Source):
         """The obs column whose classes are contiguous inside every shard
         (``create_anndata_collection(group_by=...)``), or ``None``: also when a shard does
         not record it (appended by a version that did not group its new shards)."""
-        shards = self.manifest.shards
-        got = shards[0].grouped_by if shards else None
-        if got is None or any(s.grouped_by != got for s in shards):
-            return None
-        return got
+        return self.manifest.grouped_by()
 
     def _identity(self) -> tuple[int, int, int] | None:
         return (_manifest_identity(self.path) if self.mirror is None

@@ -191,6 +191,14 @@ class Manifest:
     #: the genes of ``raw/X`` (AnnData's ``raw``), when the collection carries it
     raw_var_names: list[str] | None = None
 
+    def grouped_by(self) -> str | None:
+        """The obs column by which every shard's rows are sorted (each shard records it),
+        else ``None``."""
+        got = self.shards[0].grouped_by if self.shards else None
+        if got is None or any(s.grouped_by != got for s in self.shards):
+            return None
+        return got
+
     def version_needed(self) -> int:
         """The format version readers need: 2 when a shard stores a CSR field's values in
         another dtype than the field's or its indices other than int32, else 1."""

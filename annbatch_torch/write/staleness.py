@@ -109,9 +109,7 @@ def _manifest_staleness(
     if "group_by" in settings:  # asked for (None: rows in shuffled order): as written?
         want = settings["group_by"]
         want = want.removeprefix("obs/") if isinstance(want, str) else want
-        shards = manifest.shards
-        have = shards[0].grouped_by if shards and all(
-            s.grouped_by == shards[0].grouped_by for s in shards) else None
+        have = manifest.grouped_by()
         if want != have:
             return f"it was written with group_by={have!r}, now {want!r}"
     if settings.get("raw") is True and RAW_X not in manifest.fields:
