@@ -25,6 +25,7 @@ from .errors import (
     SchemaError,
 )
 from .fields import A, Field
+from .sampling.pairing import MissingControlWarning, PairedSampler
 from .sampling.samplers import ClassBalancedSampler, Sampler, SubsetSampler, WeightedSampler
 from .store.collection import Collection, open_collection
 from .store.inputs.inplace import open_source
@@ -55,6 +56,8 @@ __all__ = [
     "CollectionError",
     "Field",
     "InputError",
+    "MissingControlWarning",
+    "PairedSampler",
     "ReadError",
     "Sampler",
     "SamplerError",

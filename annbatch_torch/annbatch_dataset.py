@@ -32,7 +32,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data import Sampler as TorchSampler
 
 from . import sampling
-from .batches import BatchAssembler
+from .batches import CONTROL_PREFIX, BatchAssembler, output_selector
 from .errors import SamplerError, SchemaError, check_int
 from .fields import Field, normalize_selector
 from .read import handoff
@@ -343,6 +343,7 @@ class AnnBatchDataset(IterableDataset):
             raise ValueError(f"selector keys {sorted(clash)} clash with reserved output keys.")
         self.chunk_ids = None if chunk_ids is None else _int_array("chunk_ids", chunk_ids)
         self.sampler = None if sampler is None else self._bind_sampler(sampler)
+        self._check_draws(reserved)
         self._explicit_dist = rank is not None or world_size is not None
         self._rank, self._world_size = 0, 1
         if self._explicit_dist:
@@ -391,11 +392,6 @@ class AnnBatchDataset(IterableDataset):
 
     # -- configuration ---------------------------------------------------------------
     def _bind_sampler(self, sampler: Any) -> Sampler:
-        if getattr(sampler, "draw_size", 1) != 1:  # sampling.pairing: batches of pairs
-            raise SamplerError(
-                f"{sampler!r} draws a perturbed row with its controls; AnnBatchDataset does "
-                "not yet build batches of such draws (their control_ keys). Use its stream "
-                "directly (sampler.bind(...).rows(seed, epoch, 0, len(sampler))) for now.")
         if self.chunk_ids is not None:
             raise SamplerError(
                 "sampler and chunk_ids cannot be combined: a sampler chooses the rows itself; "
@@ -408,6 +404,36 @@ class AnnBatchDataset(IterableDataset):
                     "unbound and the dataset binds it.")
             return sampler
         return bind_sampler(self.source, sampler)
+
+    @property
+    def draw_size(self) -> int:
+        """Rows per draw of the sampler (``1``: single rows; ``PairedSampler``: a perturbed
+        row and its controls, yielded under ``control_`` keys)."""
+        return 1 if self.sampler is None else int(self.sampler.draw_size)
+
+    @property
+    def output_selector(self) -> dict[str, Field]:
+        """``{output key: field}`` of the batches: the selector, and with a sampler of
+        draws (``PairedSampler``) each key again prefixed ``control_``."""
+        return output_selector(self.selector, self.draw_size)
+
+    def _check_draws(self, reserved: set[str]) -> None:
+        """A sampler of draws: its batches hold whole sets, and the ``control_`` keys
+        clash with no other key."""
+        if self.draw_size == 1:
+            return
+        set_size = getattr(self.sampler, "set_size", None)
+        if set_size is not None and self.batch_size % set_size:
+            raise SamplerError(
+                f"batch_size={self.batch_size} must be a multiple of {self.sampler!r}'s "
+                f"set_size={set_size}, so that every batch holds whole sets (e.g. "
+                f"batch_size={max(1, self.batch_size // set_size) * set_size}).")
+        twins = {CONTROL_PREFIX + k for k in (*self.selector, *reserved)}
+        clash = sorted(twins & (set(self.selector) | reserved))
+        if clash:
+            raise ValueError(
+                f"selector keys {clash} clash with the {CONTROL_PREFIX!r} keys of "
+                f"{self.sampler!r} (its control rows); rename them.")
 
     def _validate_selector(self) -> None:
         for key, f in self.selector.items():
@@ -487,7 +513,8 @@ class AnnBatchDataset(IterableDataset):
         ``densify=True`` and workers, sparse fields without a transform and with the
         default ``batch_converter`` are sent as CSR and densified in the main process."""
         return self.densify_policy.for_workers(
-            self.selector, self.source.fields, default_converter=self.batch_converter is None,
+            self.output_selector, self.source.fields,
+            default_converter=self.batch_converter is None,
             num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn)
 
     # -- resume (torchdata Stateful) -----------------------------------------------------
@@ -650,7 +677,7 @@ class AnnBatchDataset(IterableDataset):
             self.source, self.selector, self.densify_policy, in_worker=world.in_worker,
             converter=self.batch_converter, index=self.return_index,
             mask_key=self.mask_key if self.even_batches == "pad" else None,
-            out_dtype=self.out_dtype, owner=self)
+            out_dtype=self.out_dtype, owner=self, draw_size=self.draw_size)
 
     def __repr__(self) -> str:
         sel = {k: str(v) for k, v in self.selector.items()}

@@ -6,8 +6,13 @@ A :class:`BatchAssembler` takes a work item and its pool (a
 user sees them: each batch cut from the pool (densified where the
 :class:`~annbatch_torch.read.densify.DensifyPolicy` says), every output key in its own
 memory, the per-field transforms, the ``"index"`` and padding-mask keys, then the
-``batch_converter``. A transform or converter that raises becomes a
-:class:`~annbatch_torch.errors.BatchError` naming the key, the field and the rows read.
+``batch_converter``. A batch of draws (a sampler with ``draw_size`` ``d > 1``, e.g.
+``PairedSampler``: a perturbed row and its ``d - 1`` controls) holds its draws' first rows
+under the keys above and their other rows under the same keys prefixed ``control_``
+(:data:`CONTROL_PREFIX`), ``d - 1`` rows per draw, in order; the pool lays each batch out
+as those two runs (``sampling.sampled_plan.draw_layout``). A transform or converter that
+raises becomes a :class:`~annbatch_torch.errors.BatchError` naming the key, the field and
+the rows read.
 """
 
 from __future__ import annotations
@@ -33,7 +38,19 @@ from .read.reader import describe_ranges
 from .sampling import WorkItem
 from .store.source import Source
 
-__all__ = ["BatchAssembler", "own_copy"]
+__all__ = ["BatchAssembler", "own_copy", "CONTROL_PREFIX", "output_selector"]
+
+#: Prefix of the keys of a draw's other rows (``control_X`` for ``X``).
+CONTROL_PREFIX = "control_"
+
+
+def output_selector(selector: Mapping[str, Field], draw_size: int = 1) -> dict[str, Field]:
+    """``{output key: field}`` of a batch: ``selector``, and for draws of ``draw_size > 1``
+    rows each key again prefixed :data:`CONTROL_PREFIX` (the draws' other rows)."""
+    out = dict(selector)
+    if draw_size > 1:
+        out.update({CONTROL_PREFIX + key: f for key, f in selector.items()})
+    return out
 
 
 def own_copy(value: Any) -> Any:
@@ -75,6 +92,11 @@ class BatchAssembler:
         The dataset whose batches these are: in a plain ``DataLoader`` worker fetching
         this very dataset, CSR keys travel by reference to the worker's shared pool
         memory (``read/handoff.py``).
+    draw_size
+        Rows per draw of the batches (``1``: single rows); with ``d > 1`` a batch of ``k``
+        draws is ``k * d`` pool rows, the first ``k`` the draws' first rows, then the
+        others: every key (also ``index`` and the mask) is given twice, the second time
+        prefixed :data:`CONTROL_PREFIX` with ``k * (d - 1)`` rows.
     """
 
     source: Source
@@ -86,11 +108,19 @@ class BatchAssembler:
     mask_key: str | None = None
     out_dtype: np.dtype | None = None
     owner: Any = field(default=None, repr=False, compare=False)
+    draw_size: int = 1
+
+    @functools.cached_property
+    def keys(self) -> dict[str, tuple[Field, int]]:
+        """``{output key: (field, part)}``: part 0, a draw's first rows; part 1, its others
+        (the ``control_`` keys)."""
+        return {key: (f, 0 if key in self.selector else 1)
+                for key, f in output_selector(self.selector, self.draw_size).items()}
 
     def _sparse_keys(self) -> frozenset[str]:
         """The keys of CSR fields without a transform."""
         return frozenset(
-            key for key, f in self.selector.items() if f.transform is None
+            key for key, (f, _) in self.keys.items() if f.transform is None
             and getattr(self.source.fields.get(f.path), "kind", None) == "csr")
 
     def handoff_keys(self) -> dict[str, bool]:
@@ -126,7 +156,7 @@ class BatchAssembler:
         dense_dtype = np.dtype(np.float32 if self.out_dtype is None else self.out_dtype)
         policy = self.policy
         on_device = isinstance(pool, DevicePool)
-        dense = {key: policy.pool_densifies(key, self.in_worker) for key in self.selector}
+        dense = {key: policy.pool_densifies(key, self.in_worker) for key in self.keys}
         # keys sent by reference stay CSR here (densified, when they are to be, by the
         # main process as it unpickles them)
         slotted = self.handoff_keys()
@@ -134,35 +164,41 @@ class BatchAssembler:
             dense[key] = False
         # a field is densified in the pool when every key of it wants it dense; a key that
         # wants dense a field another key takes as CSR densifies its own copy
-        dense_paths = {f.path for f in self.selector.values()} - {
-            f.path for key, f in self.selector.items() if not dense[key]}
+        dense_paths = {f.path for f, _ in self.keys.values()} - {
+            f.path for key, (f, _) in self.keys.items() if not dense[key]}
+        d = self.draw_size
         for b in range(item.batch_start, item.batch_stop):
             lo, hi = item.bounds(b)  # batches are contiguous in the pool
-            values = (pool.batch(lo, hi, policy.where == "device") if on_device
-                      else pool.batch(lo, hi, dense_paths))
+            # the draws' first rows, then their others (one part without draws)
+            cut = lo + (hi - lo) // d
+            parts = [(lo, cut), (cut, hi)] if d > 1 else [(lo, hi)]
+            values = [pool.batch(p0, p1, policy.where == "device") if on_device
+                      else pool.batch(p0, p1, dense_paths) for p0, p1 in parts]
             batch: dict[str, Any] = {}
-            taken: set[str] = set()
-            for key, f in self.selector.items():  # every key its own memory, then transforms
-                value = values[f.path]
+            taken: set[tuple[int, str]] = set()
+            for key, (f, part) in self.keys.items():  # every key its own memory
+                value = values[part][f.path]
                 if dense[key] and sp.issparse(value):
                     value = densify_csr(value, dtype=dense_dtype,  # fresh
                                         shared=self.in_worker)
-                elif f.path in taken:  # one field under two keys: never the same memory
+                elif (part, f.path) in taken:  # one field under two keys: never the same memory
                     value = own_copy(value)
                 else:
-                    taken.add(f.path)
+                    taken.add((part, f.path))
                 batch[key] = value
-            for key, f in self.selector.items():
+            for key, (f, _) in self.keys.items():
                 if f.transform is not None:
                     try:
                         batch[key] = f.transform(batch[key])
                     except Exception as e:
                         what = f"the transform of selector key {key!r} (field {f.path!r})"
                         raise self.error(what, item, b, e) from e
-            if self.index:
-                batch["index"] = item.rows[lo:hi]
-            if self.mask_key is not None:
-                batch[self.mask_key] = np.full(hi - lo, not item.padding, dtype=bool)
+            for (p0, p1), prefix in zip(parts, ("", CONTROL_PREFIX), strict=False):
+                if self.index:
+                    batch[prefix + "index"] = item.rows[p0:p1]
+                if self.mask_key is not None:
+                    batch[prefix + self.mask_key] = np.full(p1 - p0, not item.padding,
+                                                            dtype=bool)
             try:
                 out = converter(batch)
             except Exception as e:

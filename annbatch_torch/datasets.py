@@ -35,7 +35,8 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-__all__ = ["synthetic", "write_synthetic_atlas", "write_synthetic_h5ads", "CELL_TYPE_NAMES"]
+__all__ = ["synthetic", "synthetic_screen", "write_synthetic_atlas", "write_synthetic_h5ads",
+           "CELL_TYPE_NAMES", "CELL_LINE_NAMES", "CONTROL"]
 
 #: names given to the first cell types (more types get ``type_<k>``)
 CELL_TYPE_NAMES = (
@@ -321,6 +322,89 @@ def synthetic(
     model = _gene_model(n_vars, n_cell_types, n_batches, density, var_prefix, rng)
     return _build(model, n_obs, rng, grouped=grouped, layers=layers, obsm_pca=obsm_pca,
                   obs_prefix=obs_prefix, dtype=dtype, sparse=sparse, x=x)
+
+
+#: names given to the first cell lines of :func:`synthetic_screen` (more get ``line_<k>``)
+CELL_LINE_NAMES = ("K562", "RPE1", "HepG2", "Jurkat", "HEK293T", "A549")
+#: the ``target_gene`` of control cells in :func:`synthetic_screen`
+CONTROL = "non-targeting"
+
+
+def synthetic_screen(
+    n_obs: int,
+    n_vars: int,
+    *,
+    n_perturbations: int = 20,
+    control_fraction: float = 0.2,
+    n_cell_lines: int = 2,
+    n_gem_groups: int = 4,
+    knockdown: float = 0.2,
+    density: float = 0.092,
+    seed: int = 0,
+) -> Any:
+    """A Perturb-seq-like screen as an AnnData: :func:`synthetic` counts with CRISPRi
+    perturbations.
+
+    Each cell carries one guide: ``control_fraction`` of the cells a non-targeting one
+    (``target_gene == CONTROL``), the others one of ``n_perturbations`` target genes
+    (uniformly), whose counts in that cell are scaled by ``knockdown`` (rounded down).
+    The target genes are the most expressed genes, so the knock-down shows.
+
+    Parameters
+    ----------
+    n_obs, n_vars
+        Number of cells and genes.
+    n_perturbations
+        Target genes (at most ``n_vars``).
+    control_fraction
+        Fraction of control cells, in ``[0, 1)``.
+    n_cell_lines, n_gem_groups
+        Cell lines (each with its own gene program, :func:`synthetic`'s cell types) and
+        GEM groups (its batches).
+    knockdown
+        What a perturbation leaves of its target gene's counts, in ``[0, 1]``.
+    density, seed
+        As in :func:`synthetic`.
+
+    Returns
+    -------
+    anndata.AnnData
+        X holds float32 counts; obs has categorical ``target_gene`` (``CONTROL`` first),
+        ``cell_line`` and ``gem_group``, and :func:`synthetic`'s ``n_counts`` and
+        ``n_genes`` (after the knock-down).
+    """
+    if not 1 <= int(n_perturbations) <= n_vars:
+        raise ValueError(f"n_perturbations must be in [1, n_vars={n_vars}], got "
+                         f"{n_perturbations!r}")
+    if not 0.0 <= float(control_fraction) < 1.0:
+        raise ValueError(f"control_fraction must be in [0, 1), got {control_fraction!r}")
+    if not 0.0 <= float(knockdown) <= 1.0:
+        raise ValueError(f"knockdown must be in [0, 1], got {knockdown!r}")
+    adata = synthetic(n_obs, n_vars, n_cell_types=n_cell_lines, n_batches=n_gem_groups,
+                      density=density, seed=seed)
+    rng = np.random.default_rng([seed, 0x53435245])  # "SCRE"
+    x = adata.X
+    top = np.argsort(-np.asarray(x.sum(axis=0)).ravel(), kind="stable")[:n_perturbations]
+    targets = np.asarray(adata.var_names)[top]
+    guide = np.where(rng.random(n_obs) < control_fraction, 0,
+                     1 + rng.integers(0, n_perturbations, n_obs))
+    row = np.repeat(np.arange(n_obs), np.diff(x.indptr))
+    hit = (guide[row] > 0) & (x.indices == np.concatenate([[-1], top])[guide[row]])
+    x.data[hit] = np.floor(x.data[hit] * knockdown)
+    x.eliminate_zeros()
+    lines = list(CELL_LINE_NAMES) + [f"line_{k}" for k in range(len(CELL_LINE_NAMES),
+                                                                n_cell_lines)]
+    obs = adata.obs
+    obs["target_gene"] = pd.Categorical.from_codes(guide, [CONTROL, *targets])
+    obs["cell_line"] = pd.Categorical.from_codes(obs.pop("cell_type").cat.codes,
+                                                 lines[:n_cell_lines])
+    obs["gem_group"] = pd.Categorical.from_codes(
+        obs.pop("batch").cat.codes, [f"gem_{b}" for b in range(n_gem_groups)])
+    obs["n_counts"] = np.asarray(x.sum(axis=1)).ravel().astype(np.float32)
+    obs["n_genes"] = np.diff(x.indptr).astype(np.int32)
+    del obs["is_doublet"]
+    adata.obs = obs[["target_gene", "cell_line", "gem_group", "n_counts", "n_genes"]]
+    return adata
 
 
 def write_synthetic_h5ads(

@@ -129,8 +129,11 @@ class AnnBatchDataModule(pl.LightningDataModule):
     sampler
         Sampling mode for training (a :class:`~annbatch_torch.Sampler`): it draws from the
         training split's rows only (with ``val_fraction``, the rows of the held-out chunks
-        never come up); validation, test and predict stay unweighted, in order. Default
-        ``None``: chunked mode.
+        never come up); validation, test and predict stay unweighted, in order. A
+        :class:`~annbatch_torch.PairedSampler` pairs every split: validation, test and
+        predict batches hold their own perturbed rows once, each with controls drawn from
+        the same split's rows (and ``control_`` keys, as training's). Default ``None``:
+        chunked mode.
     storage_options, cache_dir, cache_size
         For a ``store_path`` on an object store (``s3://bucket/prefix``): as
         :func:`~annbatch_torch.open_collection` takes them. Such a collection is read,
@@ -342,7 +345,10 @@ class AnnBatchDataModule(pl.LightningDataModule):
         if not train:
             kwargs.update(shuffle=False, even_batches=self.eval_even_batches, drop_last=False)
         sampler = None
-        if train and self.sampler is not None:  # draws from the training split's rows only
+        # training draws from the training split's rows only; a sampler of draws (pairs of
+        # a perturbed row and its controls) makes every split's batches, each from its rows
+        paired = self.sampler is not None and getattr(self.sampler, "draw_size", 1) > 1
+        if (train or paired) and self.sampler is not None:
             rows = None
             if chunk_ids is not None and (self.val_fraction > 0 or self.test_fraction > 0):
                 rows = sampling.ChunkPlan(
@@ -422,14 +428,15 @@ class AnnBatchDataModule(pl.LightningDataModule):
         assert self.collection is not None
         assert self.train_chunks is not None
         n_obs, cs = self.collection.n_obs, self.split_chunk_size
+        # sampling mode: the draws an epoch holds (rows, or a perturbed row with controls)
         rows = (sampling.chunk_rows(n_obs, cs, self.train_chunks) if ds.sampler is None
-                else len(ds.sampler))  # sampling mode: the rows an epoch draws
+                else len(ds.sampler) // ds.draw_size)
         if rows == 0 or ds.even_batches != "drop":
             return
         kept = min(rows, len(ds) * ds.batch_size * world)
         if kept >= 0.9 * rows:
             return
-        pool = sampling.pool_rows(ds.batch_size, ds.chunk_size, ds.preload_nchunks)
+        pool = ds.epoch_plan.pool // ds.draw_size
         hint = max(1, rows // (self.chunk_size * world * 4))  # the DataModule's units
         msg = (
             f"{self._where()}: the training split has {rows:,} rows ({rows / pool:.1f} pools "

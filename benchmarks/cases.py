@@ -264,7 +264,8 @@ def _ours_dataset(cfg: Config, source: Any, densify: bool, **kw: Any) -> Any:
 
 
 def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
-              expect_dense: bool | None = None, plain_loader: bool = False, **kw: Any) -> Result:
+              expect_dense: bool | None = None, plain_loader: bool = False,
+              rows_of: Callable[[Any], int] = _rows, **kw: Any) -> Result:
     import torch
 
     from annbatch_torch import AnnBatchDataLoader
@@ -284,7 +285,7 @@ def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
 
     with MemoryMonitor() as mon:
         run = time_batches(epochs, n_warmup=cfg["n_warmup"], n_batches=cfg["n_batches"],
-                           n_cells_of=_rows, labels_of=_torch_labels, consume=check)
+                           n_cells_of=rows_of, labels_of=_torch_labels, consume=check)
     return _loader_result(
         run, mon, cfg, chunk_size=ds.chunk_size, preload_nchunks=ds.preload_nchunks,
         read_threads=ds.read_threads,
@@ -732,6 +733,32 @@ def _make_sampling(kind: str, densify: bool, workers: int) -> Callable[[Config],
     return case
 
 
+def _pair_rows(batch: dict[str, Any]) -> int:
+    """Rows read for a batch of pairs: the perturbed rows and their controls."""
+    return int(batch["x"].shape[0]) + int(batch["control_x"].shape[0])
+
+
+def _make_paired(densify: bool, workers: int) -> Callable[[Config], Result]:
+    def case(cfg: Config) -> Result:
+        import annbatch_torch as abt
+
+        counts = abt.open_collection(cfg["store"]).category_counts("cell_type")
+        control = str(counts.idxmax())
+        # (the benchmark's collection keeps cell_type only: any control matches)
+        sampler = abt.PairedSampler("cell_type", control, n_controls=1)
+        # batches of the same rows read as chunked mode's: half perturbed, half controls
+        out = _run_ours({**cfg, "batch_size": cfg["batch_size"] // 2}, cfg["store"], densify,
+                        workers, rows_of=_pair_rows, sampler=sampler)
+        out.update(sampler=repr(sampler), rows_per_batch=cfg["batch_size"])
+        return out
+
+    case.__doc__ = ("annbatch_torch PairedSampler: the largest cell type as the controls, "
+                    "each other row once with one control drawn from all controls, "
+                    f"batches of batch_size // 2 pairs; cells/s counts both rows; "
+                    f"{'dense' if densify else 'torch CSR'}, num_workers={workers}.")
+    return case
+
+
 def _grouped_store(cfg: Config) -> str:
     """Our collection of the same inputs and seed written with ``group_by="cell_type"``
     (written once, untimed, beside the writer case's store)."""
@@ -952,6 +979,8 @@ CASES: dict[str, Callable[[Config], Result]] = {
        for kind in ("balanced", "weighted") for d in (False, True) for w in (0, 2)},
     **{f"ours_grouped_{kind}_{'dense' if d else 'sparse'}_w{w}": _make_grouped(kind, d, w)
        for kind in ("balanced", "chunked") for d in (False, True) for w in (0, 2)},
+    **{f"ours_paired_{'dense' if d else 'sparse'}_w{w}": _make_paired(d, w)
+       for d in (False, True) for w in (0, 2)},
     "scdataset_balanced_w0": _make_scdataset(0, "balanced"),
     "scdataset_weighted_w0": _make_scdataset(0, "weighted"),
     "train_balanced": case_train_balanced,

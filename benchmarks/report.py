@@ -34,6 +34,9 @@ LABELS: dict[str, tuple[str, str]] = {
                                                   f"{desc}, {w} workers")
        for k, what in (("balanced", "ClassBalancedSampler runs"), ("chunked", "chunked"))
        for m, desc in (("sparse", "torch-CSR"), ("dense", "dense")) for w in (0, 2)},
+    **{f"ours_paired_{m}_w{w}": ("sampling", f"annbatch_torch PairedSampler (n_controls=1), "
+                                             f"{desc}, {w} workers")
+       for m, desc in (("sparse", "torch-CSR"), ("dense", "dense")) for w in (0, 2)},
     "scdataset_balanced_w0": ("sampling", "scDataset ClassBalancedSampling, in-process"),
     "scdataset_weighted_w0": ("sampling", "scDataset BlockWeightedSampling, in-process"),
     "ceiling_inmemory": ("ceiling", "ceiling: CSR in RAM, random rows + toarray"),
@@ -182,6 +185,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                            q, 0.9, higher=True, fmt="{:.3f}",
                            detail=f"{grouped_case}: diversity_report's entropy_ratio (random "
                            "batches of the epoch the sampler draws)"))
+    paired, paired_case = _rate(c, "ours_paired_sparse_w0", "ours_paired_sparse_w2")
+    if paired is not None:  # issue 34: pairs at half chunked mode's speed or better
+        out.append(_target("pairing (n_controls=1) >= 0.5x chunked mode (rows read, warm)",
+                           ratio(paired, sparse), 0.5, higher=True, fmt="{:.2f}x",
+                           detail=f"{paired_case} / {sparse_case}"))
     qual = [c[n]["quality"] for n in _OURS_COLLECTION if _ok(c, n) and "quality" in c[n]]
     out.append(_target("shuffle quality >= 0.97", min(qual) if qual else None, 0.97,
                        higher=True, fmt="{:.3f}",

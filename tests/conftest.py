@@ -163,6 +163,32 @@ def grouped_collection(imbalanced_h5ad: Path, tmp_path_factory: pytest.TempPathF
                                      group_by="cell_type", progress=False)
 
 
+SCREEN = (2400, 60, 6)
+
+
+@pytest.fixture(scope="session")
+def screen_h5ad(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Perturb-seq-like screen (``datasets.synthetic_screen``): 2,400 cells x 60 genes,
+    6 target genes and ~25% ``"non-targeting"`` controls, 2 cell lines x 3 GEM groups
+    (obs ``target_gene``, ``cell_line``, ``gem_group``), float32 CSR counts."""
+    from annbatch_torch.datasets import synthetic_screen
+
+    n, g, k = SCREEN
+    path = tmp_path_factory.mktemp("screen") / "screen.h5ad"
+    synthetic_screen(n, g, n_perturbations=k, control_fraction=0.25, n_gem_groups=3,
+                     density=0.3, seed=5).write_h5ad(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def screen_collection(screen_h5ad: Path, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Collection:
+    """``screen_h5ad`` written as a collection (seed 0, shards of at most 1,024 rows)."""
+    out = tmp_path_factory.mktemp("screen_collection") / "store"
+    return create_anndata_collection([screen_h5ad], out, seed=0, n_obs_per_shard=1024,
+                                     progress=False)
+
+
 class S3Server:
     """A moto S3 server on loopback (a separate process) and the storage_options that
     reach it; ``bucket(name)`` creates a bucket and returns ``s3://name``. ``env``: extra

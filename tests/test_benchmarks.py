@@ -18,7 +18,7 @@ TINY = ["--n-obs", "3000", "--n-vars", "200", "--batch-size", "256", "--n-batche
 LOADERS = ["ours_dense_w0", "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2",
            "ours_inplace_dense_w0", "scdataset_w0", "scdataset_w2", "annloader_w0",
            "ours_balanced_sparse_w0", "ours_weighted_dense_w2", "scdataset_balanced_w0",
-           "ours_grouped_balanced_sparse_w0",
+           "ours_grouped_balanced_sparse_w0", "ours_paired_sparse_w0", "ours_paired_dense_w2",
            "ceiling_inmemory", "ceiling_seq_raw", "ceiling_seq_zarr"]
 
 
@@ -61,6 +61,7 @@ def test_every_case_runs_and_reports(tmp_path: Path) -> None:
     assert "annbatch_torch dense, 2 workers" in md
     assert "## Training effect of class balancing" in md
     assert "sampling mode >= 0.5x chunked mode (sparse, warm)" in names
+    assert "pairing (n_controls=1) >= 0.5x chunked mode (rows read, warm)" in names
     assert (tmp_path / "out" / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -25,7 +25,8 @@ def run_example(name: str, *args: str, timeout: int = 300) -> str:
 
 def test_every_example_is_tested() -> None:
     tested = {"plain_dataloader.py", "train_classifier.py", "selectors_and_transforms.py",
-              "lightning_ddp.py", "class_balanced.py", "scvi_from_collection.py"}
+              "lightning_ddp.py", "class_balanced.py", "scvi_from_collection.py",
+              "perturbation_pairs.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -58,6 +59,13 @@ def test_class_balanced_training_learns_the_rare_types() -> None:
                           re.M))
     assert set(acc) == {"each row once", "class-balanced"}, out
     assert float(acc["class-balanced"]) > float(acc["each row once"]) + 0.05, out
+
+
+def test_perturbation_pairs_recover_every_knocked_down_gene() -> None:
+    out = run_example("perturbation_pairs.py")
+    m = re.search(r"recovered (\d+) of (\d+) knocked-down genes", out)
+    assert m, out
+    assert int(m.group(1)) == int(m.group(2)) == 8, out
 
 
 def test_selectors_and_transforms() -> None:

@@ -174,8 +174,25 @@ def test_bound_to_a_collection_the_pairs_hold_in_its_obs(tmp_path: Path) -> None
     assert len(draws) == int((obs["target"] != "ctrl").sum())
 
 
-def test_the_dataset_refuses_it_until_batches_of_pairs_exist(
-        imbalanced_collection: abt.Collection) -> None:
-    with pytest.raises(abt.SamplerError, match="does not yet build batches of such draws"):
-        abt.AnnBatchDataset(imbalanced_collection,
-                            sampler=PairedSampler("cell_type", "t0", match=("donor",)))
+@pytest.mark.parametrize("set_size", [None, 2])
+def test_num_samples_subsamples_or_repeats_the_perturbed_rows(set_size: int | None) -> None:
+    cols = _screen(300, 9)
+    full = _bound(cols, set_size=set_size)
+    n_pass = len(full) // full.draw_size
+    for num in (n_pass // 2 // 2 * 2, n_pass * 2 + 2):
+        s = _bound(cols, set_size=set_size, num_samples=num)
+        assert len(s) == num * s.draw_size
+        for epoch in (0, 1):
+            stream = np.asarray(s.rows(3, epoch, 0, len(s)))
+            _check_epoch(s, cols, stream)
+            pert = stream[:: s.draw_size]
+            counts = np.bincount(pert, minlength=300)
+            if set_size is None:  # each row once per pass: at most ceil(num / pass) times
+                assert counts.max() <= -(-num // n_pass)
+                assert counts[counts > 0].min() >= num // n_pass
+        if num < n_pass:  # a new subsample each epoch
+            first, second = (set(np.asarray(s.rows(3, e, 0, len(s)))[:: s.draw_size].tolist())
+                             for e in (0, 1))
+            assert first != second
+    with pytest.raises(abt.SamplerError, match="multiple of set_size=2"):
+        PairedSampler("target", "ctrl", set_size=2, num_samples=5)

@@ -9,10 +9,11 @@ epoch holds) and ``sampling/sampled_plan.py`` (their stream dealt like chunked m
 epoch, and what a resumed epoch still owes (a resumed epoch's deal is the plan).
 ``sampling/diversity.py``: how mixed batches are (per-batch class counts, entropy, and
 those of truly random batches), the figures of the shuffle-quality report.
-``sampling/pairing.py``: perturbation / control pairing, ``PairedSampler``'s stream (not yet
-read by the dataset).
+``sampling/pairing.py``: perturbation / control pairing, ``PairedSampler``'s stream in draws
+of a perturbed row and its controls (``SamplePlan`` deals them in batches of whole draws).
 """
 
+from .pairing import TAG_PAIR, MissingControlWarning, PairedSampler
 from .plan import (
     MAX_ROWS,
     TAG_CHUNKS,
@@ -50,6 +51,7 @@ from .replay import (
 from .sampled_plan import (
     SamplePlan,
     SampleRows,
+    draw_layout,
     sample_batches_per_rank,
     sample_deal,
     sample_rank_items,
@@ -128,6 +130,10 @@ __all__ = [
     "WeightedSampler",
     "ClassBalancedSampler",
     "SubsetSampler",
+    "PairedSampler",
+    "MissingControlWarning",
+    "TAG_PAIR",
+    "draw_layout",
     "Segment",
     "dataloader_order",
     "consumed_per_worker",

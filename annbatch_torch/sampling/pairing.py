@@ -16,8 +16,10 @@ gives ``ceil(m / S)`` sets, its rows in a random order, the last set filled up w
 the same group drawn anew each epoch (so each row is drawn at least once, exactly once when
 ``S`` divides ``m``); the sets are in a random order.
 
-Not yet wired into :class:`~annbatch_torch.AnnBatchDataset` (the plan's batches in draws and
-the ``control_`` keys of a batch come next): what is here is the stream and its checks.
+:class:`~annbatch_torch.AnnBatchDataset` deals the stream in batches of ``batch_size``
+draws (``sampling/sampled_plan.py``) and yields each batch's perturbed rows under the
+selector's keys and their controls under the same keys prefixed ``control_``
+(``batches.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ def _as_values(control: Any) -> list[Hashable]:
 class PairedSampler(Sampler):
     """Every perturbed row once per epoch, each with ``n_controls`` matched control rows.
 
+    In :class:`~annbatch_torch.AnnBatchDataset` a batch holds ``batch_size`` perturbed
+    rows under the selector's keys and their controls under the same keys prefixed
+    ``control_`` (``control_index`` and ``control_mask`` too), ``n_controls`` rows per
+    perturbed row in order: rows ``i * n_controls`` to ``(i + 1) * n_controls - 1`` of
+    ``control_X`` are the controls of row ``i`` of ``X``. Every perturbed row is drawn
+    once per epoch across ranks and workers (a draw is never split between batches);
+    controls uniformly, with replacement, from the rows sharing its ``match`` values.
+
     Parameters
     ----------
     perturbation
@@ -66,15 +76,25 @@ class PairedSampler(Sampler):
     set_size
         Perturbed rows per set (rows sharing their perturbation and match values, kept
         together in the stream); ``None``: single rows.
+    num_samples
+        Perturbed rows (draws) per epoch; ``None`` (default): every perturbed row once
+        (with ``set_size``: every set once). Fewer: the first ``num_samples`` of the
+        epoch's order, a new subsample each epoch; more: the epoch runs through the
+        perturbed rows again, each pass in an order of its own. With ``set_size`` it must be
+        a multiple of ``set_size``.
     on_missing_control
         ``"error"`` (default): a match group with perturbed rows but no control is an error
         naming it; ``"skip"``: its perturbed rows are left out, counted in a
         :class:`MissingControlWarning`.
     """
 
+    #: a pure function of (seed, epoch), and prepare() applies ``allowed`` to its tables
+    _pure = True
+    _drops_allowed = True
+
     def __init__(self, perturbation: str, control: Hashable | Sequence[Hashable], *,
                  match: Sequence[str] = (), n_controls: int = 1, set_size: int | None = None,
-                 on_missing_control: str = "error") -> None:
+                 num_samples: int | None = None, on_missing_control: str = "error") -> None:
         for what, name in (("perturbation", perturbation),
                            *(("match", m) for m in _as_values(match))):
             if not isinstance(name, str) or not name:
@@ -93,6 +113,12 @@ class PairedSampler(Sampler):
                                     error=SamplerError)
         self.set_size = None if set_size is None else check_int(
             "PairedSampler set_size", set_size, 1, error=SamplerError, note=" (or None)")
+        self.num_samples = None if num_samples is None else check_int(
+            "PairedSampler num_samples", num_samples, 1, error=SamplerError, note=" (or None)")
+        if self.num_samples is not None and self.set_size is not None and (
+                self.num_samples % self.set_size):
+            raise SamplerError(f"PairedSampler num_samples={self.num_samples} must be a "
+                               f"multiple of set_size={self.set_size} (whole sets per epoch).")
         if on_missing_control not in ("error", "skip"):
             raise SamplerError(f"on_missing_control must be 'error' or 'skip', got "
                                f"{on_missing_control!r}.")
@@ -156,9 +182,10 @@ class PairedSampler(Sampler):
             key = codes[perturbed] * n_groups + self._group[perturbed]
             self._set_keys = np.unique(key, return_inverse=True)[1].reshape(-1)
             sizes = np.bincount(self._set_keys)
-            self._n_draws = int((-(-sizes // self.set_size)).sum()) * self.set_size
+            self._n_pass = int((-(-sizes // self.set_size)).sum()) * self.set_size
         else:
-            self._n_draws = len(perturbed)
+            self._n_pass = len(perturbed)
+        self._n_draws = self._n_pass if self.num_samples is None else self.num_samples
 
     def _match_groups(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> np.ndarray:
         """Each row's match group (0 .. k-1): its combination of the match columns' codes
@@ -182,7 +209,8 @@ class PairedSampler(Sampler):
 
     def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([int(seed), int(epoch), TAG_PAIR])
-        pert = self._epoch_perturbed(rng)
+        passes = [self._epoch_perturbed(rng) for _ in range(-(-self._n_draws // self._n_pass))]
+        pert = (passes[0] if len(passes) == 1 else np.concatenate(passes))[:self._n_draws]
         g = self._group[pert]
         count, start = self._control_count[g], self._control_start[g]
         pick = (rng.random((len(pert), self.n_controls)) * count[:, None]).astype(np.int64)
@@ -213,5 +241,7 @@ class PairedSampler(Sampler):
 
     def __repr__(self) -> str:
         extra = "" if self.set_size is None else f", set_size={self.set_size}"
+        if self.num_samples is not None:
+            extra += f", num_samples={self.num_samples}"
         return (f"PairedSampler({self.perturbation!r}, {self.control!r}, "
                 f"match={self.match!r}, n_controls={self.n_controls}{extra})")

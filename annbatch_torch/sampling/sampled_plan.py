@@ -13,6 +13,14 @@ its workers. So the batches of an epoch (their rows, in order) depend on the sam
 A pool's rows are read by random access: its distinct rows, sorted and merged into ranges
 where they touch, are read once (a row drawn twice is read once) and its positions into
 them give the pool in stream order.
+
+A sampler whose stream comes in *draws* of ``d > 1`` positions
+(:attr:`~annbatch_torch.Sampler.draw_size`: a perturbed row and its controls,
+``sampling/pairing.py``) is dealt in batches of ``batch_size * d`` positions, so a draw is
+never split between batches, ranks or workers (every total the deal counts is a multiple
+of ``d``: pools, padding, ``drop_last``); each batch is laid out with the draws' first
+rows before their other rows (:func:`draw_layout`), so the two parts of a batch are
+contiguous runs of its pool.
 """
 
 from __future__ import annotations
@@ -23,12 +31,27 @@ from typing import Any
 import numpy as np
 
 from ..errors import SamplerError
-from .plan import EpochDeal, EpochPlan, EvenBatches, rank_batches
+from .plan import EpochDeal, EpochPlan, EvenBatches, pool_rows, rank_batches
 from .samplers import Sampler
 from .worklist import WorkList, merge_ranges, pool_order, pool_permutation
 
 __all__ = ["SampleRows", "SamplePlan", "sample_deal", "sample_rank_items",
-           "sample_batches_per_rank"]
+           "sample_batches_per_rank", "draw_layout"]
+
+
+def draw_layout(n: int, batch_size: int, draw_size: int) -> np.ndarray:
+    """Positions ``0 .. n-1`` of a pool of draws laid out batch by batch as ``[the first
+    row of each draw, then the draws' other rows]``, each part in stream order.
+
+    ``n`` and ``batch_size`` are multiples of ``draw_size``. In a batch of ``k`` draws the
+    first ``k`` positions are the draws' first rows, and positions ``k + i * (d - 1) ...
+    k + (i + 1) * (d - 1) - 1`` are the other rows of draw ``i`` (``d = draw_size``).
+    """
+    pos = np.arange(n, dtype=np.int64)
+    if draw_size == 1:
+        return pos
+    key = (pos // batch_size) * 2 + (pos % draw_size != 0)
+    return np.argsort(key, kind="stable")
 
 
 class SampleRows:
@@ -47,6 +70,13 @@ class SampleRows:
         self.sampler, self.seed, self.epoch = sampler, int(seed), int(epoch)
         self.total = len(sampler)
         self.shuffled = bool(mix)
+        self.draw_size = int(sampler.draw_size)
+        if self.draw_size > 1 and self.shuffled:
+            raise SamplerError(f"{sampler!r}: a stream of draws (draw_size "
+                               f"{self.draw_size}) cannot be mixed inside its pools.")
+        if self.total % self.draw_size:
+            raise SamplerError(f"{sampler!r}: len() = {self.total} is not a multiple of its "
+                               f"draw_size {self.draw_size}.")
 
     def pool(self, pool_index: int, a: int, b: int, batch_size: int
              ) -> tuple[np.ndarray, np.ndarray]:
@@ -74,6 +104,8 @@ class SampleRows:
             perm = pool_permutation(b - a, seed=self.seed, epoch=self.epoch,
                                     pool_index=pool_index, shuffle=True)
             order = order[pool_order(perm, batch_size)]
+        elif self.draw_size > 1:  # each batch: the draws' first rows, then their others
+            order = order[draw_layout(b - a, batch_size, self.draw_size)]
         return ranges, order
 
 
@@ -122,20 +154,32 @@ class SamplePlan(EpochPlan):
     """Sampling mode's :class:`~annbatch_torch.sampling.plan.EpochPlan`: ``sampler``'s
     stream (bound, :meth:`~annbatch_torch.Sampler.bind`) cut into pools of
     ``EpochPlan.pool`` rows; ``shuffle=False`` keeps the
-    stream's batch order with several DataLoader workers."""
+    stream's batch order with several DataLoader workers. A sampler of draws
+    (``draw_size`` ``d > 1``) gives batches of ``batch_size`` draws, ``batch_size * d``
+    stream positions (:attr:`positions`), and pools of whole such batches."""
 
     sampler: Sampler
+
+    @property
+    def positions(self) -> int:
+        """Stream positions (rows read) per batch: ``batch_size`` draws of ``draw_size``."""
+        return self.batch_size * int(self.sampler.draw_size)
+
+    @property
+    def pool(self) -> int:
+        """Rows per pool: the preload budget in whole batches of :attr:`positions`."""
+        return pool_rows(self.positions, self.chunk_size, self.preload_nchunks)
 
     def deal(self, epoch: int) -> EpochDeal:
         # a sampler of runs has its pools mixed whatever shuffle says (its stream's order
         # is runs of one class: kept, each batch would hold one or two classes)
-        return sample_deal(self.sampler, self.batch_size, self.pool, seed=self.seed,
+        return sample_deal(self.sampler, self.positions, self.pool, seed=self.seed,
                            epoch=epoch, drop_last=self.drop_last,
                            even_batches=self.even_batches,
                            in_order=not self.shuffle and not self.sampler.mixes_in_pool)
 
     def fresh_batches(self, world_size: int) -> int:
-        return sample_batches_per_rank(self.sampler, self.batch_size, self.pool,
+        return sample_batches_per_rank(self.sampler, self.positions, self.pool,
                                        world_size=world_size, drop_last=self.drop_last,
                                        even_batches=self.even_batches)
 

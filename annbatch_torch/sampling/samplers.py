@@ -131,6 +131,11 @@ class Sampler:
     #: (``ClassBalancedSampler`` drawing chunks): the dataset then shuffles each pool, as
     #: chunked mode does, instead of yielding the stream's order
     mixes_in_pool: bool = False
+    #: stream positions per draw: ``1`` (a row each); a sampler of draws of ``d`` rows
+    #: (``PairedSampler``: a perturbed row and its controls) has batches of ``batch_size``
+    #: draws, each draw's first row under the selector's keys and its other rows under
+    #: ``control_`` keys
+    draw_size: int = 1
     #: what identifies the bound sampler's streams (set by :meth:`bind`: its repr, epoch
     #: length and a checksum of the start of its ``(seed=0, epoch=0)`` stream and of
     #: ``allowed``); resume states record it
