@@ -29,6 +29,7 @@ from .sampling.pairing import MissingControlWarning, PairedSampler
 from .sampling.samplers import ClassBalancedSampler, Sampler, SubsetSampler, WeightedSampler
 from .store.collection import Collection, open_collection
 from .store.inputs.inplace import open_source
+from .store.inputs.mixture import Mixture, mix
 from .store.source import Source
 from .store.zarrs import set_codec_pipeline
 
@@ -57,6 +58,7 @@ __all__ = [
     "Field",
     "InputError",
     "MissingControlWarning",
+    "Mixture",
     "PairedSampler",
     "ReadError",
     "Sampler",
@@ -70,6 +72,7 @@ __all__ = [
     "create_anndata_collection",
     "datasets",
     "diversity_report",
+    "mix",
     "open_collection",
     "open_source",
     "prepare_collection",

@@ -38,13 +38,15 @@ from .fields import Field, normalize_selector
 from .read import handoff
 from .read.densify import DensifyPolicy
 from .read.device_pool import check_device
-from .read.genes import GeneSelection
+from .read.genes import GeneSelection, MemberGenes
 from .read.pool_stream import PoolStream
 from .read.reader import PoolReader, default_read_threads
 from .resume import MAX_EPOCH, Resumer
 from .sampling import ChunkPlan, EpochPlan, SamplePlan, Sampler, Segment
+from .sampling.mixing import MixSampler
 from .store.collection import Collection
 from .store.inputs.inplace import open_source
+from .store.inputs.mixture import SOURCE_COLUMN, Mixture
 from .store.manifest import RAW_X, var_names_digest
 from .store.source import Source
 from .torch_sampler import bind_sampler
@@ -74,6 +76,8 @@ def _collection_identity(source: Source) -> str | None:
     append's seed and row count, the gene axes), nothing else: the same collection
     copied, opened again, rewritten with other shard sizes or memory, or after an append
     of no cells resumes. ``None`` for inputs read in place."""
+    if isinstance(source, Mixture):
+        return source.identity()
     if not isinstance(source, Collection):
         return None
     m = source.manifest
@@ -318,6 +322,11 @@ class AnnBatchDataset(IterableDataset):
         self.device = None if device is None else check_device(device)
         self.source: Source = open_source(source)
         self.selector = normalize_selector(selector)
+        if isinstance(self.source, Mixture) and not any(
+                k == SOURCE_COLUMN or f.path == f"obs/{SOURCE_COLUMN}"
+                for k, f in self.selector.items()):
+            # each row's collection, as batch["source"] (codes of the mixture's names)
+            self.selector[SOURCE_COLUMN] = Field.parse(f"obs/{SOURCE_COLUMN}")
         self._validate_selector()
         paths = {f.path for f in self.selector.values()}
         self.out_dtype = _out_dtype(out_dtype, self.source, sorted(paths), self.device)
@@ -342,6 +351,13 @@ class AnnBatchDataset(IterableDataset):
         if clash:
             raise ValueError(f"selector keys {sorted(clash)} clash with reserved output keys.")
         self.chunk_ids = None if chunk_ids is None else _int_array("chunk_ids", chunk_ids)
+        if isinstance(self.source, Mixture) and self.source.weights is not None:
+            if sampler is not None:
+                raise SamplerError(
+                    f"{self.source!r} draws its rows by its weights; a sampler of your own "
+                    "cannot draw from it too. Pass mix(...) without weights to read it as "
+                    "one source with your sampler, or drop sampler=.")
+            sampler = self._mix_sampler()
         self.sampler = None if sampler is None else self._bind_sampler(sampler)
         self._check_draws(reserved)
         self._explicit_dist = rank is not None or world_size is not None
@@ -391,6 +407,24 @@ class AnnBatchDataset(IterableDataset):
         super().__setattr__(name, value)
 
     # -- configuration ---------------------------------------------------------------
+    def _mix_sampler(self) -> Sampler:
+        """A weighted mixture's sampler, bound to its rows (those of ``chunk_ids``, a split,
+        when given: they are then the sampler's)."""
+        mixture = self.source
+        assert isinstance(mixture, Mixture)
+        assert mixture.weights is not None
+        rows = None
+        if self.chunk_ids is not None:
+            rows = ChunkPlan(n_obs=mixture.n_obs, chunk_size=self.chunk_size,
+                             preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
+                             chunk_ids=self.chunk_ids).rows()
+            self.chunk_ids = None
+        sampler = MixSampler(mixture.member_offsets, mixture.weights,
+                             batch_size=self.batch_size,
+                             chunk_size=mixture.chunk_size or self.chunk_size,
+                             num_samples=mixture.num_samples, names=mixture.names)
+        return bind_sampler(mixture, sampler, rows)
+
     def _bind_sampler(self, sampler: Any) -> Sampler:
         if self.chunk_ids is not None:
             raise SamplerError(
@@ -594,12 +628,18 @@ class AnnBatchDataset(IterableDataset):
         genes = self.genes if self.genes is not None else self._raw_genes
         return self.source.var_names if genes is None else genes.var_names
 
-    def _gene_cuts(self) -> dict[str, GeneSelection]:
+    def _gene_cuts(self) -> dict[str, GeneSelection | MemberGenes]:
         """Selected fields indexed by gene (X, layers, raw/X) and their genes to read."""
-        cuts = {}
+        cuts: dict[str, GeneSelection | MemberGenes] = {}
+        source = self.source
         for f in self.selector.values():
             genes = self._raw_genes if f.path == RAW_X else self.genes
-            if genes is not None and (f.path in ("X", RAW_X) or f.path.startswith("layers/")):
+            by_gene = f.path in ("X", RAW_X) or f.path.startswith("layers/")
+            if by_gene and isinstance(source, Mixture):  # each member's columns mapped
+                n = len(source.raw_var_names or ()) if f.path == RAW_X else source.n_vars
+                cuts[f.path] = MemberGenes.of(source.member_offsets, source.gene_map(f.path),
+                                              genes, n)
+            elif genes is not None and by_gene:
                 cuts[f.path] = genes
         return cuts
 

@@ -63,6 +63,7 @@ from .loader import AnnBatchDataLoader
 from .resume import is_mid_epoch, state_ints
 from .sampling import Sampler
 from .store.collection import open_collection
+from .store.inputs.mixture import Mixture
 from .store.manifest import read_manifest
 from .store.source import Source
 from .torch_sampler import bind_sampler
@@ -92,7 +93,10 @@ class AnnBatchDataModule(pl.LightningDataModule):
         Where the collection lives (written by :meth:`prepare_data` when missing or stale),
         or its URL on an object store (read only). With ``adata_paths=None`` it may also be
         an opened :class:`~annbatch_torch.Source` (a :class:`~annbatch_torch.Collection`,
-        or inputs read in place: :func:`~annbatch_torch.open_source`), read as it is.
+        or inputs read in place: :func:`~annbatch_torch.open_source`), read as it is, or a
+        :func:`~annbatch_torch.mix` of collections: training draws by its weights from the
+        training chunks' rows; validation, test and predict read their rows once each, in
+        order (with the ``source`` key).
     selector, batch_size, chunk_size, preload_nchunks, densify
         Passed to every :class:`~annbatch_torch.AnnBatchDataset`.
     num_workers
@@ -356,8 +360,11 @@ class AnnBatchDataModule(pl.LightningDataModule):
                     preload_nchunks=preload, batch_size=self.batch_size,
                     seed=self.seed, chunk_ids=chunk_ids).rows()
             sampler, chunk_ids = bind_sampler(self.collection, self.sampler, rows), None
+        source: Source = self.collection
+        if not train and isinstance(source, Mixture) and source.weights is not None:
+            source = source.without_weights()  # held-out rows: each once, in order
         return AnnBatchDataset(
-            self.collection, selector=self.selector, batch_size=self.batch_size,
+            source, selector=self.selector, batch_size=self.batch_size,
             chunk_size=chunk_size, preload_nchunks=preload, seed=self.seed,
             densify=self.densify, rank=rank, world_size=world, chunk_ids=chunk_ids,
             sampler=sampler, **kwargs,

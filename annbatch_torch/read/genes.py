@@ -21,7 +21,7 @@ import scipy.sparse as sp
 from ..errors import SchemaError
 from .csr import csr_view
 
-__all__ = ["GeneSelection"]
+__all__ = ["GeneSelection", "MemberGenes"]
 
 
 class GeneSelection:
@@ -80,20 +80,79 @@ class GeneSelection:
     def n_vars(self) -> int:
         return len(self.columns)
 
-    def cut(self, value: Any) -> Any:
-        """One gene-indexed value (CSR or dense rows x source genes) cut to the selection."""
+    def cut(self, value: Any, rows: np.ndarray | None = None) -> Any:
+        """One gene-indexed value (CSR or dense rows x source genes) cut to the selection
+        (``rows``, the value's global row ids, are not needed)."""
         if sp.issparse(value):
-            m = value if value.format == "csr" else value.tocsr()
-            lo, hi = int(m.indptr[0]), int(m.indptr[-1])
-            new_cols = self.lookup[m.indices[lo:hi]]
-            keep = new_cols >= 0
-            kept_before = np.concatenate([[0], np.cumsum(keep)])
-            indptr = kept_before[m.indptr - lo].astype(m.indptr.dtype, copy=False)
-            idx_dtype = m.indices.dtype if self.n_vars < np.iinfo(np.int32).max else np.int64
-            # csr_view: the arrays are fresh and valid, scipy's checks would only copy them
-            out = csr_view(m.data[lo:hi][keep], new_cols[keep].astype(idx_dtype), indptr,
-                           (m.shape[0], self.n_vars))
-            if self.reorders:
-                out.sort_indices()
-            return out
+            return _remap_csr(value, lambda m, lo, hi: self.lookup[m.indices[lo:hi]],
+                              self.n_vars, self.reorders)
         return np.asarray(value)[:, self.columns]
+
+
+def _remap_csr(value: Any, new_columns: Any, n_vars: int, reorders: bool) -> sp.csr_matrix:
+    """``value`` (CSR) with each entry's column replaced by ``new_columns(m, lo, hi)`` (its
+    new column, -1: dropped): one pass over the non-zeros, indices sorted again within
+    rows when ``reorders``."""
+    m = value if value.format == "csr" else value.tocsr()
+    lo, hi = int(m.indptr[0]), int(m.indptr[-1])
+    new_cols = new_columns(m, lo, hi)
+    keep = new_cols >= 0
+    kept_before = np.concatenate([[0], np.cumsum(keep)])
+    indptr = kept_before[m.indptr - lo].astype(m.indptr.dtype, copy=False)
+    idx_dtype = m.indices.dtype if n_vars < np.iinfo(np.int32).max else np.int64
+    # csr_view: the arrays are fresh and valid, scipy's checks would only copy them
+    out = csr_view(m.data[lo:hi][keep], new_cols[keep].astype(idx_dtype), indptr,
+                   (m.shape[0], n_vars))
+    if reorders:
+        out.sort_indices()
+    return out
+
+
+class MemberGenes:
+    """The genes of a mixture of sources (``store/inputs/mixture.py``) in each pool: every
+    row's member has its own columns, mapped to the output's by its own table.
+
+    Parameters
+    ----------
+    offsets
+        Each member's first global row, then the total.
+    lookups
+        Per member, the output column of each of its columns (``-1``: not read).
+    n_vars
+        Output columns.
+    """
+
+    def __init__(self, offsets: np.ndarray, lookups: Sequence[np.ndarray], n_vars: int) -> None:
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.n_vars = int(n_vars)
+        sizes = [len(lut) for lut in lookups]
+        #: where each member's table starts in :attr:`table`
+        self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self.table = (np.concatenate([np.asarray(t, dtype=np.int64) for t in lookups])
+                      if sizes else np.zeros(0, np.int64))
+        self.reorders = any(bool(np.any(np.diff(t[t >= 0]) < 0)) for t in lookups)
+        self.identity = False
+
+    @classmethod
+    def of(cls, offsets: np.ndarray, lookups: Sequence[np.ndarray],
+           selection: GeneSelection | None, n_vars: int) -> MemberGenes:
+        """The members' tables composed with ``selection`` of the mixture's genes."""
+        if selection is None:
+            return cls(offsets, lookups, n_vars)
+        composed = [np.where(t >= 0, selection.lookup[np.maximum(t, 0)], -1) for t in lookups]
+        return cls(offsets, composed, selection.n_vars)
+
+    def cut(self, value: Any, rows: np.ndarray | None = None) -> Any:
+        """A CSR value of rows ``rows`` (global row ids), each in its member's columns, in
+        the output's columns."""
+        if rows is None:
+            raise ValueError("MemberGenes.cut needs the value's global row ids")
+        member = np.searchsorted(self.offsets, np.asarray(rows), side="right") - 1
+        if not sp.issparse(value):
+            raise TypeError("a mixture's gene-indexed fields are read as CSR")
+
+        def columns(m: sp.csr_matrix, lo: int, hi: int) -> np.ndarray:
+            per_entry = np.repeat(self.base[member], np.diff(m.indptr))
+            return self.table[per_entry + m.indices[lo:hi]]
+
+        return _remap_csr(value, columns, self.n_vars, self.reorders)

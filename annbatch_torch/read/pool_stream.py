@@ -25,7 +25,7 @@ import torch
 from ..sampling import WorkItem
 from .buffers import DenseBuffers
 from .device_pool import DevicePool
-from .genes import GeneSelection
+from .genes import GeneSelection, MemberGenes
 from .handoff import PoolMemory
 from .host_pool import HostPool
 from .reader import PoolReader
@@ -64,7 +64,7 @@ class PoolStream:
     """
 
     def __init__(self, reader: PoolReader, device: torch.device | None = None,
-                 genes: Mapping[str, GeneSelection] | None = None) -> None:
+                 genes: Mapping[str, GeneSelection | MemberGenes] | None = None) -> None:
         self.reader = reader
         self.device = device
         self.genes = {p: g for p, g in (genes or {}).items() if not g.identity}
@@ -85,7 +85,7 @@ class PoolStream:
         host batches are densified into shared memory (in DataLoader workers)."""
         values = self.reader.read(item.ranges, item.order, random_access=item.random_access)
         if self.genes:  # cut before any upload: only the selected genes travel
-            values = {p: (self.genes[p].cut(v) if p in self.genes else v)
+            values = {p: (self.genes[p].cut(v, item.rows) if p in self.genes else v)
                       for p, v in values.items()}
         if self.device is not None:  # uploaded here: overlaps the current pool's batches
             return DevicePool(values, self.device)

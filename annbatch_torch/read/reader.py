@@ -602,7 +602,8 @@ class PoolReader:
         crcs: list[dict[int, int] | None],
     ) -> sp.csr_matrix:
         data, indices, indptr = buffers
-        n_cols = self._element(pieces[0], field).n_cols
+        # the widest element's (a mixture's members differ: MemberGenes maps each row)
+        n_cols = max(el.n_cols for el in els) if els else self._element(pieces[0], field).n_cols
         # column indices are checked once per chunk content: a pool whose indices chunks
         # all have the CRC of chunks checked before needs no scan (~10% of a pool's read)
         if all(el.all_checked(c) for el, c in zip(els, crcs)):

@@ -11,6 +11,8 @@ epoch, and what a resumed epoch still owes (a resumed epoch's deal is the plan).
 those of truly random batches), the figures of the shuffle-quality report.
 ``sampling/pairing.py``: perturbation / control pairing, ``PairedSampler``'s stream in draws
 of a perturbed row and its controls (``SamplePlan`` deals them in batches of whole draws).
+``sampling/mixing.py``: ``MixSampler``, the stream of a weighted mixture of sources (per-batch
+quotas, runs of each member, pools permuted within each member's positions).
 """
 
 from .pairing import TAG_PAIR, MissingControlWarning, PairedSampler

@@ -55,7 +55,8 @@ class PairedSampler(Sampler):
 
     In :class:`~annbatch_torch.AnnBatchDataset` a batch holds ``batch_size`` perturbed
     rows under the selector's keys and their controls under the same keys prefixed
-    ``control_`` (``control_index`` and ``control_mask`` too), ``n_controls`` rows per
+    ``control_`` (with ``return_index=True`` / ``even_batches="pad"``, ``control_index``
+    and ``control_mask`` too), ``n_controls`` rows per
     perturbed row in order: rows ``i * n_controls`` to ``(i + 1) * n_controls - 1`` of
     ``control_X`` are the controls of row ``i`` of ``X``. Every perturbed row is drawn
     once per epoch across ranks and workers (a draw is never split between batches);

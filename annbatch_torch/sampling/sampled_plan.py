@@ -33,7 +33,13 @@ import numpy as np
 from ..errors import SamplerError
 from .plan import EpochDeal, EpochPlan, EvenBatches, pool_rows, rank_batches
 from .samplers import Sampler
-from .worklist import WorkList, merge_ranges, pool_order, pool_permutation
+from .worklist import (
+    WorkList,
+    merge_ranges,
+    pool_order,
+    pool_permutation,
+    stratified_permutation,
+)
 
 __all__ = ["SampleRows", "SamplePlan", "sample_deal", "sample_rank_items",
            "sample_batches_per_rank", "draw_layout"]
@@ -101,8 +107,11 @@ class SampleRows:
         ranges.flags.writeable = False
         order = inverse.reshape(-1).astype(np.int64, copy=False)
         if self.shuffled and pool_index >= 0:  # batches of rows from all over the pool
-            perm = pool_permutation(b - a, seed=self.seed, epoch=self.epoch,
-                                    pool_index=pool_index, shuffle=True)
+            strata = self.sampler.pool_strata(a, b)
+            perm = (pool_permutation(b - a, seed=self.seed, epoch=self.epoch,
+                                     pool_index=pool_index, shuffle=True) if strata is None
+                    else stratified_permutation(strata, seed=self.seed, epoch=self.epoch,
+                                                pool_index=pool_index))
             order = order[pool_order(perm, batch_size)]
         elif self.draw_size > 1:  # each batch: the draws' first rows, then their others
             order = order[draw_layout(b - a, batch_size, self.draw_size)]

@@ -188,6 +188,12 @@ class Sampler:
     def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
         """Check the sampler against a source and build its tables (on the bound copy)."""
 
+    def pool_strata(self, start: int, stop: int) -> np.ndarray | None:
+        """A label per stream position in ``[start, stop)`` when :attr:`mixes_in_pool`:
+        a pool is then permuted within each label's positions (a mixture keeps every
+        batch's rows per member); ``None`` (default): permuted freely."""
+        return None
+
     @property
     def is_bound(self) -> bool:
         """Whether :meth:`bind` made this copy."""

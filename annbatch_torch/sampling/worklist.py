@@ -28,6 +28,7 @@ __all__ = [
     "remaining_items",
     "total_batches",
     "pool_permutation",
+    "stratified_permutation",
     "item_permutation",
     "pool_order",
     "global_rows",
@@ -312,6 +313,20 @@ def pool_permutation(
     if not shuffle:
         return np.arange(n_rows, dtype=np.int64)
     return np.random.default_rng([seed, epoch, pool_index, TAG_ROWS]).permutation(n_rows)
+
+
+def stratified_permutation(strata: np.ndarray, *, seed: int, epoch: int, pool_index: int
+                           ) -> np.ndarray:
+    """A random permutation ``perm`` of a pool's positions with ``strata[perm[i]] ==
+    strata[i]`` (each label's positions permuted among themselves), seeded as
+    :func:`pool_permutation` is."""
+    strata = np.asarray(strata)
+    noise = np.random.default_rng([seed, epoch, pool_index, TAG_ROWS]).random(len(strata))
+    by_label = np.argsort(strata, kind="stable")  # each label's positions, in order
+    shuffled = np.lexsort((noise, strata))  # each label's positions, in a random order
+    perm = np.empty(len(strata), dtype=np.int64)
+    perm[by_label] = shuffled
+    return perm
 
 
 def item_permutation(item: WorkItem, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:

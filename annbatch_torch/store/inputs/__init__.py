@@ -5,5 +5,6 @@
 readers, :class:`~annbatch_torch.store.inputs.view.InputSource`), ``plan`` (a list of inputs:
 duplicates, empties, shared names, the fields to offer), ``harmonize`` (the rules that make
 fields of several inputs one), ``inplace`` (inputs read where they are, as a ``Source``),
-``fingerprint`` (what identifies an input's content).
+``fingerprint`` (what identifies an input's content), ``mixture`` (several sources read as
+one, in chosen proportions: ``mix`` and ``Mixture``).
 """

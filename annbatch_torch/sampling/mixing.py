@@ -1,0 +1,205 @@
+"""Weighted mixing of several sources: :class:`MixSampler`, the stream of a mixture.
+
+Pure numpy. A mixture's rows are its members' rows one member after the other (member ``i``
+holds global rows ``[offsets[i], offsets[i + 1])``). An epoch of ``N`` rows is cut into
+batches of ``batch_size`` positions; every batch holds ``floor(B * w_i)`` or that plus one
+rows of member ``i`` (``B`` its length, ``w_i`` the weight): the ``r`` rows left over by
+the floors go to the ``r`` members furthest behind their share so far (largest deficit
+first), so each member's rows in an epoch are within one of ``N * w_i``. Inside a batch a
+member's rows sit in one run of positions (its *slots*); each pool is then permuted within
+each member's slots (:meth:`MixSampler.pool_strata`), which mixes runs from all over the
+pool while keeping every batch's counts.
+
+A member's rows come in *runs* of ``chunk_size`` consecutive rows (its rows, or the rows it
+may draw, cut in order), the runs in a random order of ``(seed, epoch, member, pass)``: a
+member whose share exceeds its rows starts another pass (another order); one below it reads
+the first runs of the order, a new subsample each epoch. A pool thus reads whole runs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import SamplerError, check_int
+from .samplers import ObsColumn, Sampler
+
+__all__ = ["MixSampler", "TAG_MIX", "batch_quotas"]
+
+#: Seed tag of a member's run order: ``default_rng([seed, epoch, member, pass, TAG_MIX])``.
+TAG_MIX = 0x4D495853  # "MIXS"
+#: run orders kept per process (a worker touches few passes of few members at a time)
+_CACHE = 64
+
+
+def batch_quotas(n: int, weights: np.ndarray) -> np.ndarray:
+    """Rows of each member in one batch of ``n`` rows: ``floor(n * w)`` plus one for the
+    members with the largest remainders (largest remainder method; ties to the first)."""
+    exact = n * weights
+    base = np.floor(exact).astype(np.int64)
+    left = int(n - base.sum())
+    if left:
+        order = np.lexsort((np.arange(len(weights)), -(exact - base)))
+        base[order[:left]] += 1
+    return base
+
+
+class MixSampler(Sampler):
+    """The stream of a weighted mixture of sources (see the module docstring).
+
+    Parameters
+    ----------
+    offsets
+        Each member's first global row, then the total (``n_members + 1`` integers).
+    weights
+        Each member's share (non-negative, summing to 1).
+    batch_size
+        Rows per batch (the quotas are per batch).
+    chunk_size
+        Rows per run of a member.
+    num_samples
+        Rows per epoch; ``None``: the rows the members of positive weight may draw, in
+        all.
+    names
+        The members' names (for messages and the signature).
+    """
+
+    mixes_in_pool = True
+    _pure = True
+    _drops_allowed = True
+
+    def __init__(self, offsets: Sequence[int], weights: Sequence[float], *, batch_size: int,
+                 chunk_size: int, num_samples: int | None = None,
+                 names: Sequence[str] = ()) -> None:
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.weights = np.asarray(weights, dtype=np.float64)
+        if self.offsets.ndim != 1 or len(self.offsets) != len(self.weights) + 1:
+            raise SamplerError("MixSampler: give one weight per member and its row offsets.")
+        self.batch_size = check_int("batch_size", batch_size, 1, error=SamplerError)
+        self.chunk_size = check_int("chunk_size", chunk_size, 1, error=SamplerError)
+        self.num_samples = None if num_samples is None else check_int(
+            "num_samples", num_samples, 1, error=SamplerError, note=" (or None)")
+        self.names = list(names) or [f"member {i}" for i in range(len(self.weights))]
+
+    # -- tables ------------------------------------------------------------------------
+    def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
+        if int(self.offsets[-1]) != n_obs:
+            raise SamplerError(f"{self!r}: the members hold {int(self.offsets[-1])} rows, the "
+                               f"source {n_obs}.")
+        k = len(self.weights)
+        if self.allowed is None:
+            self._rows: list[np.ndarray | None] = [None] * k
+            sizes = np.diff(self.offsets)
+        else:  # a split: each member draws from its allowed rows
+            cut = np.searchsorted(self.allowed, self.offsets)
+            self._rows = [self.allowed[cut[i]:cut[i + 1]] for i in range(k)]
+            sizes = np.array([len(r) for r in self._rows], dtype=np.int64)
+        self._sizes = sizes.astype(np.int64)
+        empty = [self.names[i] for i in range(k) if self.weights[i] > 0 and sizes[i] == 0]
+        if empty:
+            raise SamplerError(f"{self!r}: member(s) {empty} have weight but no row to draw "
+                               "(in this split); give them weight 0 or more rows.")
+        n = int(self.num_samples if self.num_samples is not None
+                else sizes[self.weights > 0].sum())
+        self._n = n
+        b = self.batch_size
+        full, rest = divmod(n, b)
+        exact = b * self.weights
+        base = np.floor(exact).astype(np.int64)
+        r = int(b - base.sum())
+        frac = exact - base
+        counts = np.empty((full + (1 if rest else 0), k), dtype=np.int64)
+        counts[:full] = base
+        given = np.zeros(k)
+        keys = np.arange(k)
+        for j in range(full if r else 0):  # the r extra rows: the members furthest behind
+            deficit = (j + 1) * frac - given
+            pick = np.lexsort((keys, -deficit))[:r]
+            counts[j, pick] += 1
+            given[pick] += 1
+        if rest:
+            counts[full] = batch_quotas(rest, self.weights)
+        #: rows of each member in each batch, and before each batch (cumulated)
+        self._counts = counts
+        self._before = np.vstack([np.zeros((1, k), dtype=np.int64),
+                                  np.cumsum(counts, axis=0)])
+        self._orders: OrderedDict[tuple[int, int, int, int], tuple[np.ndarray, np.ndarray]] = \
+            OrderedDict()
+
+    def member_rows(self) -> np.ndarray:
+        """Rows of each member in an epoch."""
+        return self._before[-1].copy()
+
+    def __len__(self) -> int:
+        return self._n
+
+    # -- the stream --------------------------------------------------------------------
+    def _slots(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each position's member and its index among that member's rows of the epoch."""
+        b = positions // self.batch_size
+        s = positions % self.batch_size
+        counts = self._counts[b]
+        starts = np.cumsum(counts, axis=1) - counts
+        member = (s[:, None] >= starts + counts).sum(axis=1)
+        rank = s - starts[np.arange(len(s)), member]
+        return member, self._before[b, member] + rank
+
+    def pool_strata(self, start: int, stop: int) -> np.ndarray:
+        """The member of each stream position in ``[start, stop)``: a pool is permuted
+        within each member's positions (every batch keeps its counts)."""
+        return self._slots(np.arange(start, stop, dtype=np.int64))[0]
+
+    def rows(self, seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+        member, index = self._slots(np.arange(start, stop, dtype=np.int64))
+        out = np.empty(len(member), dtype=np.int64)
+        for m in np.unique(member):
+            at = member == m
+            out[at] = self._member_rows(int(seed), int(epoch), int(m), index[at])
+        return out
+
+    def _member_rows(self, seed: int, epoch: int, m: int, index: np.ndarray) -> np.ndarray:
+        """Rows ``index`` (0, 1, ... of the epoch) of member ``m``'s stream of runs."""
+        size = int(self._sizes[m])
+        passes, t = np.divmod(index, size)
+        local = np.empty(len(index), dtype=np.int64)
+        for p in np.unique(passes):
+            at = passes == p
+            order, ends = self._order(seed, epoch, m, int(p))
+            k = np.searchsorted(ends, t[at], side="right")
+            local[at] = order[k] * self.chunk_size + t[at] - (ends[k] - self._run_len(
+                m, order[k]))
+        rows = self._rows[m]
+        return self.offsets[m] + local if rows is None else rows[local]
+
+    def _run_len(self, m: int, run: np.ndarray) -> np.ndarray:
+        size = int(self._sizes[m])
+        return np.minimum(self.chunk_size, size - run * self.chunk_size)
+
+    def _order(self, seed: int, epoch: int, m: int, p: int) -> tuple[np.ndarray, np.ndarray]:
+        """Member ``m``'s runs in the order of pass ``p``, and their cumulated lengths."""
+        key = (seed, epoch, m, p)
+        hit = self._orders.get(key)
+        if hit is None:
+            n_runs = -(-int(self._sizes[m]) // self.chunk_size)
+            order = np.random.default_rng([seed, epoch, m, p, TAG_MIX]).permutation(n_runs)
+            hit = (order, np.cumsum(self._run_len(m, order)))
+            self._orders[key] = hit
+            while len(self._orders) > _CACHE:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(key)
+        return hit
+
+    def __getstate__(self) -> dict[str, object]:
+        state = super().__getstate__()
+        state["_orders"] = OrderedDict()
+        return state
+
+    def __repr__(self) -> str:
+        shares = ", ".join(f"{n!r}: {w:.4g}" for n, w in zip(self.names, self.weights,
+                                                              strict=True))
+        extra = "" if self.num_samples is None else f", num_samples={self.num_samples}"
+        return (f"MixSampler({{{shares}}}, batch_size={self.batch_size}, "
+                f"chunk_size={self.chunk_size}{extra})")
