@@ -422,7 +422,8 @@ class AnnBatchDataset(IterableDataset):
         sampler = MixSampler(mixture.member_offsets, mixture.weights,
                              batch_size=self.batch_size,
                              chunk_size=mixture.chunk_size or self.chunk_size,
-                             num_samples=mixture.num_samples, names=mixture.names)
+                             num_samples=mixture.num_samples, names=mixture.names,
+                             member_samplers=mixture.samplers)
         return bind_sampler(mixture, sampler, rows)
 
     def _bind_sampler(self, sampler: Any) -> Sampler:

@@ -9,7 +9,8 @@ Usage::
     python benchmarks/pairing.py [--n-obs 100000] [--n-vars 2000] [--batch-size 256]
                                  [--n-batches 200] [--n-batches-cell-load 50]
                                  [--n-warmup 10] [--workers 0,2]
-                                 [--cases ours_chunked,ours_paired,cell_load,cell_load_h5py]
+                                 [--cases ours_chunked,ours_paired,ours_paired_runs,
+                                          cell_load,cell_load_h5py]
                                  [--rounds 1]
                                  [--cell-load-path DIR] [--sentence-len 64]
                                  [--data-dir benchmarks/data] [--out benchmarks/results/pairing]
@@ -34,6 +35,9 @@ Cases, each in a fresh Python process (this script with ``--case NAME CONFIG.jso
   perturbed row's cell_line and gem_group, is a control, the perturbed rows are not), else
   the case fails. Both of our cases select ``x`` (X) and the codes of ``target_gene``,
   ``cell_line`` and ``gem_group``, so they read the same fields;
+* ``ours_paired_runs_w{w}``: the same with ``PairedSampler(..., chunk_size=256)``: the
+  perturbed rows of runs of 256 rows of the collection, the runs in a random order and the
+  pairs mixed inside each pool (the controls are still read one by one);
 * ``cell_load_w{w}``: cell-load's ``PerturbationDataModule`` over the h5ad folder (a TOML
   config naming it as a training dataset), ``embed_key=None`` (X as the features: with it
   ``pert_cell_emb`` / ``ctrl_cell_emb`` are dense X rows whatever ``output_space``),
@@ -87,7 +91,9 @@ from benchlib import MemoryMonitor, peak_rss_self_mb, time_batches  # noqa: E402
 
 CONTROL = "non-targeting"  # annbatch_torch.datasets.CONTROL (checked when data is made)
 TARGET = 0.5
-KINDS = ("ours_chunked", "ours_paired", "cell_load", "cell_load_h5py")
+KINDS = ("ours_chunked", "ours_paired", "ours_paired_runs", "cell_load", "cell_load_h5py")
+#: rows per run of the source in ``ours_paired_runs`` (``PairedSampler(chunk_size=...)``)
+RUN = 256
 
 Config = dict[str, Any]
 Result = dict[str, Any]
@@ -173,7 +179,7 @@ def _result(run: Any, mon: MemoryMonitor, **extra: Any) -> Result:
     return out
 
 
-def _ours(cfg: Config, paired: bool) -> Result:
+def _ours(cfg: Config, paired: bool, runs: int | None = None) -> Result:
     import torch
 
     import annbatch_torch as abt
@@ -186,7 +192,8 @@ def _ours(cfg: Config, paired: bool) -> Result:
     kw: dict[str, Any] = {}
     if paired:
         kw["sampler"] = abt.PairedSampler("target_gene", CONTROL,
-                                          match=("cell_line", "gem_group"), n_controls=1)
+                                          match=("cell_line", "gem_group"), n_controls=1,
+                                          chunk_size=runs)
     ds = abt.AnnBatchDataset(cfg["store"], selector=sel, batch_size=b if paired else 2 * b,
                              densify=True, seed=int(cfg["seed"]), **kw)
     control_code = list(ds.source.categories("target_gene")).index(CONTROL)
@@ -322,8 +329,9 @@ def run_case(name: str, cfg: Config) -> Result:
     try:
         if kind in ("cell_load", "cell_load_h5py"):
             out = _cell_load(cfg, h5py_defaults=kind == "cell_load_h5py")
-        elif kind in ("ours_chunked", "ours_paired"):
-            out = _ours(cfg, paired=kind == "ours_paired")
+        elif kind in ("ours_chunked", "ours_paired", "ours_paired_runs"):
+            out = _ours(cfg, paired=kind != "ours_chunked",
+                        runs=RUN if kind == "ours_paired_runs" else None)
         else:
             raise ValueError(f"unknown case {name!r}")
         out.setdefault("status", "ok")
@@ -444,20 +452,21 @@ def report(args: argparse.Namespace, meta: dict[str, Any], cases: dict[str, Resu
               "| ratio | value | target |", "|---|---:|---|"]
     ratios: dict[str, float | None] = {}
     pairs: dict[str, tuple[str | None, str | None]] = {}
-    bp, vp = best("ours_paired")
-    for other in ("ours_chunked", "cell_load", "cell_load_h5py"):
-        bo, vo = best(other)
-        key = f"ours_paired / {other}, best of each"
-        ratios[key] = _ratio(vp, vo)
-        pairs[key] = (bp, bo)
-        for w in args.workers:
-            ratios[f"ours_paired / {other}, w{w}"] = _ratio(
-                rate.get(f"ours_paired_w{w}"), rate.get(f"{other}_w{w}"))
+    for mine in ("ours_paired", "ours_paired_runs"):
+        bp, vp = best(mine)
+        for other in ("ours_chunked", "cell_load", "cell_load_h5py"):
+            bo, vo = best(other)
+            key = f"{mine} / {other}, best of each"
+            ratios[key] = _ratio(vp, vo)
+            pairs[key] = (bp, bo)
+            for w in args.workers:
+                ratios[f"{mine} / {other}, w{w}"] = _ratio(
+                    rate.get(f"{mine}_w{w}"), rate.get(f"{other}_w{w}"))
     for k, v in ratios.items():
         if v is None and not k.endswith("best of each"):
             continue
         target = ""
-        if k.startswith("ours_paired / ours_chunked"):
+        if k.startswith(("ours_paired / ours_chunked", "ours_paired_runs / ours_chunked")):
             target = (f">= {TARGET}x: " + ("met" if v >= TARGET else "**not met**")
                       if v is not None else f">= {TARGET}x")
         a, o = pairs.get(k, (None, None))

@@ -269,3 +269,34 @@ def test_an_unweighted_mixture_takes_a_sampler(members: dict[str, tuple[ad.AnnDa
     np.testing.assert_allclose(counts / counts.sum(), 1 / 16, atol=0.03)
     assert isinstance(pd.Index(mixture.obs_names), pd.Index)
     assert torch.is_tensor(next(iter(ds))["source"])
+
+
+def test_a_member_draws_with_a_sampler_of_its_own(
+        members: dict[str, tuple[ad.AnnData, Any]]) -> None:
+    mixture = _mix({k: members[k] for k in ("a", "b")}, {"a": 0.5, "b": 0.5},
+                   samplers={"a": abt.ClassBalancedSampler("cell_type")})
+    ds = abt.AnnBatchDataset(mixture, selector={"ct": A.obs["cell_type"]}, batch_size=100,
+                             chunk_size=50, return_index=True)
+    assert "samplers={'a': ClassBalancedSampler" in repr(ds.sampler)
+    cats = np.asarray(mixture.categories("cell_type"), dtype=object)
+    a_types, b_rows = [], []
+    for b in DataLoader(ds, batch_size=None, num_workers=2):
+        src = b["source"].numpy()
+        assert np.bincount(src, minlength=2).tolist() == [50, 50]
+        a_types.append(cats[b["ct"].numpy()[src == 0]])
+        b_rows.append(b["index"].numpy()[src == 1])
+    a_types = np.concatenate(a_types)
+    share = pd.Series(a_types).value_counts(normalize=True)
+    assert len(share) == 8  # a's own types only, each about 1/8 (the stored shares differ)
+    assert all(not t.startswith("b_") for t in share.index)
+    np.testing.assert_allclose(share.to_numpy(), 1 / 8, atol=0.04)
+    stored = members["a"][0].obs["cell_type"].value_counts(normalize=True)
+    assert stored.max() > 0.2  # so balancing changed the shares
+    rows_b = np.concatenate(b_rows)  # b: runs of its rows, every row once (its share: 1000)
+    assert len(rows_b) == 1000
+    assert len(set(rows_b.tolist())) == SIZES["b"]
+    with pytest.raises(SchemaError, match=r"samplers name \['z'\]"):
+        _mix(members, {"a": 1.0}, samplers={"z": abt.ClassBalancedSampler("cell_type")})
+    with pytest.raises(SamplerError, match="drawing single rows"):
+        abt.AnnBatchDataset(_mix(members, {"a": 1.0}, samplers={"a": abt.PairedSampler(
+            "cell_type", "T cell")}))

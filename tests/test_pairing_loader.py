@@ -71,16 +71,17 @@ def _check_pairs(coll: Collection, screen: ad.AnnData, pert: np.ndarray, ctrl: n
         assert (col[c] == col[p][:, None]).all(), m
 
 
-@pytest.mark.parametrize(("loader", "num_workers", "densify", "n_controls"),
-                         [(DataLoader, 0, False, 1), (DataLoader, 2, True, 2),
-                          (DataLoader, 2, False, 3), (AnnBatchDataLoader, 2, True, 1)])
+@pytest.mark.parametrize(("loader", "num_workers", "densify", "n_controls", "runs"),
+                         [(DataLoader, 0, False, 1, None), (DataLoader, 2, True, 2, None),
+                          (DataLoader, 2, False, 3, None), (AnnBatchDataLoader, 2, True, 1, None),
+                          (DataLoader, 2, True, 1, 32), (AnnBatchDataLoader, 0, False, 2, 7)])
 def test_batches_pair_each_perturbed_row_once_with_values_of_the_source(
         screen_collection: Collection, screen: ad.AnnData, loader: Any, num_workers: int,
-        densify: bool, n_controls: int) -> None:
+        densify: bool, n_controls: int, runs: int | None) -> None:
     coll = screen_collection
     ds = AnnBatchDataset(coll, selector={"X": A.X, "t": A.obs["target_gene"]}, batch_size=50,
-                         sampler=_paired(n_controls), return_index=True, densify=densify,
-                         chunk_size=64, preload_nchunks=4)
+                         sampler=_paired(n_controls, chunk_size=runs), return_index=True,
+                         densify=densify, chunk_size=64, preload_nchunks=4)
     kw = {"batch_size": None} if loader is DataLoader else {}
     batches = list(loader(ds, num_workers=num_workers, **kw))
     assert len(batches) == len(ds)
@@ -99,6 +100,19 @@ def test_batches_pair_each_perturbed_row_once_with_values_of_the_source(
         assert (cats[b["control_t"].numpy()] == screen.obs["target_gene"].to_numpy()[src]).all()
     pert = np.concatenate([b["index"].numpy() for b in batches])
     np.testing.assert_array_equal(np.sort(pert), _perturbed_rows(coll, screen))  # once each
+
+
+def test_runs_of_perturbed_rows_are_mixed_across_the_pool(
+        screen_collection: Collection) -> None:
+    # runs of 16 rows hold ~12 perturbed rows: a batch of 20 would span ~2 runs unmixed
+    ds = AnnBatchDataset(screen_collection, selector={"t": A.obs["target_gene"]},
+                         batch_size=20, chunk_size=64, preload_nchunks=16, return_index=True,
+                         sampler=_paired(chunk_size=16))
+    spans = [len(np.unique(b["index"].numpy() // 16)) for b in ds]
+    assert np.median(spans) >= 12
+    s = _paired(chunk_size=16)
+    assert s.mixes_in_pool
+    assert not _paired().mixes_in_pool
 
 
 def test_sets_come_whole_in_batches(screen_collection: Collection, screen: ad.AnnData) -> None:
@@ -170,20 +184,22 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(screen_collection: Collec
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(30, 300), st.integers(0, 2**16), st.integers(1, 3), st.integers(1, 9),
-       st.integers(1, 4), st.integers(1, 3), st.booleans(), st.sampled_from(["drop", "pad"]))
+       st.integers(1, 4), st.integers(1, 3), st.booleans(), st.sampled_from(["drop", "pad"]),
+       st.one_of(st.none(), st.integers(1, 20)), st.booleans())
 def test_the_plan_deals_whole_draws_laid_out_perturbed_first(
         n: int, seed: int, n_controls: int, batch_size: int, preload: int, world: int,
-        drop_last: bool, even: str) -> None:
+        drop_last: bool, even: str, runs: int | None, shuffle: bool) -> None:
     rng = np.random.default_rng(seed)
     target = rng.integers(0, 3, n)
     target[0] = 0
     cols = {"target_gene": ObsColumn(target, (CONTROL, "a", "b"))}
     if (target != 0).sum() == 0:
         target[1] = 1
-    s = PairedSampler("target_gene", CONTROL, n_controls=n_controls).bind(n, cols)
+    s = PairedSampler("target_gene", CONTROL, n_controls=n_controls,
+                      chunk_size=runs).bind(n, cols)
     plan = sampling.SamplePlan(n_obs=n, chunk_size=7, preload_nchunks=preload,
                                batch_size=batch_size, seed=seed, sampler=s,
-                               drop_last=drop_last, even_batches=even)
+                               drop_last=drop_last, even_batches=even, shuffle=shuffle)
     d = n_controls + 1
     assert plan.pool % (batch_size * d) == 0
     seen = []

@@ -14,6 +14,11 @@ A member's rows come in *runs* of ``chunk_size`` consecutive rows (its rows, or 
 may draw, cut in order), the runs in a random order of ``(seed, epoch, member, pass)``: a
 member whose share exceeds its rows starts another pass (another order); one below it reads
 the first runs of the order, a new subsample each epoch. A pool thus reads whole runs.
+
+A member may draw with a sampler of its own instead (``member_samplers``, e.g.
+class-balanced inside one collection): bound to the member's rows, its stream gives the
+member's rows, pass ``p`` of an epoch being the sampler's stream of that epoch under a seed
+derived from ``(seed, member, p)``.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class MixSampler(Sampler):
         all.
     names
         The members' names (for messages and the signature).
+    member_samplers
+        Per member, a :class:`~annbatch_torch.Sampler` drawing its rows (bound here to the
+        member's rows), or ``None``: runs of its rows.
     """
 
     mixes_in_pool = True
@@ -72,7 +80,8 @@ class MixSampler(Sampler):
 
     def __init__(self, offsets: Sequence[int], weights: Sequence[float], *, batch_size: int,
                  chunk_size: int, num_samples: int | None = None,
-                 names: Sequence[str] = ()) -> None:
+                 names: Sequence[str] = (),
+                 member_samplers: Sequence[Sampler | None] = ()) -> None:
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.weights = np.asarray(weights, dtype=np.float64)
         if self.offsets.ndim != 1 or len(self.offsets) != len(self.weights) + 1:
@@ -82,6 +91,19 @@ class MixSampler(Sampler):
         self.num_samples = None if num_samples is None else check_int(
             "num_samples", num_samples, 1, error=SamplerError, note=" (or None)")
         self.names = list(names) or [f"member {i}" for i in range(len(self.weights))]
+        self.member_samplers = list(member_samplers) or [None] * len(self.weights)
+        if len(self.member_samplers) != len(self.weights):
+            raise SamplerError("MixSampler: give one sampler (or None) per member.")
+        for name, ms in zip(self.names, self.member_samplers, strict=True):
+            if ms is not None and (not isinstance(ms, Sampler) or ms.draw_size != 1
+                                   or ms.is_bound):
+                raise SamplerError(
+                    f"mix: the sampler of {name!r} must be an unbound annbatch_torch Sampler "
+                    f"drawing single rows (WeightedSampler, ClassBalancedSampler, "
+                    f"SubsetSampler...), got {ms!r}.")
+        #: the obs columns the members' samplers ask for
+        self.columns = tuple(dict.fromkeys(c for ms in self.member_samplers if ms is not None
+                                           for c in ms.columns))
 
     # -- tables ------------------------------------------------------------------------
     def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
@@ -96,6 +118,18 @@ class MixSampler(Sampler):
             cut = np.searchsorted(self.allowed, self.offsets)
             self._rows = [self.allowed[cut[i]:cut[i + 1]] for i in range(k)]
             sizes = np.array([len(r) for r in self._rows], dtype=np.int64)
+        #: per member, its sampler bound to its rows (None: runs of its rows)
+        self._bound: list[Sampler | None] = [None] * k
+        for i, ms in enumerate(self.member_samplers):
+            if ms is None or sizes[i] == 0 or self.weights[i] == 0:
+                continue
+            rows = self._rows[i]
+            own = np.arange(self.offsets[i], self.offsets[i + 1]) if rows is None else rows
+            try:
+                self._bound[i] = ms.bind(n_obs, {c: columns[c] for c in ms.columns}, own)
+            except SamplerError as e:
+                raise SamplerError(f"mix: the sampler of {self.names[i]!r}: {e}") from None
+            sizes[i] = len(self._bound[i])
         self._sizes = sizes.astype(np.int64)
         empty = [self.names[i] for i in range(k) if self.weights[i] > 0 and sizes[i] == 0]
         if empty:
@@ -163,6 +197,16 @@ class MixSampler(Sampler):
         """Rows ``index`` (0, 1, ... of the epoch) of member ``m``'s stream of runs."""
         size = int(self._sizes[m])
         passes, t = np.divmod(index, size)
+        bound = self._bound[m]
+        if bound is not None:  # the member's sampler: pass p under a seed of its own
+            out = np.empty(len(index), dtype=np.int64)
+            for p in np.unique(passes):
+                at = passes == p
+                lo, hi = int(t[at].min()), int(t[at].max()) + 1
+                sub = int(np.random.SeedSequence([seed, m, int(p), TAG_MIX]).generate_state(
+                    1, np.uint64)[0] >> 1)
+                out[at] = np.asarray(bound.rows(sub, epoch, lo, hi))[t[at] - lo]
+            return out
         local = np.empty(len(index), dtype=np.int64)
         for p in np.unique(passes):
             at = passes == p
@@ -201,5 +245,10 @@ class MixSampler(Sampler):
         shares = ", ".join(f"{n!r}: {w:.4g}" for n, w in zip(self.names, self.weights,
                                                               strict=True))
         extra = "" if self.num_samples is None else f", num_samples={self.num_samples}"
+        inner = {n: ms for n, ms in zip(self.names, self.member_samplers, strict=True)
+                 if ms is not None}
+        if inner:
+            extra += ", samplers={" + ", ".join(f"{n!r}: {ms!r}" for n, ms in inner.items()) \
+                + "}"
         return (f"MixSampler({{{shares}}}, batch_size={self.batch_size}, "
                 f"chunk_size={self.chunk_size}{extra})")

@@ -77,6 +77,12 @@ class PairedSampler(Sampler):
     set_size
         Perturbed rows per set (rows sharing their perturbation and match values, kept
         together in the stream); ``None``: single rows.
+    chunk_size
+        ``None`` (default): the perturbed rows in a random order, each read on its own.
+        An integer: the perturbed rows of runs of ``chunk_size`` consecutive rows of the
+        source, the runs in a random order and the draws mixed inside each pool (as
+        chunked mode mixes rows): a pool reads its perturbed rows as runs, not one by one
+        (the controls are still drawn one by one). Not with ``set_size``.
     num_samples
         Perturbed rows (draws) per epoch; ``None`` (default): every perturbed row once
         (with ``set_size``: every set once). Fewer: the first ``num_samples`` of the
@@ -95,7 +101,8 @@ class PairedSampler(Sampler):
 
     def __init__(self, perturbation: str, control: Hashable | Sequence[Hashable], *,
                  match: Sequence[str] = (), n_controls: int = 1, set_size: int | None = None,
-                 num_samples: int | None = None, on_missing_control: str = "error") -> None:
+                 chunk_size: int | None = None, num_samples: int | None = None,
+                 on_missing_control: str = "error") -> None:
         for what, name in (("perturbation", perturbation),
                            *(("match", m) for m in _as_values(match))):
             if not isinstance(name, str) or not name:
@@ -114,6 +121,13 @@ class PairedSampler(Sampler):
                                     error=SamplerError)
         self.set_size = None if set_size is None else check_int(
             "PairedSampler set_size", set_size, 1, error=SamplerError, note=" (or None)")
+        self.chunk_size = None if chunk_size is None else check_int(
+            "PairedSampler chunk_size", chunk_size, 1, error=SamplerError, note=" (or None)")
+        if self.chunk_size is not None and self.set_size is not None:
+            raise SamplerError("PairedSampler: give set_size (sets of one perturbation, read "
+                               "row by row) or chunk_size (runs of rows), not both.")
+        #: runs of rows are mixed inside each pool, draw by draw
+        self.mixes_in_pool = self.chunk_size is not None
         self.num_samples = None if num_samples is None else check_int(
             "PairedSampler num_samples", num_samples, 1, error=SamplerError, note=" (or None)")
         if self.num_samples is not None and self.set_size is not None and (
@@ -221,6 +235,11 @@ class PairedSampler(Sampler):
 
     def _epoch_perturbed(self, rng: np.random.Generator) -> np.ndarray:
         """The epoch's perturbed rows in stream order (sets of ``set_size`` together)."""
+        if self._set_keys is None and self.chunk_size is not None:  # runs, in a random order
+            run = self._perturbed // self.chunk_size
+            rank = np.empty(int(run[-1]) + 1, dtype=np.int64)
+            rank[np.unique(run)] = rng.permutation(len(np.unique(run)))
+            return self._perturbed[np.argsort(rank[run], kind="stable")]
         if self._set_keys is None:
             return rng.permutation(self._perturbed)
         s = self.set_size
@@ -242,6 +261,8 @@ class PairedSampler(Sampler):
 
     def __repr__(self) -> str:
         extra = "" if self.set_size is None else f", set_size={self.set_size}"
+        if self.chunk_size is not None:
+            extra += f", chunk_size={self.chunk_size}"
         if self.num_samples is not None:
             extra += f", num_samples={self.num_samples}"
         return (f"PairedSampler({self.perturbation!r}, {self.control!r}, "

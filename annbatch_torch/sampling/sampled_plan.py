@@ -77,9 +77,6 @@ class SampleRows:
         self.total = len(sampler)
         self.shuffled = bool(mix)
         self.draw_size = int(sampler.draw_size)
-        if self.draw_size > 1 and self.shuffled:
-            raise SamplerError(f"{sampler!r}: a stream of draws (draw_size "
-                               f"{self.draw_size}) cannot be mixed inside its pools.")
         if self.total % self.draw_size:
             raise SamplerError(f"{sampler!r}: len() = {self.total} is not a multiple of its "
                                f"draw_size {self.draw_size}.")
@@ -106,15 +103,23 @@ class SampleRows:
         ranges = merge_ranges(np.stack([uniq, uniq + 1], axis=1))
         ranges.flags.writeable = False
         order = inverse.reshape(-1).astype(np.int64, copy=False)
+        d = self.draw_size
         if self.shuffled and pool_index >= 0:  # batches of rows from all over the pool
             strata = self.sampler.pool_strata(a, b)
-            perm = (pool_permutation(b - a, seed=self.seed, epoch=self.epoch,
-                                     pool_index=pool_index, shuffle=True) if strata is None
-                    else stratified_permutation(strata, seed=self.seed, epoch=self.epoch,
-                                                pool_index=pool_index))
+            if d > 1:  # draws permuted whole (each stays a run of d positions)
+                draws = pool_permutation((b - a) // d, seed=self.seed, epoch=self.epoch,
+                                         pool_index=pool_index, shuffle=True)
+                perm = (draws[:, None] * d + np.arange(d)).reshape(-1)
+            elif strata is None:
+                perm = pool_permutation(b - a, seed=self.seed, epoch=self.epoch,
+                                        pool_index=pool_index, shuffle=True)
+            else:
+                perm = stratified_permutation(strata, seed=self.seed, epoch=self.epoch,
+                                              pool_index=pool_index)
+            # (a batch's positions sorted: its draws stay runs of d, in ascending order)
             order = order[pool_order(perm, batch_size)]
-        elif self.draw_size > 1:  # each batch: the draws' first rows, then their others
-            order = order[draw_layout(b - a, batch_size, self.draw_size)]
+        if d > 1:  # each batch: the draws' first rows, then their others
+            order = order[draw_layout(b - a, batch_size, d)]
         return ranges, order
 
 

@@ -63,7 +63,7 @@ class Mixture(Source):
         ``{name: share}`` summing to 1, or ``None`` (no mixing).
     var_names
         The reference genes (``None``: the members', which must then agree).
-    num_samples, chunk_size
+    num_samples, chunk_size, samplers
         As :func:`mix` takes them.
 
     Attributes
@@ -87,13 +87,15 @@ class Mixture(Source):
 
     def __init__(self, members: Mapping[str, Source], weights: Mapping[str, float] | None,
                  var_names: Sequence[str] | None, num_samples: int | None,
-                 chunk_size: int | None) -> None:
+                 chunk_size: int | None, samplers: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.names = list(members)
         self.members = [members[n] for n in self.names]
         self.weights = None if weights is None else [float(weights[n]) for n in self.names]
         self.num_samples = num_samples
         self.chunk_size = chunk_size
+        #: per member, the sampler drawing its rows (``None``: runs of its rows)
+        self.samplers = [(samplers or {}).get(n) for n in self.names]
         self.shard_sizes = [int(s) for m in self.members for s in m.shard_sizes]
         #: each mixture shard's (member, member shard)
         self._shards = [(i, j) for i, m in enumerate(self.members)
@@ -224,6 +226,7 @@ class Mixture(Source):
         ids = [i() if callable(i) else None for i in ids]
         doc = {"mix": 1, "names": self.names, "n_obs": [int(m.n_obs) for m in self.members],
                "members": ids, "weights": self.weights, "num_samples": self.num_samples,
+               "samplers": [None if s is None else repr(s) for s in self.samplers],
                "var_names": var_names_digest(list(self.var_names))}
         text = json.dumps(doc, sort_keys=True, default=str)
         return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -312,7 +315,7 @@ class Mixture(Source):
 
 def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, *,
         var_names: Sequence[str] | None = None, num_samples: int | None = None,
-        chunk_size: int | None = None) -> Mixture:
+        chunk_size: int | None = None, samplers: Mapping[str, Any] | None = None) -> Mixture:
     """Several collections read as one source, their rows drawn in chosen proportions.
 
     Pass the result as ``source`` to :class:`~annbatch_torch.AnnBatchDataset` or as
@@ -342,6 +345,11 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
     chunk_size
         Consecutive rows of a collection read together; ``None``: the dataset's
         ``chunk_size``.
+    samplers
+        ``{name: sampler}``: a collection whose rows a :class:`~annbatch_torch.Sampler`
+        draws (e.g. ``ClassBalancedSampler("cell_type")``: class-balanced inside that
+        collection, its share of each batch unchanged); its obs columns are read in the
+        mixture's code space. Others: runs of their rows.
 
     Returns
     -------
@@ -394,4 +402,8 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
     if chunk_size is not None:
         chunk_size = check_int("mix chunk_size", chunk_size, 1, error=SchemaError,
                                note=" (or None)")
-    return Mixture(members, w, var_names, num_samples, chunk_size)
+    unknown = [k for k in (samplers or {}) if k not in members]
+    if unknown:
+        raise SchemaError(f"mix: samplers name {unknown}, which are not among the "
+                          f"collections {list(members)}.")
+    return Mixture(members, w, var_names, num_samples, chunk_size, samplers)
