@@ -191,7 +191,8 @@ class BatchAssembler:
                     try:
                         batch[key] = f.transform(batch[key])
                     except Exception as e:
-                        what = f"the transform of selector key {key!r} (field {f.path!r})"
+                        kind = "selector" if key in self.selector else "output"
+                        what = f"the transform of {kind} key {key!r} (field {f.path!r})"
                         raise self.error(what, item, b, e) from e
             for (p0, p1), prefix in zip(parts, ("", CONTROL_PREFIX), strict=False):
                 if self.index:

@@ -133,6 +133,7 @@ def report_batches(dataset: AnnBatchDataset, n_batches: int | None,
     yields first (with workers the same batches arrive interleaved). Padding batches
     (``even_batches="pad"``: masked repeats of the epoch's first rows) are left out."""
     items = dataset.epoch_plan.items(epoch, rank=dataset.rank, world_size=dataset.world_size)
+    d = dataset.draw_size  # a batch of draws: its first rows (the perturbed rows) counted
     out: list[np.ndarray] = []
     for item in items:
         if item.padding:
@@ -142,7 +143,7 @@ def report_batches(dataset: AnnBatchDataset, n_batches: int | None,
             if n_batches is not None and len(out) >= n_batches:
                 return out
             lo, hi = item.bounds(b)
-            out.append(rows[lo:hi])
+            out.append(rows[lo:lo + (hi - lo) // d])
     return out
 
 
@@ -150,8 +151,9 @@ def _epoch_rows(dataset: AnnBatchDataset, epoch: int,
                 batches: list[np.ndarray]) -> np.ndarray:
     """Every row the epoch holds (a sampler's draws with their repeats)."""
     plan = dataset.epoch_plan
-    if isinstance(plan, SamplePlan):
-        return np.asarray(plan.sampler.rows(plan.seed, epoch, 0, len(plan.sampler)))
+    if isinstance(plan, SamplePlan):  # (of draws: their first rows)
+        return np.asarray(plan.sampler.rows(plan.seed, epoch, 0, len(plan.sampler))
+                          )[::dataset.draw_size]
     if isinstance(plan, ChunkPlan):
         return plan.rows()
     return np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)  # pragma: no cover
@@ -265,7 +267,9 @@ def diversity_report(dataset: AnnBatchDataset, column: str | Sequence[str],
     ``preload_nchunks``, ``batch_size``, seed, split and sampler). A *random batch* holds
     as many rows drawn without replacement from the epoch's rows, so a ratio of 1 means the
     batches are as mixed as a perfect shuffle of the same epoch, whatever the sampler put
-    in it; the class shares show what the sampler put in it.
+    in it; the class shares show what the sampler put in it. With a
+    :class:`~annbatch_torch.PairedSampler` the perturbed rows of each batch are counted
+    (not their controls).
 
     Parameters
     ----------

@@ -57,7 +57,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from . import sampling
 from .annbatch_dataset import DEFAULT_CHUNK_SIZE, DEFAULT_PRELOAD_NCHUNKS, AnnBatchDataset
-from .errors import check_int
+from .errors import SamplerError, check_int
 from .fields import Field
 from .loader import AnnBatchDataLoader
 from .resume import is_mid_epoch, state_ints
@@ -334,7 +334,8 @@ class AnnBatchDataModule(pl.LightningDataModule):
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
-    def _dataset(self, chunk_ids: np.ndarray | None, train: bool) -> AnnBatchDataset:
+    def _dataset(self, chunk_ids: np.ndarray | None, train: bool,
+                 split: str = "training") -> AnnBatchDataset:
         """A dataset of this rank over ``chunk_ids`` (chunks of ``split_chunk_size``
         rows) or, with ``None``, over the whole collection."""
         assert self.collection is not None
@@ -359,7 +360,18 @@ class AnnBatchDataModule(pl.LightningDataModule):
                     n_obs=self.collection.n_obs, chunk_size=chunk_size,
                     preload_nchunks=preload, batch_size=self.batch_size,
                     seed=self.seed, chunk_ids=chunk_ids).rows()
-            sampler, chunk_ids = bind_sampler(self.collection, self.sampler, rows), None
+            chosen = self.sampler if train else self.sampler.for_evaluation()
+            try:
+                sampler, chunk_ids = bind_sampler(self.collection, chosen, rows), None
+            except SamplerError as e:
+                if train:
+                    raise
+                raise SamplerError(
+                    f"{self._where()}: the {split} split's pairs (held-out chunks of "
+                    f"{self.split_chunk_size} rows, "
+                    f"{self.collection.n_obs if rows is None else len(rows)} rows in all): {e} "
+                    "Here: raise its fraction or chunk_size, or pass "
+                    "on_missing_control='skip' to the PairedSampler.") from None
         source: Source = self.collection
         if not train and isinstance(source, Mixture) and source.weights is not None:
             source = source.without_weights()  # held-out rows: each once, in order
@@ -388,10 +400,11 @@ class AnnBatchDataModule(pl.LightningDataModule):
             self.train_dataset.set_epoch(self._epoch)
             self._check_train_drop(self.train_dataset, world)
             has_val = len(self.val_chunks) > 0
-            self.val_dataset = self._dataset(self.val_chunks, train=False) if has_val else None
+            self.val_dataset = (self._dataset(self.val_chunks, train=False, split="validation")
+                                if has_val else None)
         if stage in (None, "test", "predict"):
-            self.predict_dataset = self._dataset(None, train=False)
-            self.test_dataset = (self._dataset(self.test_chunks, train=False)
+            self.predict_dataset = self._dataset(None, train=False, split="predict")
+            self.test_dataset = (self._dataset(self.test_chunks, train=False, split="test")
                                  if len(self.test_chunks) else self.predict_dataset)
         logger.info(
             "setup(%s) on rank %d/%d: %d train, %d validation, %d test chunks of %d rows.",

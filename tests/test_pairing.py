@@ -196,3 +196,12 @@ def test_num_samples_subsamples_or_repeats_the_perturbed_rows(set_size: int | No
             assert first != second
     with pytest.raises(abt.SamplerError, match="multiple of set_size=2"):
         PairedSampler("target", "ctrl", set_size=2, num_samples=5)
+
+
+@pytest.mark.parametrize("control", [np.array(["ctrl"]), pd.Index(["ctrl"]), {"ctrl"},
+                                     ("ctrl",)])
+def test_control_values_come_in_any_iterable(control: object) -> None:
+    cols = _screen(200, 4)
+    s = PairedSampler("target", control, match=("line", "plate")).bind(200, cols)
+    assert s.control == ["ctrl"]
+    _check_epoch(s, cols, np.asarray(s.rows(0, 0, 0, len(s))))

@@ -286,3 +286,56 @@ def test_the_datamodule_pairs_training_and_validation_each_within_its_split(
             assert used <= allowed
             _check_pairs(screen_collection, screen, b["index"].numpy(),
                          b["control_index"].numpy(), 1)
+
+
+def test_held_out_splits_pair_each_row_once_with_the_same_pairs_every_epoch(
+        screen_collection: Collection, screen: ad.AnnData) -> None:
+    dm = AnnBatchDataModule(None, screen_collection.path, batch_size=32, chunk_size=64,
+                            val_fraction=0.25, sampler=_paired(num_samples=300),
+                            selector={"t": A.obs["target_gene"]},
+                            dataset_kwargs={"return_index": True})
+    dm.setup(None)
+    assert len(list(dm.train_dataloader())) == -(-300 // 32)  # training: num_samples
+    n, cs = screen_collection.n_obs, dm.split_chunk_size
+    val = np.array(sorted(r for c in dm.val_chunks for r in range(c * cs, min(n, (c + 1) * cs))))
+    want = np.intersect1d(val, _perturbed_rows(screen_collection, screen))
+
+    def pairs(loader: Any) -> list[tuple[int, int]]:
+        return [(i, c) for b in loader for i, c, m in zip(
+            b["index"].tolist(), b["control_index"].tolist(), b["mask"].tolist()) if m]
+
+    first = pairs(dm.val_dataloader())
+    assert sorted(i for i, _ in first) == want.tolist()  # each held-out perturbed row once
+    dm.val_dataset.set_epoch(3)  # (Lightning moves the validation loader's epoch too)
+    assert pairs(dm.val_dataloader()) == first
+    pred = sorted(i for i, _ in pairs(dm.predict_dataloader()))
+    assert pred == _perturbed_rows(screen_collection, screen).tolist()
+    assert "evaluation" in repr(dm.val_dataset.sampler)
+
+
+def test_a_held_out_split_without_controls_is_named_with_the_fix(
+        screen_collection: Collection) -> None:
+    dm = AnnBatchDataModule(None, screen_collection.path, batch_size=32, chunk_size=16,
+                            val_fraction=0.01, sampler=_paired(),
+                            selector={"t": A.obs["target_gene"]})
+    with pytest.raises(SamplerError, match=r"the validation split's pairs .* no control .*"
+                                           r"raise its fraction"):
+        dm.setup("fit")
+
+
+def test_the_report_counts_the_perturbed_rows(screen_collection: Collection) -> None:
+    from annbatch_torch import diversity_report
+
+    ds = AnnBatchDataset(screen_collection, batch_size=100, sampler=_paired(3))
+    shares = diversity_report(ds, "target_gene", per="class")
+    row = shares.loc[("target_gene", "non-targeting")]
+    assert row["batch_share"] == row["epoch_share"] == 0  # controls are not counted
+    assert row["collection_share"] > 0.2
+
+
+def test_scvi_refuses_pairs(screen_collection: Collection) -> None:
+    from annbatch_torch.integrations.scvi import SCVIDataModule
+
+    with pytest.raises(SamplerError, match="control_ keys"):
+        SCVIDataModule(screen_collection, batch_key="gem_group", sampler=_paired(),
+                       check_counts=False)

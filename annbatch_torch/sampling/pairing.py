@@ -24,8 +24,9 @@ selector's keys and their controls under the same keys prefixed ``control_``
 
 from __future__ import annotations
 
+import copy
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,9 +46,10 @@ class MissingControlWarning(UserWarning):
 
 
 def _as_values(control: Any) -> list[Hashable]:
-    if isinstance(control, str) or not isinstance(control, Sequence):
+    """One value, or the values of any iterable (list, tuple, set, numpy array, Index)."""
+    if isinstance(control, str | bytes) or not isinstance(control, Iterable):
         return [control]
-    return list(control)
+    return [v.item() if isinstance(v, np.generic) else v for v in control]
 
 
 class PairedSampler(Sampler):
@@ -140,6 +142,18 @@ class PairedSampler(Sampler):
         self.on_missing_control = on_missing_control
         self.columns = (perturbation, *self.match)
 
+    #: evaluation copy (:meth:`for_evaluation`): the pairs of epoch 0 in every epoch
+    evaluation = False
+
+    def for_evaluation(self) -> PairedSampler:
+        """An unbound copy for held-out rows: every perturbed row once (no
+        ``num_samples``) and the same pairs in every epoch (validation losses compare)."""
+        out = copy.copy(self)
+        out.num_samples = None
+        out.evaluation = True
+        out._n_obs = None
+        return out
+
     @property
     def draw_size(self) -> int:
         """Stream positions per draw: the perturbed row and its controls."""
@@ -191,10 +205,11 @@ class PairedSampler(Sampler):
                                f"{self.perturbation!r} holds only controls {self.control} or "
                                "missing values among the rows it may draw).")
         self._perturbed = perturbed
-        self._group = group.astype(np.int64)
+        #: each perturbed row's match group (aligned with ``_perturbed``)
+        self._pert_group = group[perturbed].astype(np.int64)
         self._set_keys = None
         if self.set_size is not None:  # sets: rows of one (perturbation, match group)
-            key = codes[perturbed] * n_groups + self._group[perturbed]
+            key = codes[perturbed] * n_groups + self._pert_group
             self._set_keys = np.unique(key, return_inverse=True)[1].reshape(-1)
             sizes = np.bincount(self._set_keys)
             self._n_pass = int((-(-sizes // self.set_size)).sum()) * self.set_size
@@ -207,9 +222,14 @@ class PairedSampler(Sampler):
         (a missing value is a value of its own)."""
         if not self.match:
             return np.zeros(n_obs, dtype=np.int64)
-        stacked = np.stack([np.asarray(columns[m].codes, dtype=np.int64) for m in self.match],
-                           axis=1)
-        return np.unique(stacked, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
+        key = np.zeros(n_obs, dtype=np.int64)  # one flat code (missing = a value: code + 1)
+        for m in self.match:
+            codes = np.asarray(columns[m].codes, dtype=np.int64) + 1
+            width = int(codes.max(initial=0)) + 1
+            if width and int(key.max(initial=0)) >= (2**62) // width:  # re-rank: no overflow
+                key = np.unique(key, return_inverse=True)[1].reshape(-1).astype(np.int64)
+            key = key * width + codes
+        return np.unique(key, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
     def _describe(self, columns: Mapping[str, ObsColumn], row: int) -> str:
         parts = []
@@ -223,10 +243,12 @@ class PairedSampler(Sampler):
         return self._n_draws * self.draw_size
 
     def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
+        if self.evaluation:  # the same pairs every epoch
+            epoch = 0
         rng = np.random.default_rng([int(seed), int(epoch), TAG_PAIR])
         passes = [self._epoch_perturbed(rng) for _ in range(-(-self._n_draws // self._n_pass))]
-        pert = (passes[0] if len(passes) == 1 else np.concatenate(passes))[:self._n_draws]
-        g = self._group[pert]
+        idx = (passes[0] if len(passes) == 1 else np.concatenate(passes))[:self._n_draws]
+        pert, g = self._perturbed[idx], self._pert_group[idx]
         count, start = self._control_count[g], self._control_start[g]
         pick = (rng.random((len(pert), self.n_controls)) * count[:, None]).astype(np.int64)
         pick = np.minimum(pick, count[:, None] - 1)
@@ -234,19 +256,21 @@ class PairedSampler(Sampler):
         return np.concatenate([pert[:, None], controls], axis=1).reshape(-1)
 
     def _epoch_perturbed(self, rng: np.random.Generator) -> np.ndarray:
-        """The epoch's perturbed rows in stream order (sets of ``set_size`` together)."""
+        """The epoch's perturbed rows in stream order (sets of ``set_size`` together), as
+        positions in ``_perturbed``."""
         if self._set_keys is None and self.chunk_size is not None:  # runs, in a random order
             run = self._perturbed // self.chunk_size
+            ids = np.unique(run)
             rank = np.empty(int(run[-1]) + 1, dtype=np.int64)
-            rank[np.unique(run)] = rng.permutation(len(np.unique(run)))
-            return self._perturbed[np.argsort(rank[run], kind="stable")]
+            rank[ids] = rng.permutation(len(ids))
+            return np.argsort(rank[run], kind="stable")
         if self._set_keys is None:
-            return rng.permutation(self._perturbed)
+            return rng.permutation(len(self._perturbed))
         s = self.set_size
         assert s is not None
         keys = self._set_keys
         order = np.lexsort((rng.random(len(keys)), keys))  # by set key, shuffled inside
-        rows, k = self._perturbed[order], keys[order]
+        rows, k = order, keys[order]
         sizes = np.bincount(keys)
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         n_sets = -(-sizes // s)
@@ -265,5 +289,7 @@ class PairedSampler(Sampler):
             extra += f", chunk_size={self.chunk_size}"
         if self.num_samples is not None:
             extra += f", num_samples={self.num_samples}"
+        if self.evaluation:
+            extra += ", evaluation"
         return (f"PairedSampler({self.perturbation!r}, {self.control!r}, "
                 f"match={self.match!r}, n_controls={self.n_controls}{extra})")

@@ -188,6 +188,11 @@ class Sampler:
     def prepare(self, n_obs: int, columns: Mapping[str, ObsColumn]) -> None:
         """Check the sampler against a source and build its tables (on the bound copy)."""
 
+    def for_evaluation(self) -> Sampler:
+        """The sampler of held-out rows (validation, test, predict) where a DataModule
+        draws them too (a sampler of draws, ``draw_size > 1``); default: this one."""
+        return self
+
     def pool_strata(self, start: int, stop: int) -> np.ndarray | None:
         """A label per stream position in ``[start, stop)`` when :attr:`mixes_in_pool`:
         a pool is then permuted within each label's positions (a mixture keeps every

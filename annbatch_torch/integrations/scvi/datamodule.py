@@ -144,6 +144,12 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         converter = ScviBatchConverter(
             fields.labels.lut, fields.categorical_covariate_keys,
             fields.continuous_covariate_keys, size_factor_key is not None)
+        if getattr(sampler, "draw_size", 1) != 1:
+            raise abt.SamplerError(
+                f"SCVIDataModule: {sampler!r} yields perturbed rows with control rows "
+                "(control_ keys), which scvi-tools' models do not take; use a sampler of "
+                "single rows (WeightedSampler, ClassBalancedSampler, SubsetSampler), or "
+                "AnnBatchDataModule with a model of your own for pairs.")
         super().__init__(
             None, src, selector=fields.selector(), batch_size=batch_size,
             num_workers=num_workers, seed=seed, val_fraction=val_fraction,
