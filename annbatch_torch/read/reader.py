@@ -37,7 +37,7 @@ from .buffers import BufferCache
 from .csr import csr_view
 from .scatter import scatter_rows, scratch
 
-__all__ = ["Piece", "split_ranges", "describe_ranges", "PoolReader", "read_column",
+__all__ = ["Piece", "split_ranges", "piece_arrays", "describe_ranges", "PoolReader", "read_column",
            "default_read_threads",
            "read_fused", "IO_DEPTH", "GATHER_PIECES", "GATHER_GAP_BYTES", "SCRATCH_ELEMS",
            "FUSED_SCATTER"]
@@ -84,13 +84,27 @@ def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> list[Piece]:
     return [Piece(*t) for t in zip(shard.tolist(), lo.tolist(), hi.tolist(), out.tolist())]
 
 
-def _groups(pieces: list[Piece], parts: int, gap: int | None = None) -> list[tuple[int, int]]:
+#: ``(shard, start, stop, out_start)`` of a pool's pieces as int64 arrays
+PieceArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def piece_arrays(pieces: Sequence[Piece]) -> PieceArrays:
+    """``(shard, start, stop, out_start)`` of ``pieces`` as int64 arrays (what
+    :func:`_groups`, the gathers and the categorical assembly compute with: made once per
+    pool of drawn rows, not per field)."""
+    n = len(pieces)
+    shard, start, stop, out = (np.fromiter((p[i] for p in pieces), np.int64, n)
+                               for i in range(4))
+    return shard, start, stop, out
+
+
+def _groups(pieces: list[Piece], parts: int, gap: int | None = None,
+            arrays: PieceArrays | None = None) -> list[tuple[int, int]]:
     """``[i0, i1)`` runs of consecutive pieces of one shard in ascending row order, cut
     into about ``parts`` runs in all (so threads share the work); with ``gap``, a run also
-    ends where the next piece starts ``gap`` rows or more after the previous one."""
-    shard = np.fromiter((p.shard for p in pieces), np.int64, len(pieces))
-    start = np.fromiter((p.start for p in pieces), np.int64, len(pieces))
-    stop = np.fromiter((p.stop for p in pieces), np.int64, len(pieces))
+    ends where the next piece starts ``gap`` rows or more after the previous one.
+    ``arrays``: :func:`piece_arrays` of ``pieces``, when made already."""
+    shard, start, stop, _ = piece_arrays(pieces) if arrays is None else arrays
     cut = (shard[1:] != shard[:-1]) | (start[1:] < stop[:-1])
     if gap is not None:
         cut |= start[1:] - stop[:-1] >= gap
@@ -102,16 +116,18 @@ def _groups(pieces: list[Piece], parts: int, gap: int | None = None) -> list[tup
     return out
 
 
-def _row_lengths(pieces: list[Piece], els: list[Any]) -> np.ndarray:
+def _row_lengths(pieces: list[Piece], els: list[Any], arrays: PieceArrays | None = None
+                 ) -> np.ndarray:
     """Non-zeros of each row of ``pieces`` (CSR elements ``els``), in canonical order."""
     if not pieces:
         return np.zeros(0, np.int64)
     if len(pieces) < GATHER_PIECES:
         return np.concatenate([np.diff(el.indptr[p.start : p.stop + 1])
                                for p, el in zip(pieces, els)])
-    lengths = np.empty(sum(p.stop - p.start for p in pieces), dtype=np.int64)
-    for a, b in _groups(pieces, 1):
-        rows, canon = _piece_rows(pieces[a:b])
+    arrays = piece_arrays(pieces) if arrays is None else arrays
+    lengths = np.empty(int((arrays[2] - arrays[1]).sum()), dtype=np.int64)
+    for a, b in _groups(pieces, 1, arrays=arrays):
+        rows, canon = _piece_rows(arrays, a, b)
         indptr = els[a].indptr
         lengths[canon] = indptr[rows + 1] - indptr[rows]
     return lengths
@@ -140,11 +156,10 @@ def repeat_rows(data: np.ndarray, indices: np.ndarray, indptr: np.ndarray,
         scatter_rows(arr, src, n, arr, indptr[dup])
 
 
-def _piece_rows(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray]:
-    """The local rows of ``pieces`` and their canonical positions, concatenated."""
-    start = np.fromiter((p.start for p in pieces), np.int64, len(pieces))
-    stop = np.fromiter((p.stop for p in pieces), np.int64, len(pieces))
-    out = np.fromiter((p.out_start for p in pieces), np.int64, len(pieces))
+def _piece_rows(arrays: PieceArrays, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """The local rows of pieces ``[a, b)`` (:func:`piece_arrays`) and their canonical
+    positions, concatenated."""
+    start, stop, out = arrays[1][a:b], arrays[2][a:b], arrays[3][a:b]
     n = stop - start
     offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
     return np.repeat(start, n) + offset, np.repeat(out, n) + offset
@@ -423,6 +438,9 @@ class PoolReader:
         covered: set[str] = set()  # fields read by covering reads (a list per job)
         csr_buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         permute_after: set[str] = set()
+        # drawn rows: the pieces as arrays, made once for every field
+        arrays = (piece_arrays(pieces) if random_access and len(pieces) >= GATHER_PIECES
+                  else None)
         for field in self.fields:
             # open elements in this thread first: errors surface with context, and
             # element caches are not populated concurrently
@@ -443,14 +461,15 @@ class PoolReader:
                 fused = raw and (narrow or (scatter and FUSED_SCATTER))
                 jobs[field], job_els[field] = self._submit_csr(
                     ex, field, pieces, els, csr_buffers, order if scatter else None,
-                    random_access, dtypes, fused)
+                    random_access, dtypes, fused, arrays)
                 if order is not None and not scatter:
                     permute_after.add(field)
             elif random_access and len(pieces) >= GATHER_PIECES:  # covering reads
                 covered.add(field)
                 jobs[field] = [
                     (pieces[a], ex.submit(self._gated, self._read_cover, els[a], pieces[a:b]))
-                    for a, b in _groups(pieces, 2 * self.threads, self._gap_rows(field))
+                    for a, b in _groups(pieces, 2 * self.threads, self._gap_rows(field),
+                                        arrays)
                 ]
                 if order is not None:
                     permute_after.add(field)
@@ -482,7 +501,7 @@ class PoolReader:
                     value = self._assemble_csr(field, pieces, job_els[field],
                                                csr_buffers[field], n_rows, parts)
                 else:
-                    value = self._assemble(field, pieces, parts, n_rows)
+                    value = self._assemble(field, pieces, parts, n_rows, arrays)
             except ReadError:
                 raise
             except Exception as e:  # e.g. shards disagreeing on a dense field's width
@@ -507,6 +526,7 @@ class PoolReader:
         random_access: bool,
         dtypes: tuple[np.dtype, np.dtype],
         fused: bool,
+        arrays: PieceArrays | None = None,
     ) -> tuple[list[tuple[Piece, Future[Any]]], list[Any]]:
         """Allocate the pool's data/indices once (``dtypes``); every row is read into its
         final place (canonical order, or ``order`` when given). Returns the jobs and the
@@ -516,7 +536,9 @@ class PoolReader:
         into a thread's scratch and put in place by :func:`~.scatter.scatter_rows`, cast
         to the pool's dtypes (the way for shards storing narrower dtypes); else straight
         into place by ``preadv``."""
-        canon = _row_lengths(pieces, els)
+        if arrays is None and random_access and len(pieces) >= GATHER_PIECES:
+            arrays = piece_arrays(pieces)
+        canon = _row_lengths(pieces, els, arrays)
         out_len = canon if order is None else canon[order]
         indptr = np.zeros(len(out_len) + 1, dtype=np.int64)
         np.cumsum(out_len, out=indptr[1:])
@@ -538,9 +560,10 @@ class PoolReader:
             # fast as one, warm), the read threads for runs of rows (a collection grouped
             # for the sampler: the copies, not the Python steps, are the work)
             runs = len(out_len) >= RUN_ROWS * len(pieces)
+            assert arrays is not None
             for a, b in _groups(pieces, self.io_depth if self._from_disk else
-                                self.threads if runs else 1):
-                rows, canon = _piece_rows(pieces[a:b])
+                                self.threads if runs else 1, arrays=arrays):
+                rows, canon = _piece_rows(arrays, a, b)
                 jobs.append((pieces[a], ex.submit(self._gated, self._read_csr_gather, els[a],
                                                   [rows, data, indices, dests[canon]], fused)))
                 job_els.append(els[a])
@@ -658,7 +681,8 @@ class PoolReader:
             raise ReadError(f"expected {p.stop - p.start} rows, got {len(value)}")
         return value
 
-    def _assemble(self, field: str, pieces: list[Piece], parts: list[Any], n_rows: int) -> Any:
+    def _assemble(self, field: str, pieces: list[Piece], parts: list[Any], n_rows: int,
+                  arrays: PieceArrays | None = None) -> Any:
         if not pieces:
             info = self.source.fields[field]
             if info.kind == "csr":
@@ -670,30 +694,37 @@ class PoolReader:
             return values
         if info.kind != "categorical":  # one dtype for every pool, whatever the shard
             return np.asarray(values).astype(np.dtype(info.dtype), copy=False)
-        tables = [(p, self.source.code_map(p.shard, field)) for p in pieces]
+        # pieces land one after the other (split_ranges): each pool row's shard
+        shard, start, stop, _ = piece_arrays(pieces) if arrays is None else arrays
+        row_shard = np.repeat(shard, stop - start)
+        shards = np.unique(shard)
+        tables = {int(k): self.source.code_map(int(k), field) for k in shards}
         n_global = len(info.categories or ())
-        for p, table in tables:
-            # codes index the categories (-1 is a missing value); anything else would turn
-            # into a wrong label, or a device-side assert far away in the loss function
-            sl = slice(p.out_start, p.out_start + (p.stop - p.start))
-            n_cats = n_global if table is None else len(table) - 1
-            bad = (values[sl] < -1) | (values[sl] >= n_cats)
-            if bad.any():
-                row = p.start + int(np.flatnonzero(bad)[0])
-                raise ReadError(
-                    f"{self.source.shard_name(p.shard)}: field {field!r} holds category code "
-                    f"{int(values[sl][bad][0])} at shard row {row} (shard {p.shard}), outside "
-                    f"[-1, {n_cats}); the categorical is damaged, rewrite the store."
-                )
+        limits = np.array([n_global if tables[int(k)] is None else len(tables[int(k)]) - 1
+                           for k in shards], dtype=np.int64)
+        limit = limits[np.searchsorted(shards, row_shard)] if len(shards) > 1 else limits[0]
+        # codes index the categories (-1 is a missing value); anything else would turn into
+        # a wrong label, or a device-side assert far away in the loss function
+        bad = (values < -1) | (values >= limit)
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            i = int(np.searchsorted(np.cumsum(stop - start), r, side="right"))
+            p = pieces[i]
+            n_cats = int(limits[np.searchsorted(shards, p.shard)])
+            raise ReadError(
+                f"{self.source.shard_name(p.shard)}: field {field!r} holds category code "
+                f"{int(values[r])} at shard row {p.start + r - p.out_start} (shard {p.shard}), "
+                f"outside [-1, {n_cats}); the categorical is damaged, rewrite the store."
+            )
         # shards appended with more categories store wider codes than the older ones: one
         # dtype for every pool (after the check above, which sees the codes as stored)
         values = np.asarray(values).astype(np.dtype(info.dtype), copy=False)
-        if any(t is not None for _, t in tables):
+        if any(t is not None for t in tables.values()):
             values = values.astype(np.int64)  # a copy: never write into a source's buffer
-            for p, table in tables:
+            for k, table in tables.items():
                 if table is not None:
-                    sl = slice(p.out_start, p.out_start + (p.stop - p.start))
-                    values[sl] = table[values[sl]]
+                    at = row_shard == k
+                    values[at] = table[values[at]]
         return values
 
 
