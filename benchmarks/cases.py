@@ -265,7 +265,8 @@ def _ours_dataset(cfg: Config, source: Any, densify: bool, **kw: Any) -> Any:
 
 def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
               expect_dense: bool | None = None, plain_loader: bool = False,
-              rows_of: Callable[[Any], int] = _rows, **kw: Any) -> Result:
+              rows_of: Callable[[Any], int] = _rows,
+              consume: Callable[[Any], None] | None = None, **kw: Any) -> Result:
     import torch
 
     from annbatch_torch import AnnBatchDataLoader
@@ -285,7 +286,8 @@ def _run_ours(cfg: Config, source: Any, densify: bool, workers: int,
 
     with MemoryMonitor() as mon:
         run = time_batches(epochs, n_warmup=cfg["n_warmup"], n_batches=cfg["n_batches"],
-                           n_cells_of=rows_of, labels_of=_torch_labels, consume=check)
+                           n_cells_of=rows_of, labels_of=_torch_labels,
+                           consume=check if consume is None else consume)
     return _loader_result(
         run, mon, cfg, chunk_size=ds.chunk_size, preload_nchunks=ds.preload_nchunks,
         read_threads=ds.read_threads,
@@ -759,6 +761,54 @@ def _make_paired(densify: bool, workers: int) -> Callable[[Config], Result]:
     return case
 
 
+#: the weights of ``ours_mixed_*``: the two inputs' collections, 0.7 / 0.3
+MIX_WEIGHTS = {"part0": 0.7, "part1": 0.3}
+
+
+def _part_stores(cfg: Config) -> dict[str, str]:
+    """Each input written as a collection of its own (once, untimed, beside the store)."""
+    import annbatch_torch as abt
+
+    out = {}
+    for i, path in enumerate(cfg["paths"][:2]):
+        store = Path(f"{cfg['store']}_part{i}")
+        if not (store / "manifest.json").exists():
+            abt.create_anndata_collection([path], store, seed=cfg["seed"], overwrite=True,
+                                          progress=False, **cfg.get("writer_kwargs", {}))
+        out[f"part{i}"] = str(store)
+    return out
+
+
+def _make_mixed(densify: bool, workers: int) -> Callable[[Config], Result]:
+    def case(cfg: Config) -> Result:
+        import annbatch_torch as abt
+
+        mixture = abt.mix(_part_stores(cfg), MIX_WEIGHTS)
+        counts: list[np.ndarray] = []
+        check = _check_dense if densify else _check_sparse
+
+        def consume(batch: dict[str, Any]) -> None:
+            check(batch)
+            counts.append(np.bincount(batch["source"].numpy(), minlength=2))
+
+        out = _run_ours(cfg, mixture, densify, workers, consume=consume)
+        per_batch = np.array(counts)
+        quota = np.array([MIX_WEIGHTS["part0"], MIX_WEIGHTS["part1"]])
+        full = per_batch[per_batch.sum(axis=1) == cfg["batch_size"]]
+        out.update(weights=MIX_WEIGHTS, shares=(per_batch.sum(axis=0) / per_batch.sum()
+                                                ).tolist(),
+                   max_quota_deviation_rows=float(np.abs(
+                       full - cfg["batch_size"] * quota).max()) if len(full) else None)
+        return out
+
+    case.__doc__ = ("annbatch_torch mix() of the two inputs' collections, weights 0.7 / 0.3 "
+                    "(runs of the dataset's chunk_size rows, pools permuted within each "
+                    f"collection's positions), {'dense' if densify else 'torch CSR'}, "
+                    f"num_workers={workers}; shares and per-batch quota deviation reported.")
+    case.prepare = _part_stores  # type: ignore[attr-defined]
+    return case
+
+
 def _grouped_store(cfg: Config) -> str:
     """Our collection of the same inputs and seed written with ``group_by="cell_type"``
     (written once, untimed, beside the writer case's store)."""
@@ -980,6 +1030,8 @@ CASES: dict[str, Callable[[Config], Result]] = {
     **{f"ours_grouped_{kind}_{'dense' if d else 'sparse'}_w{w}": _make_grouped(kind, d, w)
        for kind in ("balanced", "chunked") for d in (False, True) for w in (0, 2)},
     **{f"ours_paired_{'dense' if d else 'sparse'}_w{w}": _make_paired(d, w)
+       for d in (False, True) for w in (0, 2)},
+    **{f"ours_mixed_{'dense' if d else 'sparse'}_w{w}": _make_mixed(d, w)
        for d in (False, True) for w in (0, 2)},
     "scdataset_balanced_w0": _make_scdataset(0, "balanced"),
     "scdataset_weighted_w0": _make_scdataset(0, "weighted"),

@@ -37,6 +37,9 @@ LABELS: dict[str, tuple[str, str]] = {
     **{f"ours_paired_{m}_w{w}": ("sampling", f"annbatch_torch PairedSampler (n_controls=1), "
                                              f"{desc}, {w} workers")
        for m, desc in (("sparse", "torch-CSR"), ("dense", "dense")) for w in (0, 2)},
+    **{f"ours_mixed_{m}_w{w}": ("sampling", f"annbatch_torch mix() of two collections "
+                                            f"0.7/0.3, {desc}, {w} workers")
+       for m, desc in (("sparse", "torch-CSR"), ("dense", "dense")) for w in (0, 2)},
     "scdataset_balanced_w0": ("sampling", "scDataset ClassBalancedSampling, in-process"),
     "scdataset_weighted_w0": ("sampling", "scDataset BlockWeightedSampling, in-process"),
     "ceiling_inmemory": ("ceiling", "ceiling: CSR in RAM, random rows + toarray"),
@@ -190,6 +193,21 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target("pairing (n_controls=1) >= 0.5x chunked mode (rows read, warm)",
                            ratio(paired, sparse), 0.5, higher=True, fmt="{:.2f}x",
                            detail=f"{paired_case} / {sparse_case}"))
+    mixed, mixed_case = _rate(c, "ours_mixed_sparse_w0", "ours_mixed_sparse_w2")
+    if mixed is not None:  # issue 34: mixing collections at chunked mode's speed
+        out.append(_target("mixing two collections 0.7/0.3 >= 0.9x chunked mode (warm)",
+                           ratio(mixed, sparse), 0.9, higher=True, fmt="{:.2f}x",
+                           detail=f"{mixed_case} / {sparse_case}"))
+        r = c[mixed_case]
+        dev = max(abs(a - b) for a, b in zip(r["shares"], (0.7, 0.3)))
+        out.append(_target("mixing: realised shares within 1% of the weights", dev, 0.01,
+                           higher=False, fmt="{:.4f}",
+                           detail=f"{mixed_case}: shares {r['shares']} over the timed "
+                           "and warm-up batches"))
+        out.append(_target("mixing: per-batch counts within 1 row of the quota",
+                           r.get("max_quota_deviation_rows"), 1.0, higher=False,
+                           fmt="{:.2f}", detail=f"{mixed_case}: the largest |count - "
+                           "batch_size x weight| of a full batch"))
     qual = [c[n]["quality"] for n in _OURS_COLLECTION if _ok(c, n) and "quality" in c[n]]
     out.append(_target("shuffle quality >= 0.97", min(qual) if qual else None, 0.97,
                        higher=True, fmt="{:.3f}",

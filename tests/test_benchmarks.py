@@ -19,6 +19,7 @@ LOADERS = ["ours_dense_w0", "ours_dense_w2", "ours_sparse_w0", "ours_sparse_w2",
            "ours_inplace_dense_w0", "scdataset_w0", "scdataset_w2", "annloader_w0",
            "ours_balanced_sparse_w0", "ours_weighted_dense_w2", "scdataset_balanced_w0",
            "ours_grouped_balanced_sparse_w0", "ours_paired_sparse_w0", "ours_paired_dense_w2",
+           "ours_mixed_sparse_w0",
            "ceiling_inmemory", "ceiling_seq_raw", "ceiling_seq_zarr"]
 
 
@@ -62,6 +63,8 @@ def test_every_case_runs_and_reports(tmp_path: Path) -> None:
     assert "## Training effect of class balancing" in md
     assert "sampling mode >= 0.5x chunked mode (sparse, warm)" in names
     assert "pairing (n_controls=1) >= 0.5x chunked mode (rows read, warm)" in names
+    assert "mixing two collections 0.7/0.3 >= 0.9x chunked mode (warm)" in names
+    assert cases["ours_mixed_sparse_w0"]["max_quota_deviation_rows"] < 1
     assert (tmp_path / "out" / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -160,7 +160,9 @@ def test_the_stream_keeps_quotas_runs_and_shares(sizes: list[int], raw: list[flo
         assert (counts >= np.floor(exact) - 1e-9).all()
         assert (counts <= np.floor(exact) + 1).all()
     total = np.bincount(member, minlength=len(sizes))
-    assert (np.abs(total - n * w) < 2).all()  # the epoch's shares
+    assert (np.abs(total - n * w) < 1 + 1e-9).all()  # the epoch's shares
+    whole = np.isclose(n * w, np.round(n * w), atol=1e-9)
+    assert (total[whole] == np.round(n * w[whole])).all()  # exact where n * w is whole
     for m in range(len(sizes)):  # rows of a member: whole passes of runs, then a part
         got = rows[member == m] - offsets[m]
         full, part = divmod(len(got), sizes[m])
@@ -240,8 +242,14 @@ def test_bad_mixtures_name_the_fix(members: dict[str, tuple[ad.AnnData, Any]],
         abt.mix(colls, {"a": 1.0, "b": -1.0}, var_names=GENES)
     with pytest.raises(SchemaError, match="every weight is 0"):
         abt.mix(colls, {"a": 0.0}, var_names=GENES)
-    with pytest.raises(SchemaError, match="none of the 2 var_names"):
+    with pytest.raises(SchemaError, match="none of the 2 var_names is a gene of 'a'"):
         abt.mix(colls, None, var_names=["ENSG1", "ENSG2"])
+    with pytest.raises(SchemaError, match="none of the 4 var_names is a gene of 'b'"):
+        abt.mix(colls, None, var_names=GENES[44:48])  # b has gene_0 .. gene_39
+    with pytest.raises(TypeError, match="weights must be a"):
+        abt.mix(colls, [0.5, 0.5], var_names=GENES)  # type: ignore[arg-type]
+    with pytest.raises(SchemaError, match="give weights= too"):
+        abt.mix(colls, None, var_names=GENES, num_samples=10)
     with pytest.raises(SamplerError, match="draws its rows by its weights"):
         abt.AnnBatchDataset(_mix(members, {"a": 1.0}),
                             sampler=abt.ClassBalancedSampler("cell_type"))
@@ -300,3 +308,47 @@ def test_a_member_draws_with_a_sampler_of_its_own(
     with pytest.raises(SamplerError, match="drawing single rows"):
         abt.AnnBatchDataset(_mix(members, {"a": 1.0}, samplers={"a": abt.PairedSampler(
             "cell_type", "T cell")}))
+
+
+def test_numpy_weights_in_place_members_and_a_source_column_of_their_own(
+        members: dict[str, tuple[ad.AnnData, Any]], tmp_path: Path) -> None:
+    adata_c, _ = members["c"]
+    own = adata_c.copy()
+    own.obs["source"] = "lab"  # the mixture's source column replaces it
+    own.write_h5ad(tmp_path / "c.h5ad")
+    adata_a, coll_a = members["a"]
+    # a collection (narrow stored dtypes) beside an h5ad read in place, in one pool
+    mixture = abt.mix({"a": coll_a, "c": tmp_path / "c.h5ad"},
+                      {"a": np.float32(0.5), "c": np.int64(1)}, var_names=GENES)
+    assert mixture.weights == pytest.approx([1 / 3, 2 / 3])
+    assert mixture.categories("source") == ["a", "c"]
+    ds = abt.AnnBatchDataset(mixture, selector={"X": A.X}, batch_size=60, densify=True,
+                             return_index=True, chunk_size=32)
+    for b in DataLoader(ds, batch_size=None, num_workers=2):
+        index = b["index"].numpy()
+        counts = np.bincount(b["source"].numpy(), minlength=2)
+        assert (np.abs(counts - len(index) * np.array([1 / 3, 2 / 3])) < 1).all()
+        want = np.zeros((len(index), len(GENES)), dtype=np.float32)
+        member = mixture.member_of(index)
+        for i, adata in enumerate((adata_a, adata_c)):
+            at = np.flatnonzero(member == i)
+            local = index[at] - mixture.member_offsets[i]
+            names = (coll_a.obs_names_at(local) if i == 0 else adata.obs_names[local])
+            x = adata[np.asarray(names)].to_df()
+            cols = [g for g in GENES if g in x.columns]
+            want[np.ix_(at, [GENES.index(g) for g in cols])] = x[cols].to_numpy()
+        np.testing.assert_array_equal(b["X"].numpy(), want)
+
+
+def test_members_with_the_same_genes_are_not_remapped(
+        members: dict[str, tuple[ad.AnnData, Any]]) -> None:
+    from annbatch_torch.read.genes import MemberGenes
+
+    coll = members["a"][1]
+    mixture = abt.mix({"x": coll, "y": coll}, {"x": 1, "y": 1})
+    genes = MemberGenes.of(mixture.member_offsets, mixture.gene_map("X"), None,
+                           mixture.n_vars)
+    assert genes.identity
+    moved = MemberGenes.of(mixture.member_offsets, _mix(members, None).gene_map("X")[:2],
+                           None, len(GENES))
+    assert not moved.identity

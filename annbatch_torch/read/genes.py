@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from ..errors import SchemaError
+from ..errors import ReadError, SchemaError
 from .csr import csr_view
 
 __all__ = ["GeneSelection", "MemberGenes"]
@@ -131,7 +131,10 @@ class MemberGenes:
         self.table = (np.concatenate([np.asarray(t, dtype=np.int64) for t in lookups])
                       if sizes else np.zeros(0, np.int64))
         self.reorders = any(bool(np.any(np.diff(t[t >= 0]) < 0)) for t in lookups)
-        self.identity = False
+        #: each member's width: a column index beyond it is damage, never another's gene
+        self.widths = np.asarray(sizes, dtype=np.int64)
+        self.identity = all(len(t) == self.n_vars and np.array_equal(t, np.arange(self.n_vars))
+                            for t in lookups)
 
     @classmethod
     def of(cls, offsets: np.ndarray, lookups: Sequence[np.ndarray],
@@ -152,7 +155,15 @@ class MemberGenes:
             raise TypeError("a mixture's gene-indexed fields are read as CSR")
 
         def columns(m: sp.csr_matrix, lo: int, hi: int) -> np.ndarray:
-            per_entry = np.repeat(self.base[member], np.diff(m.indptr))
-            return self.table[per_entry + m.indices[lo:hi]]
+            per_entry = np.repeat(member, np.diff(m.indptr))
+            cols = m.indices[lo:hi]
+            bad = cols >= self.widths[per_entry]
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ReadError(
+                    f"column index {int(cols[i])} of a row of member {int(per_entry[i])} of "
+                    f"the mixture lies outside its {int(self.widths[per_entry[i]])} genes; "
+                    "that collection is damaged, rewrite it.")
+            return self.table[self.base[per_entry] + cols]
 
         return _remap_csr(value, columns, self.n_vars, self.reorders)

@@ -594,7 +594,10 @@ class PoolReader:
         :meth:`CSRElement.read_rows_scatter`) or ``None`` when they are unknown."""
         data, indices, dests = arrays
         arrays.clear()
-        if fused:
+        # a narrow stored dtype read by a scatter-capable element beside elements that
+        # cannot scatter (a mixture of a collection and inputs read in place): cast too
+        if fused or (el.can_scatter and (el.data.dtype, el.indices.dtype)
+                     != (data.dtype, indices.dtype)):
             return read_fused(el, np.arange(p.start, p.stop), data, indices, dests)
         if el.can_scatter:
             return el.read_rows_scatter(p.start, p.stop, data, indices, dests)

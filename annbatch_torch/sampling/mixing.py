@@ -140,21 +140,25 @@ class MixSampler(Sampler):
         self._n = n
         b = self.batch_size
         full, rest = divmod(n, b)
-        exact = b * self.weights
-        base = np.floor(exact).astype(np.int64)
-        r = int(b - base.sum())
-        frac = exact - base
-        counts = np.empty((full + (1 if rest else 0), k), dtype=np.int64)
-        counts[:full] = base
-        given = np.zeros(k)
-        keys = np.arange(k)
-        for j in range(full if r else 0):  # the r extra rows: the members furthest behind
-            deficit = (j + 1) * frac - given
-            pick = np.lexsort((keys, -deficit))[:r]
-            counts[j, pick] += 1
-            given[pick] += 1
+        lengths = np.full(full + (1 if rest else 0), b, dtype=np.int64)
         if rest:
-            counts[full] = batch_quotas(rest, self.weights)
+            lengths[-1] = rest
+        # floor(L * w) each, and the rows left over to the members furthest behind their
+        # share of the rows so far (so the epoch's totals are within one of n * w: exactly
+        # n * w where that is an integer, e.g. a member read once)
+        counts = np.floor(lengths[:, None] * self.weights).astype(np.int64)
+        left = lengths - counts.sum(axis=1)
+        given = np.zeros(k, dtype=np.int64)
+        keys = np.arange(k)
+        done = 0
+        for j in range(len(lengths)):
+            done += int(lengths[j])
+            given += counts[j]
+            if left[j]:
+                deficit = done * self.weights - given
+                pick = np.lexsort((keys, -deficit))[:int(left[j])]
+                counts[j, pick] += 1
+                given[pick] += 1
         #: rows of each member in each batch, and before each batch (cumulated)
         self._counts = counts
         self._before = np.vstack([np.zeros((1, k), dtype=np.int64),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -135,13 +136,14 @@ class Mixture(Source):
         if len(dup):
             raise SchemaError(f"mix: var_names names {len(dup)} gene(s) more than once (e.g. "
                               f"{list(dup[:3])}); give each gene once.")
-        known = set().union(*(set(map(str, m.var_names)) for m in self.members))
-        unknown = [g for g in wanted if g not in known]
-        if len(unknown) == len(wanted):
-            raise SchemaError(
-                f"mix: none of the {len(wanted)} var_names is a gene of any member (e.g. "
-                f"{unknown[:3]}; {self.names[0]!r} has e.g. {list(first[:3])}); check that "
-                "both use the same gene identifiers (symbols vs Ensembl IDs).")
+        wanted_set = set(wanted)
+        for name, m in zip(self.names, self.members, strict=True):
+            if not wanted_set.intersection(map(str, m.var_names)):
+                raise SchemaError(
+                    f"mix: none of the {len(wanted)} var_names is a gene of {name!r} (it has "
+                    f"e.g. {list(map(str, m.var_names[:3]))}; var_names e.g. "
+                    f"{list(wanted[:3])}): its rows would read as zeros. Check that both use "
+                    "the same gene identifiers (symbols vs Ensembl IDs), or leave it out.")
         return wanted
 
     def _lookup(self, member_genes: Sequence[str]) -> np.ndarray:
@@ -198,9 +200,8 @@ class Mixture(Source):
                     continue
                 out[key] = replace(first, dtype=dtype.name)
         if _SOURCE_FIELD in out or _SOURCE_FIELD in self._unavailable:
-            raise SchemaError(
-                f"mix: a member has an obs column {SOURCE_COLUMN!r}, which the mixture uses "
-                "for each row's member name; rename that column in the member.")
+            out.pop(_SOURCE_FIELD, None)  # the members' own column: replaced by the mixture's
+            self._unavailable.pop(_SOURCE_FIELD, None)
         out[_SOURCE_FIELD] = FieldInfo("categorical", "int32", (None,), tuple(self.names))
         return out
 
@@ -263,7 +264,8 @@ class Mixture(Source):
             el = self._elements.get(key)
             if el is None:
                 i = self._shards[shard][0]
-                codes = np.full(self.shard_sizes[shard], i, dtype=np.int32)
+                # one value broadcast: no memory per row
+                codes = np.broadcast_to(np.int32(i), (self.shard_sizes[shard],))
                 el = CategoricalElement(codes, list(self.names), name=self.shard_name(shard))
                 self._elements[key] = el
             return el
@@ -319,10 +321,11 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
     """Several collections read as one source, their rows drawn in chosen proportions.
 
     Pass the result as ``source`` to :class:`~annbatch_torch.AnnBatchDataset` or as
-    ``store_path`` to :class:`~annbatch_torch.AnnBatchDataModule`: each batch holds
-    ``weights[name] * batch_size`` rows of each collection (to within one row), read in
-    runs of ``chunk_size`` consecutive rows and mixed inside each pool, with a ``source``
-    key naming each row's collection (``obs/source``: categorical, the names in order).
+    ``store_path`` to :class:`~annbatch_torch.AnnBatchDataModule`: with ``weights`` each
+    batch holds ``weights[name] * batch_size`` rows of each collection (to within one
+    row), read in runs of ``chunk_size`` consecutive rows and mixed inside each pool;
+    every batch has a ``source`` key naming each row's collection (``obs/source``:
+    categorical, the names in order; a collection's own ``source`` column is not read).
 
     Parameters
     ----------
@@ -331,25 +334,31 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
         folders or URLs, or AnnData inputs read in place (anything
         :func:`~annbatch_torch.open_source` opens). Names are what ``source`` holds.
     weights
-        ``{name: weight}`` (non-negative, normalised to sum to 1; a name left out weighs
-        0). ``None``: each collection's share of the rows (every row once per epoch).
+        ``{name: weight}`` (non-negative numbers, normalised to sum to 1; a name left out
+        weighs 0). ``None``: the collections read as one source, every row once per epoch
+        in chunked mode (each collection's share of a batch is then its share of the
+        rows on average, not a quota), with a ``sampler=`` of the dataset's if wanted.
     var_names
         The genes of X and layers in the batches, in order (the reference list). Required
         when the collections' genes differ; a gene a collection lacks reads as zeros in
         its rows (listed in ``Mixture.missing_genes``). ``None``: the collections'
         genes, which must then be the same, in the same order.
     num_samples
-        Rows per epoch; ``None``: the rows of the collections of positive weight, in
-        all. A collection whose share of an epoch exceeds its rows is read again (another
-        order each pass); one below it gives a new subsample of its runs each epoch.
+        Rows per epoch (with ``weights``); ``None``: the rows of the collections of
+        positive weight, in all. A collection whose share of an epoch exceeds its rows is
+        read again (another order each pass); one below it gives a new subsample of its
+        runs each epoch.
     chunk_size
         Consecutive rows of a collection read together; ``None``: the dataset's
-        ``chunk_size``.
+        ``chunk_size``. The pool (``chunk_size * preload_nchunks`` of the dataset) should
+        hold many runs of each collection, or batches mix few runs.
     samplers
-        ``{name: sampler}``: a collection whose rows a :class:`~annbatch_torch.Sampler`
-        draws (e.g. ``ClassBalancedSampler("cell_type")``: class-balanced inside that
-        collection, its share of each batch unchanged); its obs columns are read in the
-        mixture's code space. Others: runs of their rows.
+        ``{name: sampler}`` (with ``weights``): a collection whose rows a
+        :class:`~annbatch_torch.Sampler` draws (e.g. ``ClassBalancedSampler("cell_type")``:
+        class-balanced inside that collection, its share of each batch unchanged); its obs
+        columns are read in the mixture's code space, and row ids (a ``SubsetSampler``'s)
+        are the mixture's (a collection's rows follow those of the collections before it:
+        ``Mixture.member_offsets``). Others: runs of their rows.
 
     Returns
     -------
@@ -361,8 +370,15 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
     Raises
     ------
     SchemaError
-        Genes that differ without ``var_names``, a weight that is negative or not a
-        number, a weight naming no collection, or no collection with weight.
+        Genes that differ without ``var_names``, a collection sharing no gene with
+        ``var_names``, a weight that is negative or not a number, a weight or sampler
+        naming no collection, or no collection with weight.
+
+    Notes
+    -----
+    A DataModule's held-out chunks (``val_fraction``) are chunks of the rows of all the
+    collections, read once each without weights: each collection is held out in
+    proportion to its rows.
     """
     if not isinstance(sources, Mapping) or not sources:
         raise TypeError("mix() takes a non-empty {name: collection} dict, got "
@@ -376,6 +392,9 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
         raise SchemaError(f"mix: collection(s) {empty} hold no rows; leave them out.")
     w = None
     if weights is not None:
+        if not isinstance(weights, Mapping):
+            raise TypeError(f"mix: weights must be a {{name: weight}} dict (or None), got "
+                            f"{type(weights).__name__}.")
         unknown = [k for k in weights if k not in members]
         if unknown:
             raise SchemaError(f"mix: weights name {unknown}, which are not among the "
@@ -383,7 +402,7 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
         w = {}
         for n in members:
             v = weights.get(n, 0.0)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
                     or v < 0:
                 raise SchemaError(f"mix: the weight of {n!r} must be a finite number >= 0, "
                                   f"got {v!r}.")
@@ -393,9 +412,9 @@ def mix(sources: Mapping[str, Any], weights: Mapping[str, float] | None = None, 
             raise SchemaError("mix: every weight is 0; give at least one collection a "
                               "positive weight.")
         w = {n: v / total for n, v in w.items()}
-    else:
-        total = sum(m.n_obs for m in members.values())
-        w = {n: m.n_obs / total for n, m in members.items()}
+    elif samplers or num_samples is not None:
+        raise SchemaError("mix: samplers= and num_samples= shape a weighted mixture; give "
+                          "weights= too (e.g. each collection's share of the rows).")
     if num_samples is not None:
         num_samples = check_int("mix num_samples", num_samples, 1, error=SchemaError,
                                 note=" (or None)")
