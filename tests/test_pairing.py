@@ -177,10 +177,11 @@ def test_bound_to_a_collection_the_pairs_hold_in_its_obs(tmp_path: Path) -> None
 @pytest.mark.parametrize("set_size", [None, 2])
 def test_num_samples_subsamples_or_repeats_the_perturbed_rows(set_size: int | None) -> None:
     cols = _screen(300, 9)
-    full = _bound(cols, set_size=set_size)
+    runs = {} if set_size else {"chunk_size": 16}  # runs of 16 rows (auto: 256, one run)
+    full = _bound(cols, set_size=set_size, **runs)
     n_pass = len(full) // full.draw_size
     for num in (n_pass // 2 // 2 * 2, n_pass * 2 + 2):
-        s = _bound(cols, set_size=set_size, num_samples=num)
+        s = _bound(cols, set_size=set_size, num_samples=num, **runs)
         assert len(s) == num * s.draw_size
         for epoch in (0, 1):
             stream = np.asarray(s.rows(3, epoch, 0, len(s)))
