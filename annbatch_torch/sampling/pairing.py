@@ -88,7 +88,7 @@ class PairedSampler(Sampler):
         chunked mode mixes rows): a pool reads its perturbed rows as runs, not one by one
         (the controls are drawn one by one). ``None``: the perturbed rows in a random
         order, each read on its own (slower). ``"auto"`` (default): runs of
-        :data:`AUTO_RUN` rows, or single rows with ``set_size`` (sets and runs do not
+        256 rows (``AUTO_RUN``), or single rows with ``set_size`` (sets and runs do not
         combine).
     num_samples
         Perturbed rows (draws) per epoch; ``None`` (default): every perturbed row once
