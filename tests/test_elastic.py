@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from annbatch_torch import sampling as S
 from annbatch_torch.sampling import replay
+from annbatch_torch.sampling.mixing import MixSampler
 
 SETTINGS = settings(max_examples=300, deadline=None)
 
@@ -61,6 +62,25 @@ def deals(draw: st.DrawFn) -> S.EpochDeal:
     if draw(st.booleans()) or n_obs == 0:
         return S.chunk_deal(n_obs, chunk_size, preload, batch_size, shuffle=shuffle, seed=seed,
                             epoch=epoch, drop_last=drop_last, even_batches=even)
+    kind = draw(st.sampled_from(["weighted", "paired", "mixed"]))
+    if kind == "paired" and n_obs >= 2:  # draws of a perturbed row and its controls, whole
+        codes = np.array(draw(st.lists(st.integers(0, 2), min_size=n_obs, max_size=n_obs)))
+        codes[0], codes[-1] = 0, 1  # a control and a perturbed row
+        sampler = S.PairedSampler("p", "ctrl", n_controls=draw(st.integers(1, 2)),
+                                  chunk_size=draw(st.sampled_from([None, 7]))).bind(
+            n_obs, {"p": S.ObsColumn(codes, ("ctrl", "a", "b"))})
+        positions = batch_size * sampler.draw_size
+        return S.sample_deal(sampler, positions, S.pool_rows(positions, chunk_size, preload),
+                             seed=seed, epoch=epoch, drop_last=drop_last, even_batches=even,
+                             in_order=not shuffle and not sampler.mixes_in_pool)
+    if kind == "mixed":  # a weighted mixture of two members: quotas per batch
+        cut = draw(st.integers(1, n_obs))
+        sampler = MixSampler([0, cut, n_obs] if cut < n_obs else [0, n_obs, n_obs],
+                             [0.7, 0.3] if cut < n_obs else [1.0, 0.0],
+                             batch_size=batch_size, chunk_size=chunk_size,
+                             num_samples=draw(st.integers(1, 500))).bind(n_obs, {})
+        return S.sample_deal(sampler, batch_size, S.pool_rows(batch_size, chunk_size, preload),
+                             seed=seed, epoch=epoch, drop_last=drop_last, even_batches=even)
     weights = draw(st.lists(st.floats(0.0, 4.0), min_size=n_obs, max_size=n_obs))
     if not any(weights):
         weights[0] = 1.0

@@ -102,7 +102,12 @@ def test_a_read_waiting_for_the_disk_gives_its_slot_back(tmp_path: Path) -> None
         # taken, given back for the disk (once, or twice when the kernel's read-ahead
         # had not brought the rest in yet), taken again each time, given back at the end
         assert slot.events in (["acquire", "release"] * 2, ["acquire", "release"] * 3)
-        assert slot.take_counts() == (1, 1)  # one read, and it waited for the disk
+        # one read; counted as a wait when its page from the disk took longer than
+        # diskio._DISK_WAIT_S (a hint: a fast disk or the host's cache can beat it, and
+        # the kernel's read-ahead then brings the rest; failed ~1 in 3 runs on 2026-12-06)
+        reads, waits = slot.take_counts()
+        assert reads == 1
+        assert waits in (0, 1)
         # now in the page cache: copied holding the slot
         _settle_cached(fd, len(data))
         slot = _gated_read(fd, [np.zeros_like(data)], len(data), data)
