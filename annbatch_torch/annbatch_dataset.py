@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import logging
 import os
 import pickle
@@ -44,10 +42,9 @@ from .read.reader import PoolReader, default_read_threads
 from .resume import MAX_EPOCH, Resumer
 from .sampling import ChunkPlan, EpochPlan, SamplePlan, Sampler, Segment
 from .sampling.mixing import MixSampler
-from .store.collection import Collection
 from .store.inputs.inplace import open_source
 from .store.inputs.mixture import SOURCE_COLUMN, Mixture
-from .store.manifest import RAW_X, var_names_digest
+from .store.manifest import RAW_X
 from .store.source import Source
 from .torch_sampler import bind_sampler
 from .world import SharedEpoch, World, distributed_rank_world
@@ -67,32 +64,6 @@ DEFAULT_CHUNK_SIZE = 512
 #: Chunks per pool: 32 x 512 = 16,384 rows shuffled together (~250 MB of CSR at 20k genes
 #: and ~1.8k non-zeros per cell; two pools are alive with background prefetch).
 DEFAULT_PRELOAD_NCHUNKS = 32
-
-
-def _collection_identity(source: Source) -> str | None:
-    """What identifies a collection's rows, which a resume state records (the plan's
-    ``source_id``): a digest of what decides which cell is at which row id (the writer's
-    seed and shuffle, the inputs with cells, in order, by row count and size, each
-    append's seed and row count, the gene axes), nothing else: the same collection
-    copied, opened again, rewritten with other shard sizes or memory, or after an append
-    of no cells resumes. ``None`` for inputs read in place."""
-    if isinstance(source, Mixture):
-        return source.identity()
-    if not isinstance(source, Collection):
-        return None
-    m = source.manifest
-    doc = {
-        "identity": 1,  # the version of this digest's contents
-        "n_obs": m.n_obs, "seed": m.seed, "shuffle": m.shuffle, "var_join": m.var_join,
-        "var_names": var_names_digest(m.var_names),
-        "raw_var_names": None if m.raw_var_names is None else var_names_digest(m.raw_var_names),
-        "inputs": [[int(i.get("n_obs") or 0), int(i.get("size") or 0)] for i in m.inputs
-                   if i.get("n_obs")],
-        "appended": [[a.get("seed"), int(a.get("n_obs") or 0)]
-                     for a in m.extra.get("appended") or [] if a.get("n_obs")],
-    }
-    text = json.dumps(doc, sort_keys=True, default=str)
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -379,7 +350,7 @@ class AnnBatchDataset(IterableDataset):
                         preload_nchunks=self.preload_nchunks, batch_size=self.batch_size,
                         shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
                         even_batches=self.even_batches,
-                        source_id=_collection_identity(self.source),
+                        source_id=self.source.identity(),
                         source_name=_short(self.source.describe()))
         #: the epochs' plan, asked what they hold (chunked or sampling mode)
         try:

@@ -275,7 +275,6 @@ def test_an_unweighted_mixture_takes_a_sampler(members: dict[str, tuple[ad.AnnDa
     counts = np.bincount(codes, minlength=len(mixture.categories("cell_type")))
     assert len(mixture.categories("cell_type")) == 16  # a's/c's 8 and b's 8 renamed
     np.testing.assert_allclose(counts / counts.sum(), 1 / 16, atol=0.03)
-    assert isinstance(pd.Index(mixture.obs_names), pd.Index)
     assert torch.is_tensor(next(iter(ds))["source"])
 
 
@@ -352,3 +351,14 @@ def test_members_with_the_same_genes_are_not_remapped(
     moved = MemberGenes.of(mixture.member_offsets, _mix(members, None).gene_map("X")[:2],
                            None, len(GENES))
     assert not moved.identity
+
+
+def test_a_resume_state_knows_each_member_collection(
+        members: dict[str, tuple[ad.AnnData, Any]], tmp_path: Path) -> None:
+    adata, coll = members["a"]
+    adata.write_h5ad(tmp_path / "a.h5ad")  # the same cells shuffled with another seed
+    other = abt.create_anndata_collection([tmp_path / "a.h5ad"], tmp_path / "a", seed=99,
+                                          progress=False)
+    assert other.n_obs == coll.n_obs
+    assert abt.mix({"a": coll}, {"a": 1}).identity() != abt.mix(
+        {"a": other}, {"a": 1}).identity()

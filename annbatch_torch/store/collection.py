@@ -10,6 +10,8 @@ the collection that was opened.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -19,7 +21,14 @@ import numpy as np
 import pandas as pd
 
 from ..errors import CollectionError
-from .manifest import MANIFEST_NAME, FieldInfo, Manifest, ShardInfo, read_manifest
+from .manifest import (
+    MANIFEST_NAME,
+    FieldInfo,
+    Manifest,
+    ShardInfo,
+    read_manifest,
+    var_names_digest,
+)
 from .metadata import read_dataframe, shard_obs_names
 from .source import Source, reads_metadata
 
@@ -160,6 +169,28 @@ class Collection(Source):
     def _identity(self) -> tuple[int, int, int] | None:
         return (_manifest_identity(self.path) if self.mirror is None
                 else self.mirror.manifest_identity())
+
+    def identity(self) -> str:
+        """What identifies the collection's rows, which a resume state records (the plan's
+        ``source_id``): a digest of what decides which cell is at which row id (the writer's
+        seed and shuffle, the inputs with cells, in order, by row count and size, each
+        append's seed and row count, the gene axes), nothing else: the same collection
+        copied, opened again, rewritten with other shard sizes or memory, or after an append
+        of no cells resumes."""
+        m = self.manifest
+        doc = {
+            "identity": 1,  # the version of this digest's contents
+            "n_obs": m.n_obs, "seed": m.seed, "shuffle": m.shuffle, "var_join": m.var_join,
+            "var_names": var_names_digest(m.var_names),
+            "raw_var_names": (None if m.raw_var_names is None
+                              else var_names_digest(m.raw_var_names)),
+            "inputs": [[int(i.get("n_obs") or 0), int(i.get("size") or 0)] for i in m.inputs
+                       if i.get("n_obs")],
+            "appended": [[a.get("seed"), int(a.get("n_obs") or 0)]
+                         for a in m.extra.get("appended") or [] if a.get("n_obs")],
+        }
+        text = json.dumps(doc, sort_keys=True, default=str)
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         return str(self.path) if self.url is None else self.url

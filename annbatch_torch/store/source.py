@@ -174,6 +174,11 @@ class Source:
     #: with ``group_by``), or ``None``
     group_by: str | None = None
 
+    def identity(self) -> str | None:
+        """What identifies this source's rows, which a resume state records (the plan's
+        ``source_id``); ``None``: not known (inputs read in place)."""
+        return None
+
     # -- reading -------------------------------------------------------------------
     def describe(self) -> str:
         raise NotImplementedError

@@ -220,13 +220,12 @@ class Mixture(Source):
         """The member index of each global row id."""
         return np.searchsorted(self.member_offsets, np.asarray(rows), side="right") - 1
 
-    def identity(self) -> str | None:
+    def identity(self) -> str:
         """What identifies the mixture's rows and draws for a resume state: each member's
         identity (``None`` if a member has none), names, weights, genes."""
-        ids = [getattr(m, "identity", None) for m in self.members]
-        ids = [i() if callable(i) else None for i in ids]
         doc = {"mix": 1, "names": self.names, "n_obs": [int(m.n_obs) for m in self.members],
-               "members": ids, "weights": self.weights, "num_samples": self.num_samples,
+               "members": [m.identity() for m in self.members], "weights": self.weights,
+               "num_samples": self.num_samples,
                "samplers": [None if s is None else repr(s) for s in self.samplers],
                "var_names": var_names_digest(list(self.var_names))}
         text = json.dumps(doc, sort_keys=True, default=str)
