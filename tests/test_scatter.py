@@ -33,7 +33,7 @@ from annbatch_torch.datasets import write_synthetic_h5ads
 from annbatch_torch.errors import ReadError
 from annbatch_torch.read.reader import GATHER_PIECES, PoolReader
 from annbatch_torch.sampling import pool_order
-from annbatch_torch.store import diskio, rawzarr
+from annbatch_torch.store import diskio, native, rawzarr
 from annbatch_torch.store.checks import bad_column
 from annbatch_torch.store.collection import open_collection
 from annbatch_torch.store.elements import CSRElement
@@ -758,22 +758,36 @@ def test_a_shard_file_rewritten_after_its_chunks_were_verified_is_verified_again
         raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, **kw)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-loop", "os.preadv"])
 def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           compiled: bool) -> None:
+    """Once verified, a chunk is read where the runs fall: by the compiled loop of
+    ``preadv2`` calls (store/native.py) where it runs, else by ``os.preadv``."""
+    if compiled and not native.pread_available():
+        pytest.skip("no preadv2 here (not Linux, or numba's JIT disabled)")
+    if not compiled:
+        monkeypatch.setattr(rawzarr, "pread_available", lambda: False)
     raw, src = _sharded(tmp_path)
     starts, ends = np.array([1, 15, 45]), np.array([3, 17, 46])
     out = np.zeros(5, dtype=np.int32)
     got = raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends, trust_verified=True)
     assert sorted(got) == [0, 2]  # chunks 0 and 2 read whole and verified: their CRCs
     sizes: list[int] = []
-    real = os.preadv
+    real, real_loop = os.preadv, rawzarr.pread_segments
 
     def counting(fd: int, bufs: list[Any], offset: int, *flags: int) -> int:
         sizes.append(sum(len(b) for b in bufs))
         return real(fd, bufs, offset, *flags)
 
+    def counting_loop(fd: int, offsets: np.ndarray, lengths: np.ndarray, *args: Any) -> int:
+        done = real_loop(fd, offsets, lengths, *args)
+        first = args[-1] if len(args) == 4 else 0
+        sizes.extend(np.asarray(lengths)[first:done].tolist())
+        return done
+
     monkeypatch.setattr(os, "preadv", counting)
+    monkeypatch.setattr(rawzarr, "pread_segments", counting_loop)
     out[:] = 0
     got = raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends, trust_verified=True)
     np.testing.assert_array_equal(out, src[[1, 2, 15, 16, 45]])
@@ -782,6 +796,48 @@ def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
     sizes.clear()
     raw.read_runs(starts, 0, np.array([0, 2, 4]), out, ends=ends)  # not trusted: whole again
     assert sorted(sizes) == [84, 84]  # each chunk whole, with its 4-byte CRC
+
+
+@pytest.mark.skipif(not native.pread_available(), reason="no preadv2 here")
+def test_pread_segments_reads_each_segment_and_stops_at_a_short_one(tmp_path: Path) -> None:
+    body = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
+    (tmp_path / "f").write_bytes(body.tobytes())
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        out = np.zeros(64, dtype=np.uint8)
+        offsets, lengths = np.array([990, 0, 500]), np.array([10, 7, 20])
+        dests = np.array([0, 40, 10])
+        assert native.pread_segments(fd, offsets, lengths, out, dests) == 3
+        for o, n, d in zip(offsets, lengths, dests):
+            np.testing.assert_array_equal(out[d : d + n], body[o : o + n])
+        assert not out[30:40].any()  # nothing else written
+        assert not out[47:].any()
+        # the second segment runs past the end of the file: the loop stops there
+        assert native.pread_segments(fd, np.array([0, 995, 10]), np.array([4, 10, 4]), out,
+                                     np.array([0, 4, 20])) == 1
+        assert native.pread_segments(fd, np.array([0, 995, 10]), np.array([4, 10, 4]), out,
+                                     np.array([0, 4, 20]), first=2) == 3
+        np.testing.assert_array_equal(out[20:24], body[10:14])
+        with pytest.raises(ValueError, match="outside the buffer"):
+            native.pread_segments(fd, np.array([0]), np.array([8]), out, np.array([60]))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("crc", [True, False])
+def test_a_compiled_loop_refused_at_every_read_still_delivers_every_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc: bool) -> None:
+    """Each segment the loop does not read in full (``RWF_NOWAIT`` refused: not in the
+    page cache) is read by the gated read, and the loop goes on after it."""
+    raw, src = _sharded(tmp_path, crc=crc)
+    starts, ends = np.array([1, 15, 45, 100]), np.array([3, 17, 46, 130])
+    dests = np.array([0, 2, 4, 5])
+    out = np.zeros(35, dtype=np.int32)
+    raw.read_runs(starts, 0, dests, out, ends=ends, trust_verified=True)  # verified now
+    monkeypatch.setattr(rawzarr, "fast_flags", lambda: 1 << 20)  # a flag every call refuses
+    out[:] = 0
+    raw.read_runs(starts, 0, dests, out, ends=ends, trust_verified=True)
+    np.testing.assert_array_equal(out, np.concatenate([src[s:e] for s, e in zip(starts, ends)]))
 
 
 @pytest.mark.parametrize("kind", SOURCE_KINDS)

@@ -32,6 +32,7 @@ from ..errors import AnnBatchError, CollectionError, ReadError
 from ..store.checks import bad_column
 from ..store.diskio import CpuSlots, io_gate
 from ..store.elements import CSCElement, CSRElement
+from ..store.native import pread_available
 from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
@@ -555,14 +556,16 @@ class PoolReader:
         if random_access and len(pieces) >= GATHER_PIECES and all(
                 el.can_scatter and hasattr(el, "read_rows_gather") for el in els):
             jobs, job_els = [], []
-            # from the disk: many reads in flight; from the page cache: one call per shard
-            # for single rows (the per-row work holds the GIL: two threads were 0.75x as
-            # fast as one, warm), the read threads for runs of rows (a collection grouped
-            # for the sampler: the copies, not the Python steps, are the work)
+            # from the disk: many reads in flight; from the page cache: the read threads
+            # for runs of rows (a collection grouped for the sampler: the copies, not the
+            # Python steps, are the work) and for single rows read by the compiled loop
+            # (store/native.py: no GIL held per row), else one call per shard (a Python
+            # step per row holds the GIL: two threads were 0.75x as fast as one)
             runs = len(out_len) >= RUN_ROWS * len(pieces)
+            spread = self.io_depth if self._from_disk else (
+                self.threads if runs or pread_available() else 1)
             assert arrays is not None
-            for a, b in _groups(pieces, self.io_depth if self._from_disk else
-                                self.threads if runs else 1, arrays=arrays):
+            for a, b in _groups(pieces, spread, arrays=arrays):
                 rows, canon = _piece_rows(arrays, a, b)
                 jobs.append((pieces[a], ex.submit(self._gated, self._read_csr_gather, els[a],
                                                   [rows, data, indices, dests[canon]], fused)))

@@ -16,13 +16,11 @@ it all and then scattering (scipy's ``csr_todense``) makes two.
 
 from __future__ import annotations
 
-import os
 import threading
 
-import numba
 import numpy as np
-from numba.core.compiler_lock import global_compiler_lock
 
+from ..store.native import compiled
 from .buffers import fresh_bytes
 
 __all__ = ["scatter_rows", "scratch", "todense_rows"]
@@ -45,23 +43,10 @@ def _todense_py(indptr, indices, data, out, zero):  # type: ignore[no-untyped-de
             row[indices[j]] += data[j]
 
 
-def _compiled(fn):  # type: ignore[no-untyped-def]
-    try:  # numba's cache (__pycache__ beside this file, else the user's cache folder)
-        return numba.njit(nogil=True, cache=True)(fn)
-    except RuntimeError:  # nowhere writable to cache it (a read-only install, no home):
-        return numba.njit(nogil=True)(fn)  # compiled in each process instead
-
-
-_scatter = _compiled(_scatter_py)
-_todense = _compiled(_todense_py)
-
-# numba compiles under one process-wide lock, taken by whichever thread meets a new pair of
-# dtypes first (a pool reader's thread, say); a child forked while another thread held it
-# would wait on it forever. The forking thread takes it first (waiting for a compilation
-# to end) and both sides let go after the fork.
-os.register_at_fork(before=global_compiler_lock.acquire,
-                    after_in_parent=global_compiler_lock.release,
-                    after_in_child=global_compiler_lock.release)
+# compiled (nogil, cached); importing store/native.py also keeps forked children from
+# inheriting numba's compiler lock held by another thread
+_scatter = compiled(_scatter_py)
+_todense = compiled(_todense_py)
 
 #: dtype kinds the loop copies between (native byte order)
 _KINDS = "biuf"

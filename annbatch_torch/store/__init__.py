@@ -6,7 +6,8 @@ interface the reader pulls rows from, with lazy per-process handles), ``collecti
 categories), ``elements`` (row-range readers of one AnnData element), ``checks`` (value and
 structure checks), ``rawzarr`` (the array reader: our uncompressed chunks read with ``preadv``,
 chunk objects from a :class:`~annbatch_torch.store.rawzarr.ChunkSource`), ``diskio`` (``preadv``
-reads, CPU slots and the disk gate), ``groups`` (a shard's hierarchy: raw, zarr and mirrored
+reads, CPU slots and the disk gate), ``native`` (numba's set-up for every compiled loop, and
+a compiled loop of ``preadv2`` reads), ``groups`` (a shard's hierarchy: raw, zarr and mirrored
 arrays), ``zarrs`` (the zarrs codec pipeline).
 
 Sub-wings: ``inputs/`` (AnnData inputs: opening, legacy files, the input view, the plan of a

@@ -63,10 +63,10 @@ class CpuSlots:
     def release(self) -> None:
         self._sem.release()
 
-    def note(self, waited: bool) -> None:
-        """Count one read (``waited``: part of it had to come from the disk)."""
-        self.reads += 1
-        self.waits += waited
+    def note(self, waited: bool, n: int = 1) -> None:
+        """Count ``n`` reads (``waited``: part of each had to come from the disk)."""
+        self.reads += n
+        self.waits += n if waited else 0
         _GATE.noted = True
 
     def take_counts(self) -> tuple[int, int]:
@@ -187,11 +187,11 @@ def fast_flags() -> int | None:
     return _NOWAIT
 
 
-def count_warm() -> None:
-    """Count a read copied from the page cache (what :func:`preadv_full` would note)."""
+def count_warm(n: int = 1) -> None:
+    """Count ``n`` reads copied from the page cache (what :func:`preadv_full` would note)."""
     slot = _GATE.slot
-    if slot is not None:
-        slot.note(False)
+    if slot is not None and n > 0:
+        slot.note(False, n)
 
 
 def preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,

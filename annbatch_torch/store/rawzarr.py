@@ -39,6 +39,7 @@ import numpy as np
 
 from .checks import bad_column
 from .diskio import IOV_MAX, OpenFile, count_warm, fast_flags, preadv_full, split_at
+from .native import pread_available, pread_segments
 
 __all__ = ["ChunkError", "ChunkSource", "RawZarrArray", "open_raw"]
 
@@ -455,7 +456,8 @@ class RawZarrArray:
         verified, those bytes checked ``< below`` too; with ``trust``, a chunk verified so
         before under the shard file's current identity is read where the runs fall only:
         one ``preadv`` per stretch of touching runs, the chunks of one shard file through
-        one descriptor.
+        one descriptor (local shard files: all their trusted reads in one compiled loop,
+        :func:`~annbatch_torch.store.native.pread_segments`).
         """
         keep = ends > starts
         starts, ends, dests = starts[keep], ends[keep], dests[keep]
@@ -481,20 +483,27 @@ class RawZarrArray:
         idents = (self._identities(np.unique(chunk // self.per_shard).tolist())
                   if self.crc and self.per_shard else {})
         new_chunk = np.concatenate([[True], chunk[1:] != chunk[:-1]])
+        flat = out.reshape(-1).view(np.uint8)
+        chunk_at = [*np.flatnonzero(new_chunk).tolist(), len(chunk)]
+        fast = fast_flags()  # preadv flags of a read that must not wait (None: gated reads)
+        done = self._read_trusted_compiled(chunk, lo_b, hi_b, d_b, new_chunk, flat, below,
+                                           trust, idents, fast)
+        if done is not None and done.all():
+            return None
         # a stretch: touching segments of one chunk, read by one preadv
         new_stretch = new_chunk | np.concatenate([[True], lo_b[1:] != hi_b[:-1]])
-        flat = out.reshape(-1).view(np.uint8)
         views = [flat[d : d + n] for d, n in zip(d_b.tolist(), (hi_b - lo_b).tolist())]
-        chunk_at = [*np.flatnonzero(new_chunk).tolist(), len(chunk)]
         stretch_at = [*np.flatnonzero(new_stretch).tolist(), len(chunk)]
         lo_l, hi_l, chunks = lo_b.tolist(), hi_b.tolist(), chunk.tolist()
         crcs: dict[int, int] = {}
-        trusted = False  # a chunk was read without its checksum
+        trusted = done is not None and bool(done.any())  # a chunk read without its checksum
+        skip = [False] * (len(chunk_at) - 1) if done is None else done.tolist()
         files = OpenFile()
-        fast = fast_flags()  # preadv flags of a read that must not wait (None: gated reads)
         k = 0  # the next stretch
         try:
-            for i0, i1 in itertools.pairwise(chunk_at):
+            for j, (i0, i1) in enumerate(itertools.pairwise(chunk_at)):
+                if skip[j]:
+                    continue
                 c = chunks[i0]
                 while stretch_at[k] < i0:
                     k += 1
@@ -510,27 +519,97 @@ class RawZarrArray:
                     while stretch_at[k] < i1:
                         s0, s1 = stretch_at[k], stretch_at[k + 1]
                         k += 1
-                        off, want = base + lo_l[s0], hi_l[s1 - 1] - lo_l[s0]
-                        bufs = views[s0:s1]
-                        got = 0
-                        if fast is not None and len(bufs) <= IOV_MAX:
-                            try:
-                                got = os.preadv(fd, bufs, off, fast)
-                            except OSError:  # not cached, or the flag refused here (the
-                                got = 0  # gated read below notes a refusal)
-                        if got < want:
-                            rest = split_at(bufs, got)[1]
-                            got += preadv_full(fd, rest, off + got, want - got)
-                            if got != want:
-                                raise ChunkError(f"{path}: chunk file is truncated")
-                        else:
-                            count_warm()
+                        self._read_stretch(fd, path, base + lo_l[s0], hi_l[s1 - 1] - lo_l[s0],
+                                           views[s0:s1], fast)
                     crc, trusted = None, True  # not checked now: the caller checks its part
                 if crc is not None:
                     crcs[c] = crc
         finally:
             files.close()
         return None if trusted else crcs
+
+    @staticmethod
+    def _read_stretch(fd: int, path: str, off: int, want: int, bufs: list[np.ndarray],
+                      fast: int | None) -> None:
+        """Read ``want`` bytes at ``off`` of file ``fd`` into ``bufs``: first what the
+        page cache holds (``fast``: the flags of that try; ``None``: no such try), the rest
+        by a gated read."""
+        got = 0
+        if fast is not None and len(bufs) <= IOV_MAX:
+            try:
+                got = os.preadv(fd, bufs, off, fast)
+            except OSError:  # not cached, or the flag refused here (the gated read below
+                got = 0  # notes a refusal)
+        if got < want:
+            rest = split_at(bufs, got)[1]
+            got += preadv_full(fd, rest, off + got, want - got)
+            if got != want:
+                raise ChunkError(f"{path}: chunk file is truncated")
+        else:
+            count_warm()
+
+    def _read_trusted_compiled(self, chunk: np.ndarray, lo_b: np.ndarray, hi_b: np.ndarray,
+                               d_b: np.ndarray, new_chunk: np.ndarray, flat: np.ndarray,
+                               below: int | None, trust: bool,
+                               idents: dict[int, tuple[int, int, int]], fast: int | None
+                               ) -> np.ndarray | None:
+        """Read the segments of :meth:`_read_disjoint` that fall in chunks read without
+        their checksum (verified before under the shard file's identity, with ``trust``;
+        every present chunk without ``crc32c``) of local, uncompressed shard files, by one
+        compiled loop per shard file. Returns which chunks (one flag per chunk of
+        ``new_chunk``) were read so; ``None`` when the loop does not apply here (on a
+        store, unsharded, Blosc, no ``preadv2`` or no first try from the page cache)."""
+        if (self.remote is not None or not self.per_shard or self.blosc or fast is None
+                or not pread_available()):
+            return None
+        uniq = chunk[new_chunk]
+        shard_of = uniq // self.per_shard
+        if self.crc:
+            if not trust:
+                return None
+            ok = np.fromiter(
+                ((ident := idents.get(k)) is not None and self._verified.get(c) == (below, ident)
+                 for c, k in zip(uniq.tolist(), shard_of.tolist())), bool, len(uniq))
+        else:
+            ok = np.ones(len(uniq), dtype=bool)
+        want = self.chunk_nbytes + (4 if self.crc else 0)
+        base = np.zeros(len(uniq), dtype=np.int64)
+        for k in np.unique(shard_of[ok]).tolist():
+            at = np.flatnonzero(ok & (shard_of == k))
+            index = self._index(k)
+            if index is None:  # absent shard file: the per-chunk path fills or raises
+                ok[at] = False
+                continue
+            entry = index[uniq[at] % self.per_shard]
+            # absent inner chunks and wrong sizes: the per-chunk path says what is wrong
+            good = (entry[:, 0] != _ABSENT) & (entry[:, 1] == want)
+            ok[at[~good]] = False
+            base[at[good]] = entry[good, 0].astype(np.int64)
+        if not ok.any():
+            return ok
+        seg_chunk = np.cumsum(new_chunk) - 1  # each segment's place in uniq
+        seg_ok = ok[seg_chunk]
+        seg_file = shard_of[seg_chunk]
+        offsets = base[seg_chunk] + lo_b
+        lengths = hi_b - lo_b
+        for k in np.unique(seg_file[seg_ok]).tolist():
+            at = np.flatnonzero(seg_ok & (seg_file == k))
+            path = self._file_name(k)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                offs, lens, dsts = offsets[at], lengths[at], d_b[at]
+                i, n = 0, len(at)
+                while i < n:
+                    j = pread_segments(fd, offs, lens, flat, dsts, fast, i)
+                    count_warm(j - i)
+                    if j < n:  # not all in the page cache (or short): read it gated
+                        d, m = int(dsts[j]), int(lens[j])
+                        self._read_stretch(fd, path, int(offs[j]), m, [flat[d : d + m]],
+                                           None)
+                    i = j + 1
+            finally:
+                os.close(fd)
+        return ok
 
     def _identities(self, files: list[int]) -> dict[int, tuple[int, int, int]]:
         """``{shard file: (inode, size, mtime)}`` of those that exist now."""

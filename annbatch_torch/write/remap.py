@@ -21,6 +21,8 @@ import numpy as np
 import scipy.sparse as sp
 from numba.cpython.unsafe.numbers import trailing_zeros
 
+from ..store.native import compiled
+
 __all__ = ["remap_rows", "warm_remap"]
 
 logger = logging.getLogger(__name__)
@@ -61,10 +63,7 @@ def _remap_py(indptr, indices, data, col_map, order, words, vals,  # type: ignor
     return o
 
 
-try:  # numba's cache (__pycache__ beside this file, else the user's cache folder)
-    _remap = numba.njit(nogil=True, cache=True)(_remap_py)
-except RuntimeError:  # nowhere writable to cache it: compiled in each process instead
-    _remap = numba.njit(nogil=True)(_remap_py)
+_remap = compiled(_remap_py)
 
 
 def _compiled_kind(dtype: np.dtype) -> bool:

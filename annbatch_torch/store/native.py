@@ -1,0 +1,138 @@
+"""Compiled loops: numba's set-up for every compiled loop of the package, and many small
+reads of one file in one compiled loop.
+
+:func:`compiled` compiles a function with numba, releasing the GIL and cached on disk
+(beside the module, else in the user's cache folder; compiled in each process where
+neither is writable). Importing this module also keeps forked children from inheriting
+numba's compiler lock while another thread holds it.
+
+:func:`pread_segments` reads byte ranges of one file into one buffer by a compiled loop of
+``preadv2`` calls (Linux): the reads of a pool of drawn rows whose chunks were verified
+before, one short read per row and array. The loop holds no GIL, so the reader's threads
+read in parallel, and a Python step per read (a loop of ``os.preadv``) is gone.
+:func:`pread_available` says whether the loop can run here (Linux with ``preadv2``, numba's
+JIT enabled); callers fall back to ``os.preadv`` otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+from numba import types
+from numba.core.compiler_lock import global_compiler_lock
+
+__all__ = ["compiled", "pread_available", "pread_segments"]
+
+
+def compiled(fn: Callable[..., Any]) -> Any:
+    """``fn`` compiled by numba (``nogil``), cached on disk where a cache folder is
+    writable."""
+    try:  # numba's cache (__pycache__ beside the module, else the user's cache folder)
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError:  # nowhere writable to cache it (a read-only install, no home):
+        return numba.njit(nogil=True)(fn)  # compiled in each process instead
+
+
+# numba compiles under one process-wide lock, taken by whichever thread meets a new pair of
+# dtypes first (a pool reader's thread, say); a child forked while another thread held it
+# would wait on it forever. The forking thread takes it first (waiting for a compilation
+# to end) and both sides let go after the fork.
+os.register_at_fork(before=global_compiler_lock.acquire,
+                    after_in_parent=global_compiler_lock.release,
+                    after_in_child=global_compiler_lock.release)
+
+# ssize_t preadv2(int fd, const struct iovec *iov, int iovcnt, off_t offset, int flags): the
+# iovec pointer passed as an address (uint64: the same register on every 64-bit ABI)
+_preadv2 = types.ExternalFunction(
+    "preadv2", types.int64(types.int32, types.uint64, types.int32, types.int64, types.int32))
+
+
+def _pread_loop_py(fd, offsets, lengths, base, dests, flags, first):  # type: ignore[no-untyped-def]  # pragma: no cover
+    iov = np.empty(2, np.uint64)  # one struct iovec: (address, length)
+    at = iov.ctypes.data
+    for i in range(first, offsets.shape[0]):
+        iov[0] = base + dests[i]
+        iov[1] = lengths[i]
+        if _preadv2(fd, at, 1, offsets[i], flags) != lengths[i]:
+            return i  # short, refused (RWF_NOWAIT: not all in the page cache) or failed
+    return offsets.shape[0]
+
+
+_pread_loop = compiled(_pread_loop_py)
+_state: dict[str, bool] = {}
+_state_lock = threading.Lock()
+
+
+def pread_available() -> bool:
+    """Whether :func:`pread_segments` runs here: Linux's ``preadv2`` is found and numba's
+    JIT compiles the loop (checked once per process, by a read of ``/dev/zero``)."""
+    ok = _state.get("ok")
+    if ok is None:
+        with _state_lock:
+            ok = _state.get("ok")
+            if ok is None:
+                ok = _state["ok"] = _probe()
+    return ok
+
+
+def _probe() -> bool:
+    if numba.config.DISABLE_JIT or not hasattr(os, "preadv"):
+        return False
+    try:
+        fd = os.open("/dev/zero", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        out = np.ones(8, dtype=np.uint8)
+        done = _pread_loop(fd, np.zeros(1, np.int64), np.full(1, 8, np.int64),
+                           out.ctypes.data, np.zeros(1, np.int64), 0, 0)
+        return done == 1 and not out.any()
+    except Exception:  # no preadv2 symbol, or no compiler: the os.preadv loop then
+        return False
+    finally:
+        os.close(fd)
+
+
+def pread_segments(fd: int, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray,
+                   dests: np.ndarray, flags: int = 0, first: int = 0) -> int:
+    """Read ``lengths[i]`` bytes of file ``fd`` at ``offsets[i]`` into ``out``'s bytes at
+    ``dests[i]``, for ``i`` from ``first`` on, one ``preadv2(flags)`` each, until one reads
+    fewer bytes than asked (short at the end of the file, refused by ``RWF_NOWAIT``, or
+    failed).
+
+    Returns
+    -------
+    int
+        The first segment not read in full (``len(offsets)`` when all were): the caller
+        reads it its own way and calls again from the next one.
+
+    Raises
+    ------
+    ValueError
+        If a segment would land outside ``out`` (checked before the compiled loop, which
+        does not check), or ``out`` is not a writeable contiguous buffer.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    dests = np.asarray(dests, dtype=np.int64)
+    if not (offsets.shape == lengths.shape == dests.shape and offsets.ndim == 1):
+        raise ValueError("pread_segments: offsets, lengths and dests must be 1-D and of one "
+                         "length")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("pread_segments reads into a writeable contiguous buffer")
+    if first >= len(offsets):
+        return len(offsets)
+    lengths_rest, dests_rest = lengths[first:], dests[first:]
+    if (int(lengths_rest.min()) < 0 or int(dests_rest.min()) < 0
+            or int(offsets[first:].min()) < 0
+            or int(lengths_rest.max()) > out.nbytes or int(dests_rest.max()) > out.nbytes
+            or int((dests_rest + lengths_rest).max()) > out.nbytes):
+        raise ValueError(f"pread_segments: segments fall outside the buffer of {out.nbytes} "
+                         "bytes")
+    return int(_pread_loop(fd, offsets, lengths, out.ctypes.data, dests, int(flags),
+                           int(first)))
