@@ -51,6 +51,42 @@ def batch_quotas(n: int, weights: np.ndarray) -> np.ndarray:
     return base
 
 
+def _leftovers(weights: np.ndarray, floors: np.ndarray, left: np.ndarray,
+               lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The batch and the member of each row left over by the floors ``floors`` (one row per
+    batch, one column per member): batch ``j``'s ``left[j]`` rows go to the members furthest
+    behind their share of the rows so far (``done * w - given``, largest first, ties to the
+    first member). A plain Python loop over the batches (the deficits depend on every
+    earlier batch), in Python floats: the same doubles as numpy's, at a fraction of the
+    cost of numpy calls on a few members per batch."""
+    k = len(weights)
+    if not len(lengths):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    w = weights.tolist()
+    full = floors[0].tolist()  # every batch but the last has the full length
+    last = floors[-1].tolist()
+    given = [0] * k
+    done = 0
+    n_batches = len(lengths)
+    lens, lefts = lengths.tolist(), left.tolist()
+    keys = range(k)
+    out_batch: list[int] = []
+    out_member: list[int] = []
+    for j in range(n_batches):
+        done += lens[j]
+        add = full if j < n_batches - 1 else last
+        for i in keys:
+            given[i] += add[i]
+        r = lefts[j]
+        if r:
+            deficit = [done * w[i] - given[i] for i in keys]
+            for i in sorted(keys, key=lambda i: (-deficit[i], i))[:r]:
+                given[i] += 1
+                out_batch.append(j)
+                out_member.append(i)
+    return np.array(out_batch, dtype=np.int64), np.array(out_member, dtype=np.int64)
+
+
 class MixSampler(Sampler):
     """The stream of a weighted mixture of sources (see the module docstring).
 
@@ -148,17 +184,8 @@ class MixSampler(Sampler):
         # n * w where that is an integer, e.g. a member read once)
         counts = np.floor(lengths[:, None] * self.weights).astype(np.int64)
         left = lengths - counts.sum(axis=1)
-        given = np.zeros(k, dtype=np.int64)
-        keys = np.arange(k)
-        done = 0
-        for j in range(len(lengths)):
-            done += int(lengths[j])
-            given += counts[j]
-            if left[j]:
-                deficit = done * self.weights - given
-                pick = np.lexsort((keys, -deficit))[:int(left[j])]
-                counts[j, pick] += 1
-                given[pick] += 1
+        at_batch, at_member = _leftovers(self.weights, counts, left, lengths)
+        np.add.at(counts, (at_batch, at_member), 1)
         #: rows of each member in each batch, and before each batch (cumulated)
         self._counts = counts
         self._before = np.vstack([np.zeros((1, k), dtype=np.int64),
