@@ -341,6 +341,39 @@ def test_cli_errors_name_the_column(runs_collection: abt.Collection, extra: list
     assert "Traceback" not in err
 
 
+def test_cli_reports_the_perturbed_rows_of_a_paired_sampler(
+        screen_collection: abt.Collection, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sampler paired:COL:CONTROL:MATCH,...``: the report counts the perturbed rows (no
+    control), each drawn once in the epoch."""
+    args = ["diversity", str(screen_collection.path), "--obs", "target_gene", "--obs",
+            "cell_line", "--batch-size", "120", "--n-batches", "0", "--json", "--sampler"]
+    assert main([*args, "paired:target_gene:non-targeting:cell_line,gem_group"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    classes = {c["category"]: c for c in out["classes"]["target_gene"]}
+    assert classes["non-targeting"]["epoch_share"] == 0.0  # controls are not counted
+    perturbed = int((screen_collection.obs_at(np.arange(screen_collection.n_obs),
+                                              "target_gene")["target_gene"]
+                     != "non-targeting").sum())
+    assert out["summary"]["target_gene"]["rows"] == perturbed  # each perturbed row once
+    assert out["summary"]["cell_line"]["rows"] == perturbed
+    assert "PairedSampler('target_gene'" in out["settings"]
+    assert "match=('cell_line', 'gem_group')" in out["settings"]
+    # a control value the column does not hold: an error naming it, no traceback
+    assert main([*args[:-2], "--sampler", "paired:target_gene:scrambled"]) == 2
+    err = capsys.readouterr().err
+    assert "scrambled" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("bad", ["paired:target_gene", "paired::non-targeting",
+                                 "paired:target_gene:non-targeting:cell_line,"])
+def test_cli_refuses_an_incomplete_paired_sampler(screen_collection: abt.Collection, bad: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diversity", str(screen_collection.path), "--obs", "target_gene",
+                 "--sampler", bad]) == 2
+    assert f"argument --sampler: {bad!r}" in capsys.readouterr().err
+
+
 def test_cli_error_names_the_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diversity", str(tmp_path / "nowhere"), "--obs", "cell_type"]) == 2
     assert str(tmp_path / "nowhere") in capsys.readouterr().err

@@ -8,35 +8,55 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
 
 from .args import CliError, CliParser, int_at_least
 
-__all__ = ["add_diversity", "run_diversity", "parse_sampler"]
+__all__ = ["add_diversity", "run_diversity", "parse_sampler", "SamplerSpec"]
 
 SAMPLER_HELP = ("chunked (the default: chunked mode, shuffled chunks mixed in pools), "
                 "balanced:COL (ClassBalancedSampler over categorical obs column COL; "
                 "balanced:COL:N draws runs of N rows, balanced:COL:1 single rows; default: "
-                "runs on a collection grouped by COL) or weighted:COL (WeightedSampler, "
-                "per-row weights from numeric obs column COL)")
+                "runs on a collection grouped by COL), weighted:COL (WeightedSampler, "
+                "per-row weights from numeric obs column COL) or paired:COL:CONTROL"
+                "[:MATCH,...] (PairedSampler: the perturbed rows of obs column COL, i.e. "
+                "every value but CONTROL, each with a control row sharing the MATCH "
+                "columns; the report counts the perturbed rows)")
 
 
-def parse_sampler(text: str) -> tuple[str, str | None, int | None]:
-    """``--sampler`` as ``(kind, column, run)``: ``("chunked", None, None)``,
-    ``("balanced", COL, N or None)`` or ``("weighted", COL, None)``."""
+class SamplerSpec(NamedTuple):
+    """What ``--sampler`` asks for: ``kind`` (chunked, balanced, weighted, paired), the obs
+    ``column``, a balanced sampler's ``run`` (rows per run, ``None``: its default), a
+    paired sampler's ``control`` value and ``match`` columns."""
+
+    kind: str
+    column: str | None = None
+    run: int | None = None
+    control: str | None = None
+    match: tuple[str, ...] = ()
+
+
+def parse_sampler(text: str) -> SamplerSpec:
+    """``--sampler`` as a :class:`SamplerSpec` (see :data:`SAMPLER_HELP`)."""
     kind, sep, rest = text.partition(":")
+    if kind == "chunked" and not sep:
+        return SamplerSpec("chunked")
+    if kind == "paired":
+        column, _, tail = rest.partition(":")
+        control, _, match = tail.partition(":")
+        names = tuple(m for m in match.split(",") if m) if match else ()
+        if column and control and (not match or len(names) == len(match.split(","))):
+            return SamplerSpec("paired", column, control=control, match=names)
     column, sep2, run = rest.rpartition(":") if kind == "balanced" and ":" in rest else (
         rest, "", "")
-    if kind == "chunked" and not sep:
-        return "chunked", None, None
     if kind in ("balanced", "weighted") and sep and column:
         if not sep2:
-            return kind, column, None
+            return SamplerSpec(kind, column)
         if run.isdigit() and int(run) >= 1:
-            return kind, column, int(run)
+            return SamplerSpec(kind, column, int(run))
     raise argparse.ArgumentTypeError(f"{text!r}: give {SAMPLER_HELP}")
 
 
@@ -60,8 +80,9 @@ def add_diversity(sub: Any, commands: dict[str, CliParser]) -> None:
     d.add_argument("--obs", action="append", required=True, metavar="COLUMN",
                    help="categorical (or integer / bool) obs column to report; give it again "
                         "for a second column, e.g. --obs cell_type --obs donor_id")
-    d.add_argument("--sampler", type=parse_sampler, default=("chunked", None, None),
-                   metavar="chunked|balanced:COL|weighted:COL", help=SAMPLER_HELP)
+    d.add_argument("--sampler", type=parse_sampler, default=SamplerSpec("chunked"),
+                   metavar="chunked|balanced:COL|weighted:COL|paired:COL:CONTROL",
+                   help=SAMPLER_HELP)
     d.add_argument("--chunk-size", type=int_at_least(1), metavar="N",
                    help="rows per chunk (default: AnnBatchDataset's)")
     d.add_argument("--preload-nchunks", type=int_at_least(1), metavar="N",
@@ -91,17 +112,21 @@ def add_diversity(sub: Any, commands: dict[str, CliParser]) -> None:
     d.set_defaults(func=run_diversity)
 
 
-def _sampler(source: Any, kind: str, column: str | None, run: int | None) -> Any:
+def _sampler(source: Any, spec: SamplerSpec) -> Any:
     import annbatch_torch as abt
 
     from ..diversity import column_values
     from ..errors import AnnBatchError
 
+    kind, column = spec.kind, spec.column
     if kind == "chunked":
         return None
     assert column is not None
     if kind == "balanced":
-        return abt.ClassBalancedSampler(column, chunk_size="auto" if run is None else run)
+        return abt.ClassBalancedSampler(column,
+                                        chunk_size="auto" if spec.run is None else spec.run)
+    if kind == "paired":
+        return abt.PairedSampler(column, spec.control, match=spec.match)
     name, info, values = column_values(source, column)
     if info.kind not in ("numeric", "bool"):
         raise CliError(f"--sampler weighted:{name}: {name!r} is a {info.kind} obs column; "
@@ -155,12 +180,11 @@ def run_diversity(args: argparse.Namespace, parser: CliParser) -> int:
                        f"{args.world_size}.")
     if args.plot is not None:
         _plot_checked(args.plot)
-    kind, column, run = args.sampler
     source = abt.open_source(args.store[0] if len(args.store) == 1 else args.store)
     sizes = {k: v for k, v in (("chunk_size", args.chunk_size),
                                ("preload_nchunks", args.preload_nchunks)) if v is not None}
     ds = abt.AnnBatchDataset(source, batch_size=args.batch_size, seed=args.seed,
-                             sampler=_sampler(source, kind, column, run), rank=args.rank,
+                             sampler=_sampler(source, args.sampler), rank=args.rank,
                              world_size=args.world_size, shuffle=not args.no_shuffle,
                              **sizes)
     columns = list(dict.fromkeys(args.obs))
