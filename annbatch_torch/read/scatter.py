@@ -26,11 +26,14 @@ from .buffers import fresh_bytes
 __all__ = ["scatter_rows", "scratch", "todense_rows"]
 
 
+# Indices are made unsigned inside the loops (the callers check they are not negative): a
+# signed index costs a wrap-around test per element (negative indices count from the end),
+# which keeps LLVM from vectorizing the copy (measured 2-5x slower for a widening copy).
 def _scatter_py(src, starts, lens, out, dests):  # type: ignore[no-untyped-def]  # pragma: no cover
     for r in range(lens.shape[0]):
-        s = starts[r]
-        d = dests[r]
-        for j in range(lens[r]):
+        s = np.uint64(starts[r])
+        d = np.uint64(dests[r])
+        for j in range(np.uint64(lens[r])):
             out[d + j] = src[s + j]
 
 
@@ -39,8 +42,8 @@ def _todense_py(indptr, indices, data, out, zero):  # type: ignore[no-untyped-de
         row = out[i]
         if zero:
             row[:] = 0
-        for j in range(indptr[i], indptr[i + 1]):
-            row[indices[j]] += data[j]
+        for j in range(np.uint64(indptr[i]), np.uint64(indptr[i + 1])):
+            row[np.uint64(indices[j])] += data[j]
 
 
 # compiled (nogil, cached); importing store/native.py also keeps forked children from
