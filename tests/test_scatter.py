@@ -723,6 +723,55 @@ def test_read_runs_of_disjoint_runs_matches_numpy_reference(case: dict[str, Any]
             assert raw._verified  # sharded chunks are remembered as verified
 
 
+@settings(max_examples=60, deadline=None)
+@given(disjoint_cases(), st.sampled_from(["uint8", "uint16", "int32"]))
+def test_runs_cast_on_the_way_equal_the_runs_read_then_cast(case: dict[str, Any],
+                                                             stored: str) -> None:
+    """``plan_cast`` + ``read_cast`` (drawn rows of verified chunks, cast from the stored
+    dtype by the compiled loop): the runs equal numpy's cast of them, nothing else is
+    written; a chunk never verified gives no plan (it must be read whole and checked)."""
+    if not native.pread_available():
+        pytest.skip("no preadv2 here")
+    rng = np.random.default_rng(case["seed"])
+    # never 0, the fill value: zarr leaves chunks of fill values unwritten (absent chunks
+    # are the per-chunk path's, which fills them; the writer writes every chunk)
+    src = rng.integers(1, np.iinfo(stored).max, case["n"], endpoint=True).astype(stored)
+    starts, ends, dests = case["starts"], case["ends"], case["dests"]
+    for wide in ("float32", "int64"):
+        ref = np.full(case["out_len"], -7, dtype=wide)
+        for s, e, d in zip(starts.tolist(), ends.tolist(), dests.tolist()):
+            ref[d : d + e - s] = src[s:e]
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = write_raw(Path(tmp) / "a", src, case["chunk"], case["crc"],
+                            per_shard=case["per_shard"] or 2)
+            plan = raw.plan_cast(starts, ends, dests)
+            if case["crc"] and len(starts):
+                assert plan is None  # nothing verified yet
+                raw.read_runs(starts, 0, dests, np.zeros(case["out_len"], stored), ends=ends,
+                              trust_verified=True)
+                plan = raw.plan_cast(starts, ends, dests)
+            assert plan is not None
+            out = np.full(case["out_len"], -7, dtype=wide)
+            raw.read_cast(plan, out)
+            np.testing.assert_array_equal(out, ref)
+
+
+def test_a_cast_read_refused_at_every_segment_still_delivers_every_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not native.pread_available():
+        pytest.skip("no preadv2 here")
+    src = np.arange(1, 401, dtype=np.uint16)
+    raw = write_raw(tmp_path / "a", src, 20, False, per_shard=5)
+    starts, ends, dests = np.array([1, 15, 45, 100]), np.array([3, 17, 46, 130]), \
+        np.array([0, 2, 4, 5])
+    monkeypatch.setattr(rawzarr, "fast_flags", lambda: 1 << 20)  # a flag every call refuses
+    plan = raw.plan_cast(starts, ends, dests)
+    assert plan is not None
+    out = np.zeros(35, dtype=np.float32)
+    raw.read_cast(plan, out)
+    np.testing.assert_array_equal(out, np.concatenate([src[s:e] for s, e in zip(starts, ends)]))
+
+
 def _sharded(tmp_path: Path, crc: bool = True) -> tuple[RawZarrArray, np.ndarray]:
     src = np.arange(1, 401, dtype=np.int32)
     return write_raw(tmp_path / "a", src, 20, crc, per_shard=5), src

@@ -225,6 +225,11 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
     rows = np.asarray(rows, dtype=np.int64)
     if not rows.size:
         return {}
+    # drawn rows of chunks verified before: cast on the way from the page cache, no scratch
+    # pass (the caller checks the delivered column indices: no CRCs returned)
+    if trust_verified and hasattr(el, "read_rows_cast") and el.read_rows_cast(
+            rows, data, indices, dests):
+        return None
     lens = el.indptr[rows + 1] - el.indptr[rows]
     # drawn rows read from chunks verified before stay on read_rows_gather (trust_verified)
     contiguous = (not trust_verified) and int(rows[-1]) - int(rows[0]) + 1 == len(rows)

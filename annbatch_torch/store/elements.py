@@ -202,6 +202,23 @@ class CSRElement(Element):
                 out[pos] = values
         return crcs
 
+    def _runs(self, rows: np.ndarray, dests: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The element runs ``[starts, ends)`` of rows ``rows`` (ascending, distinct) and
+        where each lands (``dests``): rows that continue each other here and in the output
+        are one run."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts, ends = self.indptr[rows], self.indptr[rows + 1]
+        dests = np.asarray(dests, dtype=np.int64)
+        if len(rows) > 1:
+            cont = (starts[1:] == ends[:-1]) & (dests[1:] == dests[:-1] + (ends[:-1]
+                                                                        - starts[:-1]))
+            if cont.any():
+                first = np.flatnonzero(np.concatenate([[True], ~cont]))
+                last = np.append(first[1:] - 1, len(rows) - 1)
+                starts, ends, dests = starts[first], ends[last], dests[first]
+        return starts, ends, dests
+
     def read_rows_gather(
         self, rows: np.ndarray, data_out: np.ndarray, indices_out: np.ndarray,
         dests: np.ndarray, trust_verified: bool = False,
@@ -212,16 +229,7 @@ class CSRElement(Element):
         :attr:`can_scatter`; returns the indices chunks' CRCs likewise (those read and
         verified whole). ``trust_verified``: see ``RawZarrArray.read_runs`` (rows a
         sampler drew)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        starts, ends = self.indptr[rows], self.indptr[rows + 1]
-        dests = np.asarray(dests, dtype=np.int64)
-        if len(rows) > 1:  # rows that continue each other here and in the output: one run
-            cont = (starts[1:] == ends[:-1]) & (dests[1:] == dests[:-1] + (ends[:-1]
-                                                                        - starts[:-1]))
-            if cont.any():
-                first = np.flatnonzero(np.concatenate([[True], ~cont]))
-                last = np.append(first[1:] - 1, len(rows) - 1)
-                starts, ends, dests = starts[first], ends[last], dests[first]
+        starts, ends, dests = self._runs(rows, dests)
         crcs: dict[int, int] | None = None
         for src, out in ((self.data, data_out), (self.indices, indices_out)):
             is_indices = src is self.indices
@@ -230,6 +238,25 @@ class CSRElement(Element):
             if is_indices and getattr(src, "crc", False):
                 crcs = got
         return crcs
+
+    def read_rows_cast(self, rows: np.ndarray, data_out: np.ndarray,
+                       indices_out: np.ndarray, dests: np.ndarray) -> bool:
+        """Rows a sampler drew, :meth:`read_rows_gather`'s way, cast to the buffers' dtypes
+        on the way from the page cache (no scratch pass): when both arrays read them so
+        (``RawZarrArray.plan_cast``: chunks verified before, local shard files). Returns
+        ``False``, having read nothing, otherwise. The caller checks the delivered column
+        indices (as after a trusted :meth:`read_rows_gather`)."""
+        if not (hasattr(self.data, "plan_cast") and hasattr(self.indices, "plan_cast")):
+            return False
+        starts, ends, dests = self._runs(rows, dests)
+        plans = [src.plan_cast(starts, ends, dests,
+                               below=self.n_cols if src is self.indices else None)
+                 for src in (self.data, self.indices)]
+        if plans[0] is None or plans[1] is None:
+            return False
+        self.data.read_cast(plans[0], data_out)
+        self.indices.read_cast(plans[1], indices_out)
+        return True
 
     def all_checked(self, crcs: dict[int, int] | None) -> bool:
         """Whether every indices chunk in ``crcs`` (from :meth:`read_rows_scatter`) holds

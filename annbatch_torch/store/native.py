@@ -10,7 +10,9 @@ numba's compiler lock while another thread holds it.
 ``preadv2`` calls (Linux): the reads of a pool of drawn rows whose chunks were verified
 before, one short read per row and array. The loop holds no GIL, so the reader's threads
 read in parallel, and a Python step per read (a loop of ``os.preadv``) is gone.
-:func:`pread_available` says whether the loop can run here (Linux with ``preadv2``, numba's
+:func:`pread_widen` does the same through a small scratch, copying each segment on to its
+place cast to a wider dtype (narrow stored counts and column indices into a pool's float32
+and int32) while it is in the CPU's cache. :func:`pread_available` says whether the loop can run here (Linux with ``preadv2``, numba's
 JIT enabled); callers fall back to ``os.preadv`` otherwise.
 """
 
@@ -26,7 +28,7 @@ import numpy as np
 from numba import types
 from numba.core.compiler_lock import global_compiler_lock
 
-__all__ = ["compiled", "pread_available", "pread_segments"]
+__all__ = ["compiled", "pread_available", "pread_segments", "pread_widen"]
 
 
 def compiled(fn: Callable[..., Any]) -> Any:
@@ -64,6 +66,25 @@ def _pread_loop_py(fd, offsets, lengths, base, dests, flags, first):  # type: ig
 
 
 _pread_loop = compiled(_pread_loop_py)
+
+
+def _pread_widen_loop_py(fd, offsets, counts, scratch, out, dests, flags, first):  # type: ignore[no-untyped-def]  # pragma: no cover
+    iov = np.empty(2, np.uint64)
+    at = iov.ctypes.data
+    iov[0] = scratch.ctypes.data
+    item = scratch.itemsize
+    for i in range(first, offsets.shape[0]):
+        n = counts[i]
+        iov[1] = n * item
+        if _preadv2(fd, at, 1, offsets[i], flags) != n * item:
+            return i
+        d = np.uint64(dests[i])
+        for j in range(np.uint64(n)):  # unsigned: no wrap-around test, a vector loop
+            out[d + j] = scratch[j]
+    return offsets.shape[0]
+
+
+_pread_widen_loop = compiled(_pread_widen_loop_py)
 _state: dict[str, bool] = {}
 _state_lock = threading.Lock()
 
@@ -136,3 +157,43 @@ def pread_segments(fd: int, offsets: np.ndarray, lengths: np.ndarray, out: np.nd
                          "bytes")
     return int(_pread_loop(fd, offsets, lengths, out.ctypes.data, dests, int(flags),
                            int(first)))
+
+
+def pread_widen(fd: int, offsets: np.ndarray, counts: np.ndarray, out: np.ndarray,
+                dests: np.ndarray, scratch: np.ndarray, flags: int = 0, first: int = 0) -> int:
+    """:func:`pread_segments` of items rather than bytes, cast on the way: ``counts[i]``
+    items of ``scratch``'s dtype (the stored one) read at byte ``offsets[i]`` of file ``fd``
+    into ``scratch``, then copied to ``out[dests[i]:]`` in ``out``'s dtype (the caller makes
+    sure it holds every value). ``scratch`` holds the longest segment; it stays in the CPU's
+    cache, so the bytes go from the page cache to their place in one pass.
+
+    Returns
+    -------
+    int
+        The first segment not read in full, as :func:`pread_segments`.
+
+    Raises
+    ------
+    ValueError
+        If a segment would land outside ``out`` or not fit in ``scratch``.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    dests = np.asarray(dests, dtype=np.int64)
+    if not (offsets.shape == counts.shape == dests.shape and offsets.ndim == 1):
+        raise ValueError("pread_widen: offsets, counts and dests must be 1-D and of one length")
+    for a in (out, scratch):
+        if a.ndim != 1 or not a.flags.c_contiguous or not a.flags.writeable or (
+                a.dtype.kind not in "biuf" or not a.dtype.isnative):
+            raise ValueError("pread_widen reads into writeable contiguous 1-D arrays of "
+                             "numbers in native byte order")
+    if first >= len(offsets):
+        return len(offsets)
+    c, d = counts[first:], dests[first:]
+    if (int(c.min()) < 0 or int(d.min()) < 0 or int(offsets[first:].min()) < 0
+            or int(c.max()) > scratch.size or int(d.max()) > out.size
+            or int((d + c).max()) > out.size):
+        raise ValueError(f"pread_widen: segments fall outside the buffer of {out.size} items "
+                         f"or exceed the scratch of {scratch.size}")
+    return int(_pread_widen_loop(fd, offsets, counts, scratch, out, dests, int(flags),
+                                 int(first)))

@@ -33,19 +33,29 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from .checks import bad_column
 from .diskio import IOV_MAX, OpenFile, count_warm, fast_flags, preadv_full, split_at
-from .native import pread_available, pread_segments
+from .native import pread_available, pread_segments, pread_widen
 
-__all__ = ["ChunkError", "ChunkSource", "RawZarrArray", "open_raw"]
+__all__ = ["CastPlan", "ChunkError", "ChunkSource", "RawZarrArray", "open_raw"]
 
 
 class ChunkError(OSError):
     """A chunk file is missing bytes or fails its checksum."""
+
+
+class CastPlan(NamedTuple):
+    """Segments of disjoint runs read by :meth:`RawZarrArray.read_cast`: each one's shard
+    file, byte offset in it, items, and the item of the output it lands at."""
+
+    files: np.ndarray
+    offsets: np.ndarray
+    counts: np.ndarray
+    dests: np.ndarray
 
 
 class ChunkSource(Protocol):
@@ -467,17 +477,10 @@ class RawZarrArray:
             raise ValueError(f"{self.path}: read_runs destinations fall outside the buffer "
                              f"of {out.size} items")
         size, item = self.chunk_rows, self.dtype.itemsize
-        # split runs at chunk boundaries: run i covers chunks first[i] .. last[i]
-        first, last = starts // size, (ends - 1) // size
-        n_parts = last - first + 1
-        run = np.repeat(np.arange(len(starts)), n_parts)
-        chunk = first[run] + np.arange(len(run)) - np.repeat(np.cumsum(n_parts) - n_parts,
-                                                             n_parts)
-        seg_lo = np.maximum(starts[run], chunk * size)
-        seg_hi = np.minimum(ends[run], (chunk + 1) * size)
+        chunk, seg_lo, seg_hi, seg_dest = self._split_runs(starts, ends, dests)
         lo_b = (seg_lo - chunk * size) * item  # bytes, from the chunk's start
         hi_b = (seg_hi - chunk * size) * item
-        d_b = (dests[run] + (seg_lo - starts[run])) * item
+        d_b = seg_dest * item
         if self.remote is not None:
             self.prefetch(np.unique(chunk).tolist())
         idents = (self._identities(np.unique(chunk // self.per_shard).tolist())
@@ -562,29 +565,11 @@ class RawZarrArray:
         if (self.remote is not None or not self.per_shard or self.blosc or fast is None
                 or not pread_available()):
             return None
+        if self.crc and not trust:
+            return None
         uniq = chunk[new_chunk]
         shard_of = uniq // self.per_shard
-        if self.crc:
-            if not trust:
-                return None
-            ok = np.fromiter(
-                ((ident := idents.get(k)) is not None and self._verified.get(c) == (below, ident)
-                 for c, k in zip(uniq.tolist(), shard_of.tolist())), bool, len(uniq))
-        else:
-            ok = np.ones(len(uniq), dtype=bool)
-        want = self.chunk_nbytes + (4 if self.crc else 0)
-        base = np.zeros(len(uniq), dtype=np.int64)
-        for k in np.unique(shard_of[ok]).tolist():
-            at = np.flatnonzero(ok & (shard_of == k))
-            index = self._index(k)
-            if index is None:  # absent shard file: the per-chunk path fills or raises
-                ok[at] = False
-                continue
-            entry = index[uniq[at] % self.per_shard]
-            # absent inner chunks and wrong sizes: the per-chunk path says what is wrong
-            good = (entry[:, 0] != _ABSENT) & (entry[:, 1] == want)
-            ok[at[~good]] = False
-            base[at[good]] = entry[good, 0].astype(np.int64)
+        ok, base = self._chunk_bases(uniq, below, idents)
         if not ok.any():
             return ok
         seg_chunk = np.cumsum(new_chunk) - 1  # each segment's place in uniq
@@ -610,6 +595,112 @@ class RawZarrArray:
             finally:
                 os.close(fd)
         return ok
+
+    def _split_runs(self, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Disjoint runs ``[starts[i], ends[i])`` (items) split at chunk boundaries: each
+        segment's chunk, first and end item, and the item of the output it lands at."""
+        size = self.chunk_rows
+        first, last = starts // size, (ends - 1) // size  # run i: chunks first .. last
+        n_parts = last - first + 1
+        run = np.repeat(np.arange(len(starts)), n_parts)
+        chunk = first[run] + np.arange(len(run)) - np.repeat(np.cumsum(n_parts) - n_parts,
+                                                             n_parts)
+        seg_lo = np.maximum(starts[run], chunk * size)
+        seg_hi = np.minimum(ends[run], (chunk + 1) * size)
+        return chunk, seg_lo, seg_hi, dests[run] + (seg_lo - starts[run])
+
+    def _chunk_bases(self, uniq: np.ndarray, below: int | None,
+                     idents: dict[int, tuple[int, int, int]]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Which of the chunks ``uniq`` (ascending) may be read without their checksum
+        from local shard files (verified before under the file's identity ``idents``,
+        with ``below``; every present chunk without ``crc32c``), and their byte offsets in
+        their shard files. Absent chunks and wrong sizes are left to the per-chunk path,
+        which says what is wrong."""
+        shard_of = uniq // self.per_shard
+        if self.crc:
+            ok = np.fromiter(
+                ((ident := idents.get(k)) is not None and self._verified.get(c) == (below, ident)
+                 for c, k in zip(uniq.tolist(), shard_of.tolist())), bool, len(uniq))
+        else:
+            ok = np.ones(len(uniq), dtype=bool)
+        want = self.chunk_nbytes + (4 if self.crc else 0)
+        base = np.zeros(len(uniq), dtype=np.int64)
+        for k in np.unique(shard_of[ok]).tolist():
+            at = np.flatnonzero(ok & (shard_of == k))
+            index = self._index(k)
+            if index is None:  # absent shard file
+                ok[at] = False
+                continue
+            entry = index[uniq[at] % self.per_shard]
+            good = (entry[:, 0] != _ABSENT) & (entry[:, 1] == want)
+            ok[at[~good]] = False
+            base[at[good]] = entry[good, 0].astype(np.int64)
+        return ok, base
+
+    def plan_cast(self, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray,
+                  below: int | None = None) -> CastPlan | None:
+        """How :meth:`read_cast` reads the disjoint runs ``[starts[i], ends[i])`` into
+        ``out[dests[i]:]`` in another dtype: when every chunk they touch is in a local,
+        uncompressed shard file and was verified before (as ``read_runs(ends=,
+        trust_verified=True)`` would read it without its checksum), and the compiled loop
+        runs here; ``None`` otherwise (read with :meth:`read_runs` then). The runs are
+        those of rows a sampler drew: the caller checks what is delivered, as after a
+        trusted :meth:`read_runs`."""
+        if (self.remote is not None or not self.per_shard or self.blosc
+                or fast_flags() is None or not pread_available()):
+            return None
+        starts = np.asarray(starts, dtype=np.int64)
+        ends = np.asarray(ends, dtype=np.int64)
+        dests = np.asarray(dests, dtype=np.int64)
+        keep = ends > starts
+        starts, ends, dests = starts[keep], ends[keep], dests[keep]
+        if not starts.size:
+            empty = np.zeros(0, dtype=np.int64)
+            return CastPlan(empty, empty, empty, empty)
+        chunk, seg_lo, seg_hi, seg_dest = self._split_runs(starts, ends, dests)
+        new_chunk = np.concatenate([[True], chunk[1:] != chunk[:-1]])
+        uniq = chunk[new_chunk]
+        idents = (self._identities(np.unique(uniq // self.per_shard).tolist())
+                  if self.crc else {})
+        ok, base = self._chunk_bases(uniq, below, idents)
+        if not ok.all():
+            return None
+        seg_chunk = np.cumsum(new_chunk) - 1
+        offsets = base[seg_chunk] + (seg_lo - chunk * self.chunk_rows) * self.dtype.itemsize
+        return CastPlan(chunk // self.per_shard, offsets, seg_hi - seg_lo, seg_dest)
+
+    def read_cast(self, plan: CastPlan, out: np.ndarray) -> None:
+        """Read a :meth:`plan_cast` into ``out`` (cast to its dtype; the caller makes sure
+        it holds every value): one compiled loop per shard file, through a scratch of the
+        longest segment; a segment the page cache does not hold stops the loop, is read by
+        the gated read and copied, and the loop goes on after it."""
+        if not len(plan.counts):
+            return
+        nbytes = int(plan.counts.max()) * self.dtype.itemsize
+        scratch = _scratch(nbytes, "cast")[:nbytes].view(self.dtype)
+        fast = fast_flags()
+        flags = 0 if fast is None else fast
+        for k in np.unique(plan.files).tolist():
+            at = np.flatnonzero(plan.files == k)
+            path = self._file_name(k)
+            offs, counts, dsts = plan.offsets[at], plan.counts[at], plan.dests[at]
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                i, n = 0, len(at)
+                while i < n:
+                    j = pread_widen(fd, offs, counts, out, dsts, scratch, flags, i)
+                    count_warm(j - i)
+                    if j < n:  # not all in the page cache (or short): read it gated
+                        m = int(counts[j])
+                        part = scratch[:m]
+                        self._read_stretch(fd, path, int(offs[j]), m * self.dtype.itemsize,
+                                           [part.view(np.uint8)], None)
+                        out[int(dsts[j]) : int(dsts[j]) + m] = part
+                    i = j + 1
+            finally:
+                os.close(fd)
 
     def _identities(self, files: list[int]) -> dict[int, tuple[int, int, int]]:
         """``{shard file: (inode, size, mtime)}`` of those that exist now."""
