@@ -873,6 +873,18 @@ def test_pread_segments_reads_each_segment_and_stops_at_a_short_one(tmp_path: Pa
         os.close(fd)
 
 
+def test_no_compiled_loop_where_the_c_library_has_no_preadv2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calling the loop without ``preadv2`` would jump to a null address: the probe must
+    say no before it ever calls it (macOS, old glibc)."""
+    called: list[bool] = []
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_libc_has_preadv2", lambda: False)
+    monkeypatch.setattr(native, "_pread_loop", lambda *a: called.append(True))
+    assert native.pread_available() is False
+    assert not called
+
+
 @pytest.mark.parametrize("crc", [True, False])
 def test_a_compiled_loop_refused_at_every_read_still_delivers_every_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crc: bool) -> None:

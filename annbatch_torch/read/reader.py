@@ -32,7 +32,6 @@ from ..errors import AnnBatchError, CollectionError, ReadError
 from ..store.checks import bad_column
 from ..store.diskio import CpuSlots, io_gate
 from ..store.elements import CSCElement, CSRElement
-from ..store.native import pread_available
 from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
@@ -567,8 +566,9 @@ class PoolReader:
             # (store/native.py: no GIL held per row), else one call per shard (a Python
             # step per row holds the GIL: two threads were 0.75x as fast as one)
             runs = len(out_len) >= RUN_ROWS * len(pieces)
+            compiled = all(el.reads_compiled for el in {id(el): el for el in els}.values())
             spread = self.io_depth if self._from_disk else (
-                self.threads if runs or pread_available() else 1)
+                self.threads if runs or compiled else 1)
             assert arrays is not None
             for a, b in _groups(pieces, spread, arrays=arrays):
                 rows, canon = _piece_rows(arrays, a, b)

@@ -169,6 +169,12 @@ class CSRElement(Element):
         """Whether :meth:`read_rows_scatter` reads straight from chunk files."""
         return hasattr(self.data, "read_runs") and hasattr(self.indices, "read_runs")
 
+    @property
+    def reads_compiled(self) -> bool:
+        """Whether drawn rows of chunks verified before are read by compiled loops (no
+        Python step, nor the GIL, per row: worth spreading over read threads)."""
+        return all(getattr(a, "reads_compiled", False) for a in (self.data, self.indices))
+
     def read_rows_scatter(
         self, start: int, stop: int, data_out: np.ndarray, indices_out: np.ndarray,
         dests: np.ndarray,

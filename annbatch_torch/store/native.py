@@ -12,14 +12,16 @@ before, one short read per row and array. The loop holds no GIL, so the reader's
 read in parallel, and a Python step per read (a loop of ``os.preadv``) is gone.
 :func:`pread_widen` does the same through a small scratch, copying each segment on to its
 place cast to a wider dtype (narrow stored counts and column indices into a pool's float32
-and int32) while it is in the CPU's cache. :func:`pread_available` says whether the loop can run here (Linux with ``preadv2``, numba's
-JIT enabled); callers fall back to ``os.preadv`` otherwise.
+and int32) while it is in the CPU's cache. :func:`pread_available` says whether the loops
+can run here (Linux with ``preadv2`` and ``RWF_NOWAIT``, numba's JIT enabled); callers fall
+back to ``os.preadv`` otherwise.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-import threading
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -86,23 +88,34 @@ def _pread_widen_loop_py(fd, offsets, counts, scratch, out, dests, flags, first)
 
 _pread_widen_loop = compiled(_pread_widen_loop_py)
 _state: dict[str, bool] = {}
-_state_lock = threading.Lock()
 
 
 def pread_available() -> bool:
-    """Whether :func:`pread_segments` runs here: Linux's ``preadv2`` is found and numba's
-    JIT compiles the loop (checked once per process, by a read of ``/dev/zero``)."""
+    """Whether :func:`pread_segments` runs here: Linux on a 64-bit build, with ``preadv2``
+    in the C library and ``RWF_NOWAIT``, and numba's JIT compiling the loop (checked once
+    per process, by a read of ``/dev/zero``)."""
     ok = _state.get("ok")
     if ok is None:
-        with _state_lock:
-            ok = _state.get("ok")
-            if ok is None:
-                ok = _state["ok"] = _probe()
+        # no lock: probing twice is harmless, and a lock held by a probing thread would be
+        # inherited, held, by a child forked meanwhile (the probe may compile, and a fork
+        # waits for numba's compiler lock: it lands right after a compilation)
+        ok = _state["ok"] = _probe()
     return ok
 
 
+def _libc_has_preadv2() -> bool:
+    """Whether the C library exports ``preadv2`` (the loop must never be called without
+    it: numba would jump to a null address)."""
+    try:
+        return hasattr(ctypes.CDLL(None), "preadv2")
+    except OSError:
+        return False
+
+
 def _probe() -> bool:
-    if numba.config.DISABLE_JIT or not hasattr(os, "preadv"):
+    if (numba.config.DISABLE_JIT or not sys.platform.startswith("linux")
+            or sys.maxsize <= 2**32 or not hasattr(os, "RWF_NOWAIT")
+            or not _libc_has_preadv2()):
         return False
     try:
         fd = os.open("/dev/zero", os.O_RDONLY)
@@ -113,7 +126,7 @@ def _probe() -> bool:
         done = _pread_loop(fd, np.zeros(1, np.int64), np.full(1, 8, np.int64),
                            out.ctypes.data, np.zeros(1, np.int64), 0, 0)
         return done == 1 and not out.any()
-    except Exception:  # no preadv2 symbol, or no compiler: the os.preadv loop then
+    except Exception:  # no compiler: the os.preadv loop then
         return False
     finally:
         os.close(fd)
@@ -146,6 +159,8 @@ def pread_segments(fd: int, offsets: np.ndarray, lengths: np.ndarray, out: np.nd
                          "length")
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("pread_segments reads into a writeable contiguous buffer")
+    if first < 0:
+        raise ValueError(f"pread_segments: first must not be negative, got {first}")
     if first >= len(offsets):
         return len(offsets)
     lengths_rest, dests_rest = lengths[first:], dests[first:]
@@ -187,6 +202,8 @@ def pread_widen(fd: int, offsets: np.ndarray, counts: np.ndarray, out: np.ndarra
                 a.dtype.kind not in "biuf" or not a.dtype.isnative):
             raise ValueError("pread_widen reads into writeable contiguous 1-D arrays of "
                              "numbers in native byte order")
+    if first < 0:
+        raise ValueError(f"pread_widen: first must not be negative, got {first}")
     if first >= len(offsets):
         return len(offsets)
     c, d = counts[first:], dests[first:]

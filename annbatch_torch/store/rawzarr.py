@@ -158,6 +158,14 @@ class RawZarrArray:
         self._prefix = str(path) + os.sep + ("" if self._v2_keys else "c" + self._sep)
 
     @property
+    def reads_compiled(self) -> bool:
+        """Whether runs of chunks verified before are read by the compiled loop
+        (:func:`~annbatch_torch.store.native.pread_segments`: local, uncompressed shard
+        files, where the loop runs)."""
+        return (self.remote is None and bool(self.per_shard) and not self.blosc
+                and self.dtype.isnative and pread_available())
+
+    @property
     def ndim(self) -> int:
         return len(self.shape)
 
@@ -562,8 +570,7 @@ class RawZarrArray:
         compiled loop per shard file. Returns which chunks (one flag per chunk of
         ``new_chunk``) were read so; ``None`` when the loop does not apply here (on a
         store, unsharded, Blosc, no ``preadv2`` or no first try from the page cache)."""
-        if (self.remote is not None or not self.per_shard or self.blosc or fast is None
-                or not pread_available()):
+        if fast is None or not self.reads_compiled:
             return None
         if self.crc and not trust:
             return None
@@ -648,8 +655,7 @@ class RawZarrArray:
         runs here; ``None`` otherwise (read with :meth:`read_runs` then). The runs are
         those of rows a sampler drew: the caller checks what is delivered, as after a
         trusted :meth:`read_runs`."""
-        if (self.remote is not None or not self.per_shard or self.blosc
-                or fast_flags() is None or not pread_available()):
+        if self.ndim != 1 or not self.reads_compiled or fast_flags() is None:
             return None
         starts = np.asarray(starts, dtype=np.int64)
         ends = np.asarray(ends, dtype=np.int64)
