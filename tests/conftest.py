@@ -5,7 +5,7 @@ Both are session-scoped and shared by many test modules: treat them as read-only
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,24 @@ def _write_h5ads(adatas: Sequence[Any], folder: Path) -> list[Path]:
         a.write_h5ad(path)
         paths.append(path)
     return paths
+
+
+def drain(loader: Iterable[Any]) -> list[Any]:
+    """Every batch of ``loader`` (a ``DataLoader``, or an iterator of one), its worker
+    processes stopped on the way out, also when a batch raises.
+
+    An error raised through a ``DataLoader`` holds its iterator in a reference cycle (the
+    traceback's frames). The garbage collector then closes the iterator's queues before it
+    finalises the iterator, so its workers never get their stop signal, and torch waits 5 s
+    for each one before it kills it, in whichever later test the collection happens to run.
+    """
+    it = iter(loader)
+    try:
+        return list(it)
+    finally:
+        stop = getattr(it, "_shutdown_workers", None)  # none without worker processes
+        if stop is not None:
+            stop()
 
 
 @pytest.fixture(scope="session")

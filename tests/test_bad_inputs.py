@@ -43,6 +43,7 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
+from conftest import drain
 from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
@@ -127,7 +128,7 @@ def _iterate(source: Any, num_workers: int = 0, **kwargs: Any) -> list[dict[str,
                          **kwargs)
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers, timeout=60
                         if num_workers else 0)
-    return list(loader)
+    return drain(loader)
 
 
 # --------------------------------------------------------------------------------------

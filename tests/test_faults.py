@@ -25,6 +25,7 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
+from conftest import drain
 from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
@@ -326,7 +327,7 @@ def test_corrupted_chunk_reaches_the_training_loop_with_shard_and_rows(
     with pytest.raises(ReadError, match=rf"(?s)in DataLoader worker process \d.*"
                        rf"{re.escape(shard)}: failed reading field 'X', shard rows "
                        rf"\[\d+, \d+\) \(shard 2\)"):
-        list(_loader(store))
+        drain(_loader(store))
 
 
 class _Boom:
@@ -352,7 +353,7 @@ def test_transform_error_names_field_shard_and_rows(collection: Path, num_worker
     with pytest.raises(BatchError, match=r"(?s)transform of selector key 'x' \(field 'X'\) "
                        r"raised ZeroDivisionError: boom in a user transform.*"
                        r"shard_\d+\.zarr rows \[\d+, \d+\)"):
-        list(loader)
+        drain(loader)
 
 
 def _failing_converter(batch: dict[str, Any]) -> Any:
@@ -366,7 +367,7 @@ def test_converter_error_names_shard_and_rows(collection: Path) -> None:
     loader = _loader(collection, num_workers=2, batch_converter=_failing_converter)
     with pytest.raises(BatchError, match=r"(?s)batch_converter raised KeyError: 'label'.*"
                        r"shard_\d+\.zarr rows \[\d+, \d+\)"):
-        list(loader)
+        drain(loader)
 
 
 # --------------------------------------------------------------------------------------
@@ -449,9 +450,12 @@ def test_stalled_worker_hits_the_dataloader_timeout(collection: Path) -> None:
             next(it)
         assert time.monotonic() - t0 < 30
     finally:
-        # joins for 5 s, then terminates the stalled worker (unregistered first, so the
-        # DataLoader's SIGCHLD handler does not report it)
-        it._shutdown_workers()  # type: ignore[attr-defined]
+        # joins, then terminates the stalled worker (unregistered first, so the DataLoader's
+        # SIGCHLD handler does not report it); torch joins for MP_STATUS_CHECK_INTERVAL
+        # (5 s, read at the call), which a worker asleep for an hour only makes wait
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+            it._shutdown_workers()  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(120)
@@ -464,8 +468,7 @@ def test_shard_deleted_while_workers_run(collection: Path, tmp_path: Path) -> No
     for s in json.loads((store / MANIFEST_NAME).read_text())["shards"]:
         shutil.rmtree(store / s["path"])
     with pytest.raises((ReadError, CollectionError), match=r"shard_\d+\.zarr"):
-        for _ in it:
-            pass
+        drain(it)
 
 
 def test_worker_error_keeps_the_exception_type_for_handlers() -> None:

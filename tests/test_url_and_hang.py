@@ -115,19 +115,29 @@ distributed = pytest.importorskip("distributed")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)  # the old code waited forever; the grace is 30 s plus restarts
+@pytest.mark.timeout(400)  # the old code waited forever
 def test_dask_writer_fails_in_bounded_time_when_every_worker_dies(
-        tmp_path: Path, synthetic_h5ads: list[Path]) -> None:
+        tmp_path: Path, synthetic_h5ads: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker that dies on every try of one input, with retries allowed (Dask's
     allowed-failures raised): the LocalCluster's nannies give up, no worker is left, and the
-    write must fail with a clear error, not wait forever; nothing is published."""
+    write must fail with a clear error, not wait forever; nothing is published.
+
+    For speed, the grace (30 s in the library, read at call time) is 5 s here, and the
+    LocalCluster gives a lost worker 0.2 s to be back before it closes its nanny (Dask's
+    ``lost-worker-timeout``, 15 s by default, checked once per death; a restart takes longer):
+    the nannies give up at their workers' first deaths instead of after a random number of
+    restarts, and the write must still notice that no worker is left."""
     import dask
     import dask_helpers
 
+    from annbatch_torch.write import parallel
+
+    monkeypatch.setattr(parallel, "NO_WORKERS_GRACE_S", 5.0)
     bad = tmp_path / "bad_input.h5ad"
     bad.write_bytes(synthetic_h5ads[1].read_bytes())
     out = tmp_path / "out"
-    with dask.config.set({"distributed.scheduler.allowed-failures": 50}), \
+    with dask.config.set({"distributed.scheduler.allowed-failures": 50,
+                          "distributed.deploy.lost-worker-timeout": "200ms"}), \
             pytest.raises(abt.CollectionError, match="no workers for") as e:
         abt.create_anndata_collection(
             [synthetic_h5ads[0], bad], out, scheduler="processes", n_workers=2,
