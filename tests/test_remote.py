@@ -274,7 +274,8 @@ def test_storage_options_that_the_store_refuses(s3: Any, tmp_path: Path) -> None
         open_collection("s3://x/y", storage_options={"no_such_key": 1}, cache_dir=tmp_path)
 
 
-def test_remote_location_pickles_without_its_client(s3: Any) -> None:
+def test_remote_location_pickles_without_its_client(
+        remote_pair: tuple[str, abt.Collection], s3: Any) -> None:
     import pickle
 
     loc = remote_mod.RemoteLocation("s3://pair/atlas", s3.options)

@@ -772,6 +772,67 @@ def test_a_cast_read_refused_at_every_segment_still_delivers_every_run(
     np.testing.assert_array_equal(out, np.concatenate([src[s:e] for s, e in zip(starts, ends)]))
 
 
+@pytest.mark.parametrize("refused", [False, True])
+@pytest.mark.parametrize("stored", ["uint16", "int32"])
+def test_a_cast_read_checks_every_item_against_below(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool, stored: str) -> None:
+    """Column indices read by the compiled cast loop are checked inside ``[0, below)`` on
+    the way (so the pool needs no scan afterwards): one item out of range in the third
+    run is a ChunkError naming the shard file, whether the loop read it or the gated read
+    after a refusal; without it every run is delivered."""
+    if not native.pread_available():
+        pytest.skip("no preadv2 here")
+    src = np.arange(1, 401).astype(stored)
+    starts, ends, dests = np.array([1, 15, 45, 100]), np.array([3, 17, 50, 130]), \
+        np.array([0, 2, 4, 9])
+    if refused:
+        monkeypatch.setattr(rawzarr, "fast_flags", lambda: 1 << 20)  # every call refuses
+    raw = write_raw(tmp_path / "ok", src, 20, False, per_shard=5)
+    plan = raw.plan_cast(starts, ends, dests, below=400)
+    assert plan is not None
+    out = np.zeros(39, dtype=np.int32)
+    raw.read_cast(plan, out)
+    np.testing.assert_array_equal(out, np.concatenate([src[s:e] for s, e in zip(starts, ends)]))
+    for bad in (400, -3) if stored == "int32" else (400, 65535):
+        damaged = src.copy()
+        damaged[47] = bad
+        raw = write_raw(tmp_path / f"bad{bad}", damaged, 20, False, per_shard=5)
+        plan = raw.plan_cast(starts, ends, dests, below=400)
+        assert plan is not None
+        at = 47 * np.dtype(stored).itemsize  # shard file c/0 holds chunks 0-4 in order
+        with pytest.raises(ChunkError, match=rf"c/0: column index {bad} outside \[0, 400\) "
+                                             rf"at byte {at} "):
+            raw.read_cast(plan, np.zeros(39, dtype=np.int32))
+
+
+def test_pread_widen_names_the_segment_holding_an_item_out_of_range(tmp_path: Path) -> None:
+    """``pread_widen(below=)``: the segments before the bad one are copied and checked, the
+    bad one is named; ``below`` is refused for items that are not integers."""
+    if not native.pread_available():
+        pytest.skip("no preadv2 here")
+    values = np.array([5, 6, 7, 8, 9, 1, 2], dtype=np.uint16)
+    path = tmp_path / "f"
+    path.write_bytes(values.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offsets, counts, dests = np.array([0, 10, 4]), np.array([2, 2, 3]), np.array([0, 2, 4])
+        out = np.zeros(7, dtype=np.int32)
+        scratch = np.zeros(3, dtype=np.uint16)
+        assert native.pread_widen(fd, offsets, counts, out, dests, scratch, below=10) == 3
+        np.testing.assert_array_equal(out, [5, 6, 1, 2, 7, 8, 9])
+        out[:] = 0
+        with pytest.raises(native.OutOfRange) as got:
+            native.pread_widen(fd, offsets, counts, out, dests, scratch, below=9)
+        assert got.value.segment == 2
+        assert got.value.below == 9
+        np.testing.assert_array_equal(out[:4], [5, 6, 1, 2])
+        with pytest.raises(ValueError, match="integer items"):
+            native.pread_widen(fd, offsets, counts, out.astype(np.float32), dests,
+                               scratch.astype(np.float32), below=9)
+    finally:
+        os.close(fd)
+
+
 def _sharded(tmp_path: Path, crc: bool = True) -> tuple[RawZarrArray, np.ndarray]:
     src = np.arange(1, 401, dtype=np.int32)
     return write_raw(tmp_path / "a", src, 20, crc, per_shard=5), src

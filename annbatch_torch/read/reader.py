@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -37,10 +37,15 @@ from .buffers import BufferCache
 from .csr import csr_view
 from .scatter import scatter_rows, scratch
 
-__all__ = ["Piece", "split_ranges", "piece_arrays", "describe_ranges", "PoolReader", "read_column",
+__all__ = ["Piece", "Pieces", "split_ranges", "piece_arrays", "describe_ranges", "PoolReader",
+           "read_column",
            "default_read_threads",
            "read_fused", "IO_DEPTH", "GATHER_PIECES", "GATHER_GAP_BYTES", "SCRATCH_ELEMS",
            "FUSED_SCATTER"]
+
+
+#: ``(shard, start, stop, out_start)`` of a pool's pieces as int64 arrays
+PieceArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class Piece(NamedTuple):
@@ -52,7 +57,35 @@ class Piece(NamedTuple):
     out_start: int
 
 
-def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> list[Piece]:
+class Pieces(Sequence[Piece]):
+    """A pool's pieces as four int64 arrays (:attr:`arrays`: shard, start, stop and
+    out_start), read as a sequence of :class:`Piece` made on demand: a pool of drawn rows
+    holds thousands of pieces, computed with per piece, not iterated, on the way."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self, shard: np.ndarray, start: np.ndarray, stop: np.ndarray,
+                 out_start: np.ndarray) -> None:
+        self.arrays: PieceArrays = (shard, start, stop, out_start)
+
+    def __len__(self) -> int:
+        return len(self.arrays[0])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return Pieces(*(a[i] for a in self.arrays))
+        return Piece(*(int(a[i]) for a in self.arrays))
+
+    def __iter__(self) -> Iterator[Piece]:
+        return itertools.starmap(Piece, zip(*(a.tolist() for a in self.arrays)))
+
+    def first_of_each_shard(self) -> list[Piece]:
+        """The first piece of every shard the pieces touch, in shard order."""
+        _, first = np.unique(self.arrays[0], return_index=True)
+        return [self[int(i)] for i in first]
+
+
+def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> Pieces:
     """Split global row ranges at shard boundaries and merge pieces that touch.
 
     Parameters
@@ -65,7 +98,8 @@ def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> list[Piece]:
     ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
     ranges = ranges[ranges[:, 1] > ranges[:, 0]]
     if not len(ranges):
-        return []
+        empty = np.zeros(0, dtype=np.int64)
+        return Pieces(empty, empty, empty, empty)
     offsets = np.asarray(offsets, dtype=np.int64)
     s0 = np.searchsorted(offsets, ranges[:, 0], side="right") - 1
     s1 = np.searchsorted(offsets, ranges[:, 1] - 1, side="right") - 1
@@ -81,24 +115,21 @@ def split_ranges(ranges: np.ndarray, offsets: np.ndarray) -> list[Piece]:
     last = np.append(first[1:] - 1, len(shard) - 1)
     shard, lo, hi = shard[first], lo[first], hi[last]
     out = np.cumsum(hi - lo) - (hi - lo)
-    return [Piece(*t) for t in zip(shard.tolist(), lo.tolist(), hi.tolist(), out.tolist())]
-
-
-#: ``(shard, start, stop, out_start)`` of a pool's pieces as int64 arrays
-PieceArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    return Pieces(shard, lo, hi, out)
 
 
 def piece_arrays(pieces: Sequence[Piece]) -> PieceArrays:
     """``(shard, start, stop, out_start)`` of ``pieces`` as int64 arrays (what
-    :func:`_groups`, the gathers and the categorical assembly compute with: made once per
-    pool of drawn rows, not per field)."""
+    :func:`_groups`, the gathers and the categorical assembly compute with)."""
+    if isinstance(pieces, Pieces):
+        return pieces.arrays
     n = len(pieces)
     shard, start, stop, out = (np.fromiter((p[i] for p in pieces), np.int64, n)
                                for i in range(4))
     return shard, start, stop, out
 
 
-def _groups(pieces: list[Piece], parts: int, gap: int | None = None,
+def _groups(pieces: Sequence[Piece], parts: int, gap: int | None = None,
             arrays: PieceArrays | None = None) -> list[tuple[int, int]]:
     """``[i0, i1)`` runs of consecutive pieces of one shard in ascending row order, cut
     into about ``parts`` runs in all (so threads share the work); with ``gap``, a run also
@@ -116,7 +147,7 @@ def _groups(pieces: list[Piece], parts: int, gap: int | None = None,
     return out
 
 
-def _row_lengths(pieces: list[Piece], els: list[Any], arrays: PieceArrays | None = None
+def _row_lengths(pieces: Sequence[Piece], els: list[Any], arrays: PieceArrays | None = None
                  ) -> np.ndarray:
     """Non-zeros of each row of ``pieces`` (CSR elements ``els``), in canonical order."""
     if not pieces:
@@ -219,16 +250,16 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
     :data:`SCRATCH_ELEMS` at a time, into the thread's scratch (one ``preadv`` and one
     CRC-32C per chunk), then scattered by the compiled loop (:func:`~.scatter.scatter_rows`).
     Returns the indices chunks' CRCs as :meth:`CSRElement.read_rows_scatter` does
-    (``None``: unknown). ``trust_verified``: rows a sampler drew (see
-    :meth:`CSRElement.read_rows_gather`)."""
+    (``None``: unknown; ``{}``: the delivered indices were checked already).
+    ``trust_verified``: rows a sampler drew (see :meth:`CSRElement.read_rows_gather`)."""
     rows = np.asarray(rows, dtype=np.int64)
     if not rows.size:
         return {}
     # drawn rows of chunks verified before: cast on the way from the page cache, no scratch
-    # pass (the caller checks the delivered column indices: no CRCs returned)
+    # pass, the column indices checked on the way (nothing left for the caller to check)
     if trust_verified and hasattr(el, "read_rows_cast") and el.read_rows_cast(
             rows, data, indices, dests):
-        return None
+        return {}
     lens = el.indptr[rows + 1] - el.indptr[rows]
     # drawn rows read from chunks verified before stay on read_rows_gather (trust_verified)
     contiguous = (not trust_verified) and int(rows[-1]) - int(rows[0]) + 1 == len(rows)
@@ -427,7 +458,8 @@ class PoolReader:
             fields of raw stores are read in a few gather calls per shard, reading each
             inner chunk whole (and verifying it) only the first time this process touches
             it (``RawZarrArray.read_runs``'s ``trust_verified``; column indices are checked
-            on every pool then); other fields by covering reads.
+            on every pool then, by the compiled loop as they are read where it reads them);
+            other fields by covering reads.
         """
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
@@ -450,13 +482,12 @@ class PoolReader:
             # open elements in this thread first: errors surface with context, and
             # element caches are not populated concurrently
             by_shard: dict[int, Any] = {}
-            for p in pieces:
-                if p.shard not in by_shard:
-                    try:
-                        by_shard[p.shard] = self._element(p, field)
-                    except Exception as e:
-                        raise self._wrap(e, p, field) from e
-            els = [by_shard[p.shard] for p in pieces]
+            for p in pieces.first_of_each_shard():
+                try:
+                    by_shard[p.shard] = self._element(p, field)
+                except Exception as e:
+                    raise self._wrap(e, p, field) from e
+            els = [by_shard[k] for k in pieces.arrays[0].tolist()]
             if els and isinstance(els[0], CSRElement):
                 raw = all(el.can_scatter for el in by_shard.values())
                 dtypes = self._pool_dtypes(field, list(by_shard.values()))
@@ -524,7 +555,7 @@ class PoolReader:
         self,
         ex: ThreadPoolExecutor,
         field: str,
-        pieces: list[Piece],
+        pieces: Sequence[Piece],
         els: list[Any],
         buffers: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
         order: np.ndarray | None,
@@ -558,7 +589,8 @@ class PoolReader:
         # over in a list the task empties, the pool's buffers are not held by it past its
         # return, so a dropped pool's buffers are free for the next pool at once
         if random_access and len(pieces) >= GATHER_PIECES and all(
-                el.can_scatter and hasattr(el, "read_rows_gather") for el in els):
+                el.can_scatter and hasattr(el, "read_rows_gather")
+                for el in {id(el): el for el in els}.values()):
             jobs, job_els = [], []
             # from the disk: many reads in flight; from the page cache: the read threads
             # for runs of rows (a collection grouped for the sampler: the copies, not the
@@ -629,7 +661,7 @@ class PoolReader:
     def _assemble_csr(
         self,
         field: str,
-        pieces: list[Piece],
+        pieces: Sequence[Piece],
         els: list[Any],
         buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
         n_rows: int,
@@ -659,10 +691,10 @@ class PoolReader:
             indptr = indptr.astype(np.int32)  # scipy would otherwise copy indices to int64
         return csr_view(data, indices, indptr, (len(indptr) - 1, n_cols))
 
-    def _ranges_of(self, pieces: list[Piece]) -> np.ndarray:
-        offsets = self.source.shard_offsets
-        return np.array([[offsets[p.shard] + p.start, offsets[p.shard] + p.stop]
-                         for p in pieces], dtype=np.int64).reshape(-1, 2)
+    def _ranges_of(self, pieces: Sequence[Piece]) -> np.ndarray:
+        offsets = np.asarray(self.source.shard_offsets, dtype=np.int64)
+        shard, start, stop, _ = piece_arrays(pieces)
+        return np.stack([offsets[shard] + start, offsets[shard] + stop], axis=1)
 
     def _gap_rows(self, field: str) -> int:
         """Rows of ``field`` worth :data:`GATHER_GAP_BYTES` (at least 1)."""
@@ -676,14 +708,21 @@ class PoolReader:
             size = 8
         return max(1, GATHER_GAP_BYTES // (max(1, width) * size))
 
-    def _read_cover(self, el: Any, pieces: list[Piece]) -> list[Any]:
+    def _read_cover(self, el: Any, pieces: Sequence[Piece]) -> list[Any]:
         """Pieces of one shard read by one covering read (rows between them are read and
-        dropped), as one value per piece."""
-        lo, hi = pieces[0].start, max(p.stop for p in pieces)
+        dropped): their values in piece order, one array for all of them where the
+        field reads as a numpy array, else one value per piece."""
+        _, start, stop, _ = piece_arrays(pieces)
+        lo, hi = int(start[0]), int(stop.max())
         value = el.read(lo, hi)
         if len(value) != hi - lo:
             raise ReadError(f"expected {hi - lo} rows, got {len(value)}")
-        return [value[p.start - lo : p.stop - lo] for p in pieces]
+        if len(pieces) > 1 and isinstance(value, np.ndarray):  # the rows of every piece at once
+            n = stop - start
+            take = np.repeat(start - lo, n) + (np.arange(int(n.sum()))
+                                              - np.repeat(np.cumsum(n) - n, n))
+            return [value[take]]
+        return [value[a - lo : b - lo] for a, b in zip(start.tolist(), stop.tolist())]
 
     def _read_piece(self, el: Any, p: Piece) -> Any:
         # CSR fields never come here: _submit_csr reads them into the pool's buffers
@@ -692,7 +731,7 @@ class PoolReader:
             raise ReadError(f"expected {p.stop - p.start} rows, got {len(value)}")
         return value
 
-    def _assemble(self, field: str, pieces: list[Piece], parts: list[Any], n_rows: int,
+    def _assemble(self, field: str, pieces: Sequence[Piece], parts: list[Any], n_rows: int,
                   arrays: PieceArrays | None = None) -> Any:
         if not pieces:
             info = self.source.fields[field]

@@ -250,8 +250,9 @@ class CSRElement(Element):
         """Rows a sampler drew, :meth:`read_rows_gather`'s way, cast to the buffers' dtypes
         on the way from the page cache (no scratch pass): when both arrays read them so
         (``RawZarrArray.plan_cast``: chunks verified before, local shard files). Returns
-        ``False``, having read nothing, otherwise. The caller checks the delivered column
-        indices (as after a trusted :meth:`read_rows_gather`)."""
+        ``False``, having read nothing, otherwise. The column indices are checked inside
+        ``[0, n_cols)`` as they are read (a ``ChunkError`` names the shard file otherwise):
+        the caller need not check them again."""
         if not (hasattr(self.data, "plan_cast") and hasattr(self.indices, "plan_cast")):
             return False
         starts, ends, dests = self._runs(rows, dests)

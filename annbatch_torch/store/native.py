@@ -30,7 +30,7 @@ import numpy as np
 from numba import types
 from numba.core.compiler_lock import global_compiler_lock
 
-__all__ = ["compiled", "pread_available", "pread_segments", "pread_widen"]
+__all__ = ["OutOfRange", "compiled", "pread_available", "pread_segments", "pread_widen"]
 
 
 def compiled(fn: Callable[..., Any]) -> Any:
@@ -70,7 +70,7 @@ def _pread_loop_py(fd, offsets, lengths, base, dests, flags, first):  # type: ig
 _pread_loop = compiled(_pread_loop_py)
 
 
-def _pread_widen_loop_py(fd, offsets, counts, scratch, out, dests, flags, first):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _pread_widen_loop_py(fd, offsets, counts, scratch, out, dests, flags, first, below, bad):  # type: ignore[no-untyped-def]  # pragma: no cover
     iov = np.empty(2, np.uint64)
     at = iov.ctypes.data
     iov[0] = scratch.ctypes.data
@@ -83,6 +83,15 @@ def _pread_widen_loop_py(fd, offsets, counts, scratch, out, dests, flags, first)
         d = np.uint64(dests[i])
         for j in range(np.uint64(n)):  # unsigned: no wrap-around test, a vector loop
             out[d + j] = scratch[j]
+        if below >= 0 and n > 0:  # a second pass while the segment is in the CPU's cache
+            lo = scratch[0]
+            hi = scratch[0]
+            for j in range(np.uint64(n)):
+                lo = min(lo, scratch[j])
+                hi = max(hi, scratch[j])
+            if lo < 0 or hi >= below:
+                bad[0] = i
+                return i
     return offsets.shape[0]
 
 
@@ -175,12 +184,15 @@ def pread_segments(fd: int, offsets: np.ndarray, lengths: np.ndarray, out: np.nd
 
 
 def pread_widen(fd: int, offsets: np.ndarray, counts: np.ndarray, out: np.ndarray,
-                dests: np.ndarray, scratch: np.ndarray, flags: int = 0, first: int = 0) -> int:
+                dests: np.ndarray, scratch: np.ndarray, flags: int = 0, first: int = 0,
+                below: int | None = None) -> int:
     """:func:`pread_segments` of items rather than bytes, cast on the way: ``counts[i]``
     items of ``scratch``'s dtype (the stored one) read at byte ``offsets[i]`` of file ``fd``
     into ``scratch``, then copied to ``out[dests[i]:]`` in ``out``'s dtype (the caller makes
     sure it holds every value). ``scratch`` holds the longest segment; it stays in the CPU's
-    cache, so the bytes go from the page cache to their place in one pass.
+    cache, so the bytes go from the page cache to their place in one pass. ``below`` (integer
+    items): every item read is checked inside ``[0, below)`` while it is in that cache
+    (column indices: no pass over the pool afterwards).
 
     Returns
     -------
@@ -189,8 +201,12 @@ def pread_widen(fd: int, offsets: np.ndarray, counts: np.ndarray, out: np.ndarra
 
     Raises
     ------
+    OutOfRange
+        If segment ``i`` (:attr:`OutOfRange.segment`, copied to ``out`` already) holds an
+        item outside ``[0, below)``; the segments before it were read and checked.
     ValueError
-        If a segment would land outside ``out`` or not fit in ``scratch``.
+        If a segment would land outside ``out`` or not fit in ``scratch``, or ``below`` is
+        given for items that are not integers.
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
@@ -212,5 +228,21 @@ def pread_widen(fd: int, offsets: np.ndarray, counts: np.ndarray, out: np.ndarra
             or int((d + c).max()) > out.size):
         raise ValueError(f"pread_widen: segments fall outside the buffer of {out.size} items "
                          f"or exceed the scratch of {scratch.size}")
-    return int(_pread_widen_loop(fd, offsets, counts, scratch, out, dests, int(flags),
-                                 int(first)))
+    if below is not None and (scratch.dtype.kind not in "iu" or int(below) < 0):
+        raise ValueError(f"pread_widen: below={below} checks integer items, got "
+                         f"{scratch.dtype} (and below must not be negative)")
+    bad = np.full(1, -1, dtype=np.int64)
+    got = int(_pread_widen_loop(fd, offsets, counts, scratch, out, dests, int(flags),
+                                int(first), -1 if below is None else int(below), bad))
+    if bad[0] >= 0:
+        raise OutOfRange(int(bad[0]), int(below))  # type: ignore[arg-type]
+    return got
+
+
+class OutOfRange(ValueError):
+    """A segment read by :func:`pread_widen` holds an item outside ``[0, below)``."""
+
+    def __init__(self, segment: int, below: int) -> None:
+        super().__init__(f"segment {segment} holds an item outside [0, {below})")
+        self.segment = segment
+        self.below = below

@@ -33,13 +33,13 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 
 from .checks import bad_column
 from .diskio import IOV_MAX, OpenFile, count_warm, fast_flags, preadv_full, split_at
-from .native import pread_available, pread_segments, pread_widen
+from .native import OutOfRange, pread_available, pread_segments, pread_widen
 
 __all__ = ["CastPlan", "ChunkError", "ChunkSource", "RawZarrArray", "open_raw"]
 
@@ -56,6 +56,8 @@ class CastPlan(NamedTuple):
     offsets: np.ndarray
     counts: np.ndarray
     dests: np.ndarray
+    #: items are checked inside ``[0, below)`` as they are read (column indices); ``None``: not
+    below: int | None = None
 
 
 class ChunkSource(Protocol):
@@ -664,7 +666,7 @@ class RawZarrArray:
         starts, ends, dests = starts[keep], ends[keep], dests[keep]
         if not starts.size:
             empty = np.zeros(0, dtype=np.int64)
-            return CastPlan(empty, empty, empty, empty)
+            return CastPlan(empty, empty, empty, empty, below)
         chunk, seg_lo, seg_hi, seg_dest = self._split_runs(starts, ends, dests)
         new_chunk = np.concatenate([[True], chunk[1:] != chunk[:-1]])
         uniq = chunk[new_chunk]
@@ -675,13 +677,19 @@ class RawZarrArray:
             return None
         seg_chunk = np.cumsum(new_chunk) - 1
         offsets = base[seg_chunk] + (seg_lo - chunk * self.chunk_rows) * self.dtype.itemsize
-        return CastPlan(chunk // self.per_shard, offsets, seg_hi - seg_lo, seg_dest)
+        return CastPlan(chunk // self.per_shard, offsets, seg_hi - seg_lo, seg_dest, below)
 
     def read_cast(self, plan: CastPlan, out: np.ndarray) -> None:
         """Read a :meth:`plan_cast` into ``out`` (cast to its dtype; the caller makes sure
         it holds every value): one compiled loop per shard file, through a scratch of the
         longest segment; a segment the page cache does not hold stops the loop, is read by
-        the gated read and copied, and the loop goes on after it."""
+        the gated read and copied, and the loop goes on after it. With the plan's
+        ``below``, every item read is checked inside ``[0, below)`` on the way.
+
+        Raises
+        ------
+        ChunkError
+            If an item is outside ``[0, below)`` (the store is damaged)."""
         if not len(plan.counts):
             return
         nbytes = int(plan.counts.max()) * self.dtype.itemsize
@@ -696,17 +704,31 @@ class RawZarrArray:
             try:
                 i, n = 0, len(at)
                 while i < n:
-                    j = pread_widen(fd, offs, counts, out, dsts, scratch, flags, i)
+                    try:
+                        j = pread_widen(fd, offs, counts, out, dsts, scratch, flags, i,
+                                        plan.below)
+                    except OutOfRange as e:
+                        self._out_of_range(path, int(offs[e.segment]),
+                                           scratch[: int(counts[e.segment])], e.below)
                     count_warm(j - i)
                     if j < n:  # not all in the page cache (or short): read it gated
                         m = int(counts[j])
                         part = scratch[:m]
                         self._read_stretch(fd, path, int(offs[j]), m * self.dtype.itemsize,
                                            [part.view(np.uint8)], None)
+                        if plan.below is not None and bad_column(part, plan.below) is not None:
+                            self._out_of_range(path, int(offs[j]), part, plan.below)
                         out[int(dsts[j]) : int(dsts[j]) + m] = part
                     i = j + 1
             finally:
                 os.close(fd)
+
+    def _out_of_range(self, path: str, offset: int, values: np.ndarray, below: int) -> NoReturn:
+        """Raise the :class:`ChunkError` of ``values`` (read at byte ``offset`` of shard file
+        ``path``) holding an item outside ``[0, below)``."""
+        pos = bad_column(values, below) or 0
+        raise ChunkError(f"{path}: column index {int(values[pos])} outside [0, {below}) at "
+                         f"byte {offset + pos * self.dtype.itemsize} (the store is damaged)")
 
     def _identities(self, files: list[int]) -> dict[int, tuple[int, int, int]]:
         """``{shard file: (inode, size, mtime)}`` of those that exist now."""
