@@ -868,6 +868,41 @@ def test_a_shard_file_rewritten_after_its_chunks_were_verified_is_verified_again
         raw.read_runs(np.array([1, 15]), 0, np.array([0, 2]), out, **kw)
 
 
+@pytest.mark.parametrize("how", ["read_runs", "read_cast"])
+def test_a_shard_file_replaced_between_its_stat_and_its_read_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Verified chunks are trusted under their shard file's identity (inode, size, mtime);
+    a file replaced after that identity was taken and before the compiled loop reads it
+    (another process rewriting the collection) is a ChunkError, never unverified bytes."""
+    if not native.pread_available():
+        pytest.skip("no preadv2 here")
+    raw, src = _sharded(tmp_path)
+    starts, ends, dests = np.array([1, 15]), np.array([3, 17]), np.array([0, 2])
+    out = np.zeros(4, dtype=np.int32)
+    raw.read_runs(starts, 0, dests, out, ends=ends, trust_verified=True)  # verified now
+    path = Path(raw._locate(0)[0])
+    real = rawzarr.RawZarrArray._identities
+
+    def then_replaced(self: Any, files: list[int]) -> dict[int, tuple[int, int, int]]:
+        idents = real(self, files)
+        body = bytearray(path.read_bytes())
+        body[4 * 1] ^= 0xFF  # element 1, read by the runs
+        (path.parent / "new").write_bytes(bytes(body))
+        os.replace(path.parent / "new", path)
+        return idents
+
+    if how == "read_cast":
+        plan = raw.plan_cast(starts, ends, dests)
+        assert plan is not None
+        then_replaced(raw, [])
+        with pytest.raises(ChunkError, match="replaced while it was read"):
+            raw.read_cast(plan, np.zeros(4, dtype=np.int64))
+    else:
+        monkeypatch.setattr(rawzarr.RawZarrArray, "_identities", then_replaced)
+        with pytest.raises(ChunkError, match="replaced while it was read"):
+            raw.read_runs(starts, 0, dests, out, ends=ends, trust_verified=True)
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled-loop", "os.preadv"])
 def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch,
@@ -890,9 +925,9 @@ def test_verified_chunks_are_read_where_the_runs_fall_only(tmp_path: Path,
         sizes.append(sum(len(b) for b in bufs))
         return real(fd, bufs, offset, *flags)
 
-    def counting_loop(fd: int, offsets: np.ndarray, lengths: np.ndarray, *args: Any) -> int:
-        done = real_loop(fd, offsets, lengths, *args)
-        first = args[-1] if len(args) == 4 else 0
+    def counting_loop(fd: int, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray,
+                      dests: np.ndarray, flags: int = 0, first: int = 0) -> int:
+        done = real_loop(fd, offsets, lengths, out, dests, flags, first)
         sizes.extend(np.asarray(lengths)[first:done].tolist())
         return done
 

@@ -28,10 +28,12 @@ Anything else (other codecs, unsharded compressed chunks, big-endian, v2) is lef
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn, Protocol
 
@@ -58,6 +60,8 @@ class CastPlan(NamedTuple):
     dests: np.ndarray
     #: items are checked inside ``[0, below)`` as they are read (column indices); ``None``: not
     below: int | None = None
+    #: ``{shard file: identity}`` the chunks were verified under (checksummed arrays)
+    idents: dict[int, tuple[int, int, int]] = {}  # noqa: RUF012
 
 
 class ChunkSource(Protocol):
@@ -588,22 +592,39 @@ class RawZarrArray:
         lengths = hi_b - lo_b
         for k in np.unique(seg_file[seg_ok]).tolist():
             at = np.flatnonzero(seg_ok & (seg_file == k))
-            path = self._file_name(k)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                offs, lens, dsts = offsets[at], lengths[at], d_b[at]
-                i, n = 0, len(at)
-                while i < n:
-                    j = pread_segments(fd, offs, lens, flat, dsts, fast, i)
-                    count_warm(j - i)
-                    if j < n:  # not all in the page cache (or short): read it gated
-                        d, m = int(dsts[j]), int(lens[j])
-                        self._read_stretch(fd, path, int(offs[j]), m, [flat[d : d + m]],
-                                           None)
-                    i = j + 1
-            finally:
-                os.close(fd)
+            offs, lens, dsts = offsets[at], lengths[at], d_b[at]
+            loop = functools.partial(pread_segments, offsets=offs, lengths=lens, out=flat,
+                                     dests=dsts, flags=fast)
+            for fd, path, j in self._refused_segments(k, len(at), idents.get(k), loop):
+                d, m = int(dsts[j]), int(lens[j])
+                self._read_stretch(fd, path, int(offs[j]), m, [flat[d : d + m]], None)
         return ok
+
+    def _refused_segments(self, k: int, n: int, ident: tuple[int, int, int] | None,
+                          loop: Callable[..., int]) -> Iterator[tuple[int, str, int]]:
+        """Read segments ``0 .. n-1`` of shard file ``k`` by the compiled ``loop(fd,
+        first=i)`` (it returns the first segment it did not read in full: the page cache
+        did not hold it, or the file is short); yield ``(fd, path, j)`` of each such
+        segment for the caller to read waiting for the disk, the loop going on after it.
+        ``ident``: the identity the chunks were verified under; a file found replaced once
+        opened is a :class:`ChunkError` (what the loop would read was never verified)."""
+        path = self._file_name(k)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if ident is not None:
+                st = os.fstat(fd)
+                if (st.st_ino, st.st_size, st.st_mtime_ns) != ident:
+                    raise ChunkError(f"{path}: shard file replaced while it was read "
+                                     "(another process rewrote the collection?)")
+            i = 0
+            while i < n:
+                j = loop(fd, first=i)
+                count_warm(j - i)
+                if j < n:
+                    yield fd, path, j
+                i = j + 1
+        finally:
+            os.close(fd)
 
     def _split_runs(self, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -677,7 +698,8 @@ class RawZarrArray:
             return None
         seg_chunk = np.cumsum(new_chunk) - 1
         offsets = base[seg_chunk] + (seg_lo - chunk * self.chunk_rows) * self.dtype.itemsize
-        return CastPlan(chunk // self.per_shard, offsets, seg_hi - seg_lo, seg_dest, below)
+        return CastPlan(chunk // self.per_shard, offsets, seg_hi - seg_lo, seg_dest, below,
+                        idents)
 
     def read_cast(self, plan: CastPlan, out: np.ndarray) -> None:
         """Read a :meth:`plan_cast` into ``out`` (cast to its dtype; the caller makes sure
@@ -696,32 +718,25 @@ class RawZarrArray:
         scratch = _scratch(nbytes, "cast")[:nbytes].view(self.dtype)
         fast = fast_flags()
         flags = 0 if fast is None else fast
+        below = plan.below
         for k in np.unique(plan.files).tolist():
             at = np.flatnonzero(plan.files == k)
-            path = self._file_name(k)
             offs, counts, dsts = plan.offsets[at], plan.counts[at], plan.dests[at]
-            fd = os.open(path, os.O_RDONLY)
+            loop = functools.partial(pread_widen, offsets=offs, counts=counts, out=out,
+                                     dests=dsts, scratch=scratch, flags=flags, below=below)
             try:
-                i, n = 0, len(at)
-                while i < n:
-                    try:
-                        j = pread_widen(fd, offs, counts, out, dsts, scratch, flags, i,
-                                        plan.below)
-                    except OutOfRange as e:
-                        self._out_of_range(path, int(offs[e.segment]),
-                                           scratch[: int(counts[e.segment])], e.below)
-                    count_warm(j - i)
-                    if j < n:  # not all in the page cache (or short): read it gated
-                        m = int(counts[j])
-                        part = scratch[:m]
-                        self._read_stretch(fd, path, int(offs[j]), m * self.dtype.itemsize,
-                                           [part.view(np.uint8)], None)
-                        if plan.below is not None and bad_column(part, plan.below) is not None:
-                            self._out_of_range(path, int(offs[j]), part, plan.below)
-                        out[int(dsts[j]) : int(dsts[j]) + m] = part
-                    i = j + 1
-            finally:
-                os.close(fd)
+                for fd, path, j in self._refused_segments(k, len(at), plan.idents.get(k),
+                                                          loop):
+                    m = int(counts[j])
+                    part = scratch[:m]
+                    self._read_stretch(fd, path, int(offs[j]), m * self.dtype.itemsize,
+                                       [part.view(np.uint8)], None)
+                    if below is not None and bad_column(part, below) is not None:
+                        self._out_of_range(path, int(offs[j]), part, below)
+                    out[int(dsts[j]) : int(dsts[j]) + m] = part
+            except OutOfRange as e:
+                self._out_of_range(self._file_name(k), int(offs[e.segment]),
+                                   scratch[: int(counts[e.segment])], e.below)
 
     def _out_of_range(self, path: str, offset: int, values: np.ndarray, below: int) -> NoReturn:
         """Raise the :class:`ChunkError` of ``values`` (read at byte ``offset`` of shard file
