@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -876,7 +877,7 @@ def test_a_shard_file_replaced_between_its_stat_and_its_read_is_refused(
     (another process rewriting the collection) is a ChunkError, never unverified bytes."""
     if not native.pread_available():
         pytest.skip("no preadv2 here")
-    raw, src = _sharded(tmp_path)
+    raw, _ = _sharded(tmp_path)
     starts, ends, dests = np.array([1, 15]), np.array([3, 17]), np.array([0, 2])
     out = np.zeros(4, dtype=np.int32)
     raw.read_runs(starts, 0, dests, out, ends=ends, trust_verified=True)  # verified now
@@ -1055,14 +1056,22 @@ def test_damage_after_verification_never_becomes_an_out_of_range_index(
     ds = AnnBatchDataset(coll, batch_size=64, chunk_size=64, preload_nchunks=4,
                          densify=densify, sampler=abt.SubsetSampler(np.arange(n)))
     assert sum(len(b["X"]) for b in ds) == n  # every chunk verified in this process
-    indices = ds._stream.reader.source.element(0, "X").indices
+    el = ds._stream.reader.source.element(0, "X")
+    indices = el.indices
     assert indices._verified
-    _damage_keeping_identity(indices, 0, 5, 10**6)
+    _damage_keeping_identity(indices, 1, 5, 10**6)
+    row = int(np.searchsorted(el.indptr, indices.chunk_rows + 5, side="right")) - 1
     ds.set_epoch(1)
     with pytest.raises(ReadError, match=rf"column index {_stored(10**6, indices.dtype)} "
-                                        r"outside \[0, 200\)"):
+                                        r"outside \[0, 200\)") as got:
         for _ in ds:
             pass
+    # the rows it names hold the damaged index (the job's span, the row itself)
+    span = re.search(r"shard rows \[(\d+), (\d+)\) \(shard 0\)", str(got.value))
+    assert span is not None
+    assert int(span[1]) <= row < int(span[2])
+    if native.pread_available():  # the compiled loop's check (else the pool's scan)
+        assert f"in row {row} of this shard" in str(got.value)
 
 
 def test_chunked_pools_of_many_pieces_still_verify_every_chunk(sharded_store: Path) -> None:

@@ -604,8 +604,11 @@ class PoolReader:
             assert arrays is not None
             for a, b in _groups(pieces, spread, arrays=arrays):
                 rows, canon = _piece_rows(arrays, a, b)
-                jobs.append((pieces[a], ex.submit(self._gated, self._read_csr_gather, els[a],
-                                                  [rows, data, indices, dests[canon]], fused)))
+                # errors name the job's span of shard rows (its pieces are of one shard)
+                span = Piece(int(arrays[0][a]), int(arrays[1][a]), int(arrays[2][b - 1]),
+                             int(arrays[3][a]))
+                jobs.append((span, ex.submit(self._gated, self._read_csr_gather, els[a],
+                                             [rows, data, indices, dests[canon]], fused)))
                 job_els.append(els[a])
             return jobs, job_els
         return [

@@ -22,6 +22,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from ..errors import InputError
+from .rawzarr import ChunkError, IndexOutOfRange
 
 __all__ = [
     "CSRElement",
@@ -255,14 +256,22 @@ class CSRElement(Element):
         the caller need not check them again."""
         if not (hasattr(self.data, "plan_cast") and hasattr(self.indices, "plan_cast")):
             return False
-        starts, ends, dests = self._runs(rows, dests)
+        row_dests = np.asarray(dests, dtype=np.int64)
+        starts, ends, dests = self._runs(rows, row_dests)
         plans = [src.plan_cast(starts, ends, dests,
                                below=self.n_cols if src is self.indices else None)
                  for src in (self.data, self.indices)]
         if plans[0] is None or plans[1] is None:
             return False
         self.data.read_cast(plans[0], data_out)
-        self.indices.read_cast(plans[1], indices_out)
+        try:
+            self.indices.read_cast(plans[1], indices_out)
+        except IndexOutOfRange as e:  # name the row holding it
+            lens = self.indptr[rows + 1] - self.indptr[rows]
+            hit = np.flatnonzero((row_dests <= e.item) & (e.item < row_dests + lens))
+            row = f" in row {int(rows[hit[0]])} of this shard" if hit.size else ""
+            raise ChunkError(f"{e.path}: column index {e.value} outside [0, {e.below}){row}, "
+                             f"at byte {e.byte} (the store is damaged)") from e
         return True
 
     def all_checked(self, crcs: dict[int, int] | None) -> bool:

@@ -43,11 +43,23 @@ from .checks import bad_column
 from .diskio import IOV_MAX, OpenFile, count_warm, fast_flags, preadv_full, split_at
 from .native import OutOfRange, pread_available, pread_segments, pread_widen
 
-__all__ = ["CastPlan", "ChunkError", "ChunkSource", "RawZarrArray", "open_raw"]
+__all__ = ["CastPlan", "ChunkError", "ChunkSource", "IndexOutOfRange", "RawZarrArray",
+           "open_raw"]
 
 
 class ChunkError(OSError):
     """A chunk file is missing bytes or fails its checksum."""
+
+
+class IndexOutOfRange(ChunkError):
+    """A column index read by :meth:`RawZarrArray.read_cast` outside ``[0, below)``:
+    ``value`` at byte ``byte`` of shard file ``path``, delivered at item ``item`` of the
+    output."""
+
+    def __init__(self, path: str, value: int, below: int, byte: int, item: int) -> None:
+        super().__init__(f"{path}: column index {value} outside [0, {below}) at byte {byte} "
+                         "(the store is damaged)")
+        self.path, self.value, self.below, self.byte, self.item = path, value, below, byte, item
 
 
 class CastPlan(NamedTuple):
@@ -676,8 +688,8 @@ class RawZarrArray:
         uncompressed shard file and was verified before (as ``read_runs(ends=,
         trust_verified=True)`` would read it without its checksum), and the compiled loop
         runs here; ``None`` otherwise (read with :meth:`read_runs` then). The runs are
-        those of rows a sampler drew: the caller checks what is delivered, as after a
-        trusted :meth:`read_runs`."""
+        those of rows a sampler drew, read without their chunks' checksums; ``below``
+        (column indices): every item is checked inside ``[0, below)`` as it is read."""
         if self.ndim != 1 or not self.reads_compiled or fast_flags() is None:
             return None
         starts = np.asarray(starts, dtype=np.int64)
@@ -710,8 +722,10 @@ class RawZarrArray:
 
         Raises
         ------
+        IndexOutOfRange
+            If an item is outside ``[0, below)`` (the store is damaged).
         ChunkError
-            If an item is outside ``[0, below)`` (the store is damaged)."""
+            If a shard file was replaced since its chunks were verified, or is short."""
         if not len(plan.counts):
             return
         nbytes = int(plan.counts.max()) * self.dtype.itemsize
@@ -732,18 +746,21 @@ class RawZarrArray:
                     self._read_stretch(fd, path, int(offs[j]), m * self.dtype.itemsize,
                                        [part.view(np.uint8)], None)
                     if below is not None and bad_column(part, below) is not None:
-                        self._out_of_range(path, int(offs[j]), part, below)
+                        self._out_of_range(path, int(offs[j]), part, below, int(dsts[j]))
                     out[int(dsts[j]) : int(dsts[j]) + m] = part
             except OutOfRange as e:
                 self._out_of_range(self._file_name(k), int(offs[e.segment]),
-                                   scratch[: int(counts[e.segment])], e.below)
+                                   scratch[: int(counts[e.segment])], e.below,
+                                   int(dsts[e.segment]))
 
-    def _out_of_range(self, path: str, offset: int, values: np.ndarray, below: int) -> NoReturn:
-        """Raise the :class:`ChunkError` of ``values`` (read at byte ``offset`` of shard file
-        ``path``) holding an item outside ``[0, below)``."""
+    def _out_of_range(self, path: str, offset: int, values: np.ndarray, below: int,
+                      dest: int) -> NoReturn:
+        """Raise the :class:`IndexOutOfRange` of ``values`` (read at byte ``offset`` of
+        shard file ``path``, delivered at item ``dest`` of the output) holding an item
+        outside ``[0, below)``."""
         pos = bad_column(values, below) or 0
-        raise ChunkError(f"{path}: column index {int(values[pos])} outside [0, {below}) at "
-                         f"byte {offset + pos * self.dtype.itemsize} (the store is damaged)")
+        raise IndexOutOfRange(path, int(values[pos]), below,
+                              offset + pos * self.dtype.itemsize, dest + pos)
 
     def _identities(self, files: list[int]) -> dict[int, tuple[int, int, int]]:
         """``{shard file: (inode, size, mtime)}`` of those that exist now."""
