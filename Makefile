@@ -20,15 +20,19 @@ $(STAMP): $(PY) pyproject.toml
 demo: $(STAMP)
 	$(PY) -m annbatch_torch.cli demo
 
+# compileall: the many test subprocesses then import our code from .pyc files, also where
+# PYTHONDONTWRITEBYTECODE is set; --no-loadscope-reorder: conftest.py starts the slowest
+# test files first
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory docs
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial"
+	$(PY) -m compileall -q annbatch_torch benchmarks tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(PY) -m pytest -q -p no:cacheprovider -m serial $(SERIAL)
 
 # the quick loop: no docs build (so not its checks), no slow tests
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not serial" --ignore tests/test_docs.py
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not serial" --ignore tests/test_docs.py
 
 # the site, warnings as errors (nitpicky references included), tutorial pages executed
 docs: $(STAMP)

@@ -37,6 +37,7 @@ from benchlib import (
     CpuClock,
     MemoryMonitor,
     batch_entropy,
+    close_iterator,
     peak_rss_self_mb,
     rss_mb,
     time_batches,
@@ -473,9 +474,15 @@ def _make_annloader(workers: int) -> Callable[[Config], Result]:
         def labels(b: Any) -> np.ndarray:
             return np.asarray(b.obs["codes"]).astype(np.int64)
 
+        iters: list[Any] = []  # each epoch's iterator, its workers stopped on the way out
+
+        def epoch(e: int) -> Any:
+            iters.append(iter(loader))
+            return iters[-1]
+
         try:
             with MemoryMonitor() as mon:
-                run = time_batches(lambda e: loader, n_warmup=cfg["n_warmup"],
+                run = time_batches(epoch, n_warmup=cfg["n_warmup"],
                                    n_batches=min(cfg["n_batches"], cfg["slow_batches"]),
                                    n_cells_of=cells,
                                    labels_of=labels, consume=check)
@@ -486,6 +493,11 @@ def _make_annloader(workers: int) -> Callable[[Config], Result]:
                     "which fetches one row at a time and cannot collate AnnCollectionView "
                     "rows (default_collate TypeError)")}
             raise
+        finally:
+            # an iterator left by an error (its traceback holds it) would stop its workers
+            # only when collected, waiting 5 s for each, in whatever runs then
+            for it in iters:
+                close_iterator(it)
         return _loader_result(run, mon, cfg)
 
     case.__doc__ = f"anndata AnnLoader over backed h5ad, shuffle=True, num_workers={workers}."

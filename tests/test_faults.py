@@ -379,7 +379,9 @@ def test_converter_error_names_shard_and_rows(collection: Path) -> None:
 #: later moment while the iterator is registered, which inside pytest's own process once
 #: surfaced as an INTERNALERROR after the test; the child is the "main process" here
 _KILL_SCENARIO = r"""
-import json, os, re, signal, sys, time
+import faulthandler, json, os, re, signal, sys, time
+# a hang (the scenario takes 5-10 s) fails the test in 60 s with every thread's stack
+faulthandler.dump_traceback_later(60, exit=True)
 from torch.utils.data import DataLoader
 from torch.utils.data._utils import signal_handling
 from annbatch_torch import A, AnnBatchDataset
@@ -424,7 +426,7 @@ print(json.dumps({"victim": victim, "elapsed": elapsed,
 def test_worker_killed_mid_epoch_raises_in_the_main_process(collection: Path) -> None:
     r = subprocess.run([sys.executable, "-c", _KILL_SCENARIO, str(collection)],
                        capture_output=True, text=True, timeout=100)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-6000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["caught"], "the loop ended without an error although a worker was killed"
     assert out["elapsed"] < 20 + 10  # within the DataLoader timeout (plus slack)
