@@ -588,9 +588,9 @@ class PoolReader:
         # be well after the result is seen (a busy machine preempts it in between); handed
         # over in a list the task empties, the pool's buffers are not held by it past its
         # return, so a dropped pool's buffers are free for the next pool at once
+        distinct = list({id(el): el for el in els}.values())
         if random_access and len(pieces) >= GATHER_PIECES and all(
-                el.can_scatter and hasattr(el, "read_rows_gather")
-                for el in {id(el): el for el in els}.values()):
+                el.can_scatter and hasattr(el, "read_rows_gather") for el in distinct):
             jobs, job_els = [], []
             # from the disk: many reads in flight; from the page cache: the read threads
             # for runs of rows (a collection grouped for the sampler: the copies, not the
@@ -598,7 +598,7 @@ class PoolReader:
             # (store/native.py: no GIL held per row), else one call per shard (a Python
             # step per row holds the GIL: two threads were 0.75x as fast as one)
             runs = len(out_len) >= RUN_ROWS * len(pieces)
-            compiled = all(el.reads_compiled for el in {id(el): el for el in els}.values())
+            compiled = all(el.reads_compiled for el in distinct)
             spread = self.io_depth if self._from_disk else (
                 self.threads if runs or compiled else 1)
             assert arrays is not None

@@ -22,7 +22,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from ..errors import InputError
-from .rawzarr import ChunkError, IndexOutOfRange
+from .rawzarr import IndexOutOfRange
 
 __all__ = [
     "CSRElement",
@@ -269,9 +269,9 @@ class CSRElement(Element):
         except IndexOutOfRange as e:  # name the row holding it
             lens = self.indptr[rows + 1] - self.indptr[rows]
             hit = np.flatnonzero((row_dests <= e.item) & (e.item < row_dests + lens))
-            row = f" in row {int(rows[hit[0]])} of this shard" if hit.size else ""
-            raise ChunkError(f"{e.path}: column index {e.value} outside [0, {e.below}){row}, "
-                             f"at byte {e.byte} (the store is damaged)") from e
+            if not hit.size:
+                raise
+            raise e.in_row(int(rows[hit[0]])) from e
         return True
 
     def all_checked(self, crcs: dict[int, int] | None) -> bool:

@@ -224,8 +224,7 @@ def pread_widen(fd: int, offsets: np.ndarray, counts: np.ndarray, out: np.ndarra
         return len(offsets)
     c, d = counts[first:], dests[first:]
     if (int(c.min()) < 0 or int(d.min()) < 0 or int(offsets[first:].min()) < 0
-            or int(c.max()) > scratch.size or int(d.max()) > out.size
-            or int((d + c).max()) > out.size):
+            or int(c.max()) > scratch.size or int((d + c).max()) > out.size):
         raise ValueError(f"pread_widen: segments fall outside the buffer of {out.size} items "
                          f"or exceed the scratch of {scratch.size}")
     if below is not None and (scratch.dtype.kind not in "iu" or int(below) < 0):

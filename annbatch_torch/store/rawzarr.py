@@ -54,12 +54,18 @@ class ChunkError(OSError):
 class IndexOutOfRange(ChunkError):
     """A column index read by :meth:`RawZarrArray.read_cast` outside ``[0, below)``:
     ``value`` at byte ``byte`` of shard file ``path``, delivered at item ``item`` of the
-    output."""
+    output (in shard row ``row`` where the caller knows it: :meth:`in_row`)."""
 
-    def __init__(self, path: str, value: int, below: int, byte: int, item: int) -> None:
-        super().__init__(f"{path}: column index {value} outside [0, {below}) at byte {byte} "
-                         "(the store is damaged)")
+    def __init__(self, path: str, value: int, below: int, byte: int, item: int,
+                 row: int | None = None) -> None:
+        where = "" if row is None else f" in row {row} of this shard"
+        super().__init__(f"{path}: column index {value} outside [0, {below}){where} at byte "
+                         f"{byte} (the store is damaged)")
         self.path, self.value, self.below, self.byte, self.item = path, value, below, byte, item
+
+    def in_row(self, row: int) -> IndexOutOfRange:
+        """The same error, naming the shard row that holds the index."""
+        return IndexOutOfRange(self.path, self.value, self.below, self.byte, self.item, row)
 
 
 class CastPlan(NamedTuple):
