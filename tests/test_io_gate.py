@@ -213,7 +213,7 @@ def test_a_file_system_refusing_rwf_nowait_reads_as_usual(
         return real(fd, bufs, offset)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(diskio, "_NOWAIT_REFUSED", [False])
+    monkeypatch.setattr(diskio, "_REFUSED_DEVICES", set())
     data = np.random.default_rng(4).integers(0, 255, 1 << 20, dtype=np.uint8)
     fd = _cached_file(tmp_path / "f", data)
     try:
@@ -221,9 +221,51 @@ def test_a_file_system_refusing_rwf_nowait_reads_as_usual(
             slot = _gated_read(fd, np.array_split(np.zeros_like(data), n_bufs), len(data),
                                data)
             assert slot.take_counts() == (1, 0)
-            assert diskio._NOWAIT_REFUSED[0]
+            assert {os.fstat(fd).st_dev} == diskio._REFUSED_DEVICES
     finally:
         os.close(fd)
+
+
+def test_a_refusal_is_remembered_for_its_file_system_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote collection's cache entries in ``/dev/shm`` (tmpfs refuses ``RWF_NOWAIT``
+    on many kernels) must not turn the page-cache first try off for the files of a
+    collection on another file system read in the same process."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    real, tried = os.preadv, []
+
+    def preadv(fd: int, bufs: object, offset: int, flags: int = 0) -> int:
+        dev = os.fstat(fd).st_dev
+        if flags:
+            tried.append(dev)
+            if dev == os.stat(shm).st_dev:  # refused there, whatever this kernel does
+                raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real(fd, bufs, offset, flags)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(diskio, "_REFUSED_DEVICES", set())
+    data = np.random.default_rng(5).integers(0, 255, 1 << 16, dtype=np.uint8)
+    local = _cached_file(tmp_path / "f", data)
+    path = shm / f"annbatch-test-{os.getpid()}"
+    cached = _cached_file(path, data)
+    try:
+        local_dev, shm_dev = os.fstat(local).st_dev, os.fstat(cached).st_dev
+        _gated_read(cached, [np.zeros_like(data)], len(data), data)
+        assert {shm_dev} == diskio._REFUSED_DEVICES
+        tried.clear()
+        _gated_read(cached, [np.zeros_like(data)], len(data), data)
+        _gated_read(local, [np.zeros_like(data)], len(data), data)
+        assert tried == [local_dev]  # tmpfs not asked again; the local file still is
+        with diskio.io_gate(_Slot()):
+            assert diskio.fast_flags(local_dev) == os.RWF_NOWAIT
+            assert diskio.fast_flags(None) == os.RWF_NOWAIT
+            assert diskio.fast_flags(shm_dev) is None
+    finally:
+        os.close(local)
+        os.close(cached)
+        path.unlink()
 
 
 def test_warm_pools_are_read_by_the_small_executor(small_collection: Collection) -> None:

@@ -773,6 +773,27 @@ def test_a_cast_read_refused_at_every_segment_still_delivers_every_run(
     np.testing.assert_array_equal(out, np.concatenate([src[s:e] for s, e in zip(starts, ends)]))
 
 
+def test_only_a_file_system_that_refused_rwf_nowait_loses_the_compiled_cast_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled cast read needs the page-cache first try: a refusal by another file
+    system (a remote collection's cache in ``/dev/shm``) keeps it; one by the array's own
+    file system gives the plain reads (the same values)."""
+    if not native.pread_available():
+        pytest.skip("no preadv2 here")
+    src = np.arange(1, 401, dtype=np.uint16)
+    raw = write_raw(tmp_path / "a", src, 20, False, per_shard=5)
+    starts, ends, dests = np.array([1, 45]), np.array([3, 50]), np.array([0, 2])
+    dev = os.stat(tmp_path / "a").st_dev
+    with diskio.io_gate(diskio.CpuSlots(1)):
+        monkeypatch.setattr(diskio, "_REFUSED_DEVICES", {dev + 1})
+        assert raw.plan_cast(starts, ends, dests) is not None
+        monkeypatch.setattr(diskio, "_REFUSED_DEVICES", {dev})
+        assert raw.plan_cast(starts, ends, dests) is None
+        out = np.zeros(7, dtype=src.dtype)
+        raw.read_runs(starts, 0, dests, out, ends=ends)
+    np.testing.assert_array_equal(out, np.concatenate([src[1:3], src[45:50]]))
+
+
 @pytest.mark.parametrize("refused", [False, True])
 @pytest.mark.parametrize("stored", ["uint16", "int32"])
 def test_a_cast_read_checks_every_item_against_below(
@@ -1068,7 +1089,7 @@ def test_damage_after_verification_never_becomes_an_out_of_range_index(
             pass
     # the rows it names hold the damaged index (the job's span, the row itself)
     span = re.search(r"shard rows \[(\d+), (\d+)\) \(shard 0\)", str(got.value))
-    assert span is not None
+    assert span is not None, got.value
     assert int(span[1]) <= row < int(span[2])
     if native.pread_available():  # the compiled loop's check (else the pool's scan)
         assert f"in row {row} of this shard" in str(got.value)

@@ -153,7 +153,16 @@ class _Refused(Exception):
     """``RWF_NOWAIT`` is refused here (the file system does not support it)."""
 
 
-_NOWAIT_REFUSED = [False]  # set once a file system refused RWF_NOWAIT in this process
+#: the devices (``st_dev``) whose file system refused ``RWF_NOWAIT`` in this process (tmpfs
+#: on kernels before 6.x, e.g. a remote collection's cache entries in ``/dev/shm``): only
+#: their files are read without the first try, a refusal elsewhere changes nothing here
+_REFUSED_DEVICES: set[int] = set()
+
+
+def _refused(fd: int) -> bool:
+    """Whether ``fd``'s file system refused ``RWF_NOWAIT`` before (no ``fstat`` until one
+    did)."""
+    return bool(_REFUSED_DEVICES) and os.fstat(fd).st_dev in _REFUSED_DEVICES
 
 
 def _nowait(fd: int, bufs: list[Any], offset: int) -> int:
@@ -162,7 +171,7 @@ def _nowait(fd: int, bufs: list[Any], offset: int) -> int:
     try:
         return _preadv_all(fd, bufs, offset, _NOWAIT)
     except OSError as e:
-        _NOWAIT_REFUSED[0] = True
+        _REFUSED_DEVICES.add(os.fstat(fd).st_dev)
         raise _Refused from e
 
 
@@ -176,13 +185,14 @@ def _without_slot(slot: CpuSlots, fd: int, bufs: list[Any], offset: int) -> tupl
         slot.acquire()
 
 
-def fast_flags() -> int | None:
+def fast_flags(device: int | None = None) -> int | None:
     """``preadv`` flags for a first try that copies only what is in the page cache
     (``RWF_NOWAIT`` under :func:`io_gate`, ``0`` without a gate), ``None`` where that try
-    is not possible (no ``RWF_NOWAIT``, or refused by the file system)."""
+    is not possible (no ``RWF_NOWAIT``, or refused by the file system of ``device``, an
+    ``st_dev``; ``None``: not known, tried)."""
     if _GATE.slot is None:
         return 0
-    if _NOWAIT is None or _NOWAIT_REFUSED[0]:
+    if _NOWAIT is None or device in _REFUSED_DEVICES:
         return None
     return _NOWAIT
 
@@ -205,7 +215,7 @@ def preadv_full(fd: int, bufs: list[np.ndarray], offset: int, nbytes: int,
     """
     need = nbytes if need is None else need
     slot = _GATE.slot
-    if slot is None or _NOWAIT is None or _NOWAIT_REFUSED[0]:
+    if slot is None or _NOWAIT is None or _refused(fd):
         if slot is not None:
             slot.note(False)  # nothing to learn about the disk: count the read as warm
         return _preadv_all(fd, bufs, offset)

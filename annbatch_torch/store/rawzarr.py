@@ -144,6 +144,7 @@ class RawZarrArray:
         #: where the chunk objects are when they are on an object store (``None``: files
         #: under ``path``); chunks then arrive in the chunk cache, read from there
         self.remote = remote
+        self._dev: int | None = None  # the device of path's file system (see _device)
         self.shape = tuple(int(s) for s in meta["shape"])
         self.dtype = np.dtype(meta["data_type"]).newbyteorder("<")
         outer = tuple(int(c) for c in meta["chunk_grid"]["configuration"]["chunk_shape"])
@@ -210,6 +211,7 @@ class RawZarrArray:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_verified"], state["_seen_ids"] = {}, {}  # verified again where it is read
+        state["_dev"] = None
         if self.per_shard:  # indexes are read again where needed; locks do not pickle
             state["_indexes"], state["_index_lock"] = {}, None
         return state
@@ -218,6 +220,14 @@ class RawZarrArray:
         self.__dict__.update(state)
         if self.per_shard:
             self._index_lock = threading.Lock()
+
+    def _device(self) -> int | None:
+        """The ``st_dev`` of the array's folder (``None`` on a store): a file system that
+        refused ``RWF_NOWAIT`` is remembered by its device (:func:`~.diskio.fast_flags`)."""
+        if self._dev is None and self.remote is None:
+            with contextlib.suppress(OSError):
+                self._dev = os.stat(self.path).st_dev
+        return self._dev
 
     def _file_name(self, k: int) -> str:
         """Chunk file ``k`` (a shard file when sharded)."""
@@ -520,7 +530,8 @@ class RawZarrArray:
         new_chunk = np.concatenate([[True], chunk[1:] != chunk[:-1]])
         flat = out.reshape(-1).view(np.uint8)
         chunk_at = [*np.flatnonzero(new_chunk).tolist(), len(chunk)]
-        fast = fast_flags()  # preadv flags of a read that must not wait (None: gated reads)
+        # preadv flags of a read that must not wait (None: gated reads)
+        fast = fast_flags(self._device())
         done = self._read_trusted_compiled(chunk, lo_b, hi_b, d_b, new_chunk, flat, below,
                                            trust, idents, fast)
         if done is not None and done.all():
@@ -696,7 +707,7 @@ class RawZarrArray:
         runs here; ``None`` otherwise (read with :meth:`read_runs` then). The runs are
         those of rows a sampler drew, read without their chunks' checksums; ``below``
         (column indices): every item is checked inside ``[0, below)`` as it is read."""
-        if self.ndim != 1 or not self.reads_compiled or fast_flags() is None:
+        if self.ndim != 1 or not self.reads_compiled or fast_flags(self._device()) is None:
             return None
         starts = np.asarray(starts, dtype=np.int64)
         ends = np.asarray(ends, dtype=np.int64)
@@ -736,7 +747,7 @@ class RawZarrArray:
             return
         nbytes = int(plan.counts.max()) * self.dtype.itemsize
         scratch = _scratch(nbytes, "cast")[:nbytes].view(self.dtype)
-        fast = fast_flags()
+        fast = fast_flags(self._device())
         flags = 0 if fast is None else fast
         below = plan.below
         for k in np.unique(plan.files).tolist():
