@@ -197,12 +197,9 @@ class AnnBatchDataset(IterableDataset):
         (``default_read_threads()``).
     prefetch
         Read the next pool in a background thread while the current one is consumed.
-        Default ``None``: on in the main process (``num_workers=0``; measured here: dense
-        1.35x faster; sparse 1.2-1.3x with a 20 ms training step per batch, ~0.9x with a
-        consumer that does nothing), off inside DataLoader workers, where the other
-        workers already overlap reads and it would cost one more pool of memory per worker
-        (measured with 2 workers, dense: 0.82-0.93x as fast with it, worker peak 751 vs
-        516 MiB).
+        Default ``None``: on in the main process (``num_workers=0``), off inside
+        DataLoader workers, where the other workers already overlap reads and it would
+        cost one more pool of memory per worker (docs/tuning.md has the measurements).
     device
         Hold each pool on this device (``"cuda"``, ``"cuda:1"``; the ``gpu`` extra) and cut
         and densify batches there (``read.device_pool.DevicePool``):

@@ -765,7 +765,7 @@ def test_a_cast_read_refused_at_every_segment_still_delivers_every_run(
     raw = write_raw(tmp_path / "a", src, 20, False, per_shard=5)
     starts, ends, dests = np.array([1, 15, 45, 100]), np.array([3, 17, 46, 130]), \
         np.array([0, 2, 4, 5])
-    monkeypatch.setattr(rawzarr, "fast_flags", lambda: 1 << 20)  # a flag every call refuses
+    monkeypatch.setattr(rawzarr, "fast_flags", lambda _dev: 1 << 20)  # a flag every call refuses
     plan = raw.plan_cast(starts, ends, dests)
     assert plan is not None
     out = np.zeros(35, dtype=np.float32)
@@ -808,7 +808,7 @@ def test_a_cast_read_checks_every_item_against_below(
     starts, ends, dests = np.array([1, 15, 45, 100]), np.array([3, 17, 50, 130]), \
         np.array([0, 2, 4, 9])
     if refused:
-        monkeypatch.setattr(rawzarr, "fast_flags", lambda: 1 << 20)  # every call refuses
+        monkeypatch.setattr(rawzarr, "fast_flags", lambda _dev: 1 << 20)  # every call refuses
     raw = write_raw(tmp_path / "ok", src, 20, False, per_shard=5)
     plan = raw.plan_cast(starts, ends, dests, below=400)
     assert plan is not None
@@ -1013,7 +1013,7 @@ def test_a_compiled_loop_refused_at_every_read_still_delivers_every_run(
     dests = np.array([0, 2, 4, 5])
     out = np.zeros(35, dtype=np.int32)
     raw.read_runs(starts, 0, dests, out, ends=ends, trust_verified=True)  # verified now
-    monkeypatch.setattr(rawzarr, "fast_flags", lambda: 1 << 20)  # a flag every call refuses
+    monkeypatch.setattr(rawzarr, "fast_flags", lambda _dev: 1 << 20)  # a flag every call refuses
     out[:] = 0
     raw.read_runs(starts, 0, dests, out, ends=ends, trust_verified=True)
     np.testing.assert_array_equal(out, np.concatenate([src[s:e] for s, e in zip(starts, ends)]))
