@@ -35,9 +35,10 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not serial" --ignore tests/test_docs.py
 
 # the site, warnings as errors (nitpicky references included), tutorial pages executed
+# (-j auto: pages are read, and their code run, in parallel)
 docs: $(STAMP)
 	rm -rf docs/_build docs/generated
-	$(VENV)/bin/sphinx-build -q -W --keep-going -n -b html docs docs/_build/html
+	$(VENV)/bin/sphinx-build -q -W --keep-going -n -j auto -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
