@@ -124,35 +124,41 @@ def test_a_subset_in_order_keeps_its_order_with_workers(imbalanced_collection: C
     np.testing.assert_array_equal(got, rows)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("store", "chunk_size", "rtol"), [
+#: (collection fixture, sampler chunk_size, tolerance of the per-rank class shares)
+GLOO_CASES = [
     ("imbalanced_collection", "auto", 0.1),  # single rows
     ("grouped_collection", 8, 0.2),  # runs of 8 rows of one class, mixed in the pools
-])
+]
+
+
+@pytest.mark.slow
 def test_class_balanced_on_two_gloo_ranks_with_two_workers_each(
-        request: pytest.FixtureRequest, store: str, chunk_size: int | str, rtol: float,
-        tmp_path: Path) -> None:
-    coll = request.getfixturevalue(store)
+        request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Both cases in one group (one start of the ranks): each rank's batches are balanced,
+    equal in number on both ranks, and the plan's rows for the rank."""
+    colls = [request.getfixturevalue(store) for store, _, _ in GLOO_CASES]
     world = 2
-    tmp.spawn(sampling_ddp.entry, args=(world, free_port(), str(coll.path), str(tmp_path),
-                                        chunk_size), nprocs=world, join=True)
-    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
-    ds = sampling_ddp.dataset(str(coll.path), chunk_size)
-    assert ds.sampler.run == (1 if chunk_size == "auto" else chunk_size)
-    codes = np.asarray(coll.categories("cell_type"))
-    smallest = ds.sampler._table.counts.min() / N_OBS
-    assert smallest <= 0.005
-    for r, res in enumerate(ranks):
-        assert int(res["rank"]) == r
-        assert res["counts"].tolist() == [int(res["n_batches"])] * world
-        assert int(res["n_batches"]) == int(res["len"])
-        share = np.bincount(res["labels"], minlength=len(codes)) / len(res["labels"])
-        np.testing.assert_allclose(share, 1 / N_CLASSES, rtol=rtol)
-        # the rows are the plan's for this rank, whatever the workers
-        want = np.concatenate(_stream(ds, 0, r, world))
-        assert sorted(res["index"].tolist()) == sorted(want.tolist())
-    both = np.concatenate([res["index"] for res in ranks])
-    assert len(both) == sampling_ddp.NUM_SAMPLES // sampling_ddp.BATCH * sampling_ddp.BATCH
+    cases = [(str(c.path), chunk) for c, (_, chunk, _) in zip(colls, GLOO_CASES)]
+    tmp.spawn(sampling_ddp.entry, args=(world, free_port(), cases, str(tmp_path)),
+              nprocs=world, join=True)
+    for i, (coll, (store, chunk_size, rtol)) in enumerate(zip(colls, GLOO_CASES)):
+        ranks = [dict(np.load(tmp_path / f"case{i}_rank{r}.npz")) for r in range(world)]
+        ds = sampling_ddp.dataset(str(coll.path), chunk_size)
+        assert ds.sampler.run == (1 if chunk_size == "auto" else chunk_size), store
+        codes = np.asarray(coll.categories("cell_type"))
+        smallest = ds.sampler._table.counts.min() / N_OBS
+        assert smallest <= 0.005, store
+        for r, res in enumerate(ranks):
+            assert int(res["rank"]) == r
+            assert res["counts"].tolist() == [int(res["n_batches"])] * world, store
+            assert int(res["n_batches"]) == int(res["len"]), store
+            share = np.bincount(res["labels"], minlength=len(codes)) / len(res["labels"])
+            np.testing.assert_allclose(share, 1 / N_CLASSES, rtol=rtol, err_msg=store)
+            # the rows are the plan's for this rank, whatever the workers
+            want = np.concatenate(_stream(ds, 0, r, world))
+            assert sorted(res["index"].tolist()) == sorted(want.tolist()), store
+        both = np.concatenate([res["index"] for res in ranks])
+        assert len(both) == sampling_ddp.NUM_SAMPLES // sampling_ddp.BATCH * sampling_ddp.BATCH
 
 
 def _resume_ds(store: Path) -> AnnBatchDataset:
