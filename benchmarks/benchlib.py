@@ -39,6 +39,18 @@ __all__ = [
 MB = 1024.0 * 1024.0
 
 
+def _vm_hwm_mb(pid: int) -> float:
+    """``VmHWM`` of process ``pid`` in MiB (0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def peak_rss_self_mb() -> float:
     """Peak resident set size of this process image so far, in MiB.
 
@@ -71,7 +83,16 @@ class MemoryMonitor:
     """Poll RSS of this process and its children until :meth:`stop`.
 
     Children are every process started below this one (DataLoader workers; a new set per
-    epoch unless ``persistent_workers``); each keeps its own peak.
+    epoch unless ``persistent_workers``); each keeps its own peak, and a child still alive
+    at :meth:`stop` contributes its kernel high-water mark (``VmHWM``), which no poll can
+    miss.
+
+    The polls run beside the timed loader and cost it CPU: listing the children scans
+    every process of the machine, and reading a worker's USS walks ``/proc/PID/smaps``
+    (its mapping of the pool memory included). Polled every 20 ms with USS every 0.5 s,
+    the monitor cost 2 dense workers ~10% of their cells/s on 2 CPUs and the in-process
+    loader nothing (benchmarks/results/handoff_w2.md), so it is slow by default and reads
+    USS at :meth:`stop` only.
 
     Parameters
     ----------
@@ -79,12 +100,12 @@ class MemoryMonitor:
         Seconds between polls of RSS.
     uss_every
         Also read the unique set size (pages no other process shares, e.g. not the
-        copy-on-write pages a forked worker shares with its parent) every this many polls;
-        reading it walks ``/proc/PID/smaps`` and costs a few ms.
+        copy-on-write pages a forked worker shares with its parent) every this many polls
+        (0: at :meth:`stop` only).
     """
 
-    interval: float = 0.02
-    uss_every: int = 25
+    interval: float = 0.25
+    uss_every: int = 0
     main_peak: float = 0.0
     child_peak: dict[int, float] = field(default_factory=dict)
     child_uss_peak: dict[int, float] = field(default_factory=dict)
@@ -111,7 +132,8 @@ class MemoryMonitor:
             self._thread.join(timeout=5)
 
     def poll(self, uss: bool = False) -> None:
-        """Take one sample of every process now."""
+        """Take one sample of every process now (``uss``: and the children's USS and
+        kernel high-water marks)."""
         import psutil
 
         me = psutil.Process(os.getpid())
@@ -127,13 +149,14 @@ class MemoryMonitor:
                 if uss:
                     u = c.memory_full_info().uss / MB
                     self.child_uss_peak[c.pid] = max(self.child_uss_peak.get(c.pid, 0.0), u)
+                    self.child_peak[c.pid] = max(self.child_peak[c.pid], _vm_hwm_mb(c.pid))
             except psutil.Error:
                 continue
 
     def _run(self) -> None:
         i = 0
         while not self._stop.is_set():
-            self.poll(uss=(i % self.uss_every == 0))
+            self.poll(uss=self.uss_every > 0 and i % self.uss_every == 0)
             i += 1
             self._stop.wait(self.interval)
 
