@@ -39,16 +39,17 @@ __all__ = [
 MB = 1024.0 * 1024.0
 
 
-def _vm_hwm_mb(pid: int) -> float:
-    """``VmHWM`` of process ``pid`` in MiB (0 where it cannot be read)."""
+def _vm_hwm_mb(pid: int | str) -> float | None:
+    """``VmHWM`` of process ``pid`` (or ``"self"``) in MiB; ``None`` where it cannot be
+    read (not Linux, or the process is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
         pass
-    return 0.0
+    return None
 
 
 def peak_rss_self_mb() -> float:
@@ -60,13 +61,9 @@ def peak_rss_self_mb() -> float:
     generated the inputs in-process, say) reported the parent's peak. Elsewhere
     ``ru_maxrss`` (KiB on Linux and BSD, bytes on macOS).
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
+    hwm = _vm_hwm_mb("self")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / MB if sys.platform == "darwin" else peak / 1024.0
 
@@ -90,9 +87,9 @@ class MemoryMonitor:
     The polls run beside the timed loader and cost it CPU: listing the children scans
     every process of the machine, and reading a worker's USS walks ``/proc/PID/smaps``
     (its mapping of the pool memory included). Polled every 20 ms with USS every 0.5 s,
-    the monitor cost 2 dense workers ~10% of their cells/s on 2 CPUs and the in-process
-    loader nothing (benchmarks/results/handoff_w2.md), so it is slow by default and reads
-    USS at :meth:`stop` only.
+    the monitor cost 2 dense workers ~10% of their cells/s on 2 CPUs, the in-process
+    loader nothing beyond the rounds' spread (benchmarks/results/handoff_w2.md), so it is
+    slow by default and reads USS at :meth:`stop` only.
 
     Parameters
     ----------
@@ -149,7 +146,8 @@ class MemoryMonitor:
                 if uss:
                     u = c.memory_full_info().uss / MB
                     self.child_uss_peak[c.pid] = max(self.child_uss_peak.get(c.pid, 0.0), u)
-                    self.child_peak[c.pid] = max(self.child_peak[c.pid], _vm_hwm_mb(c.pid))
+                    self.child_peak[c.pid] = max(self.child_peak[c.pid],
+                                                 _vm_hwm_mb(c.pid) or 0.0)
             except psutil.Error:
                 continue
 

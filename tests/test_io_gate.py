@@ -228,8 +228,8 @@ def test_a_file_system_refusing_rwf_nowait_reads_as_usual(
 
 def test_a_refusal_is_remembered_for_its_file_system_only(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A remote collection's cache entries in ``/dev/shm`` (tmpfs refuses ``RWF_NOWAIT``
-    on many kernels) must not turn the page-cache first try off for the files of a
+    """A remote collection's cache entries in ``/dev/shm`` (tmpfs refused ``RWF_NOWAIT``
+    on Linux 6.18 here) must not turn the page-cache first try off for the files of a
     collection on another file system read in the same process."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:

@@ -154,8 +154,8 @@ class _Refused(Exception):
 
 
 #: the devices (``st_dev``) whose file system refused ``RWF_NOWAIT`` in this process (tmpfs
-#: on kernels before 6.x, e.g. a remote collection's cache entries in ``/dev/shm``): only
-#: their files are read without the first try, a refusal elsewhere changes nothing here
+#: does on Linux 6.18, memfd too: e.g. a remote collection's cache entries in ``/dev/shm``):
+#: only their files are read without the first try, a refusal elsewhere changes nothing
 _REFUSED_DEVICES: set[int] = set()
 
 
