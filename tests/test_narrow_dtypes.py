@@ -540,6 +540,37 @@ def test_scatter_rows_puts_each_row_in_place_cast(data: st.DataObject) -> None:
             scatter_rows(src[:-1], starts, lens, out, dests)
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_scatter_rows_range_copies_and_finds_the_least_and_greatest(data: st.DataObject) -> None:
+    """The checked copy puts the same items in place as scatter_rows and returns the least
+    and the greatest item of the rows copied (not of the rest of the source), signed or
+    not; None when no item is copied."""
+    from annbatch_torch.read.scatter import scatter_rows, scatter_rows_range
+
+    dtype = np.dtype(data.draw(st.sampled_from(["uint8", "uint16", "uint32", "int16",
+                                                "int32", "int64"])))
+    info = np.iinfo(dtype)
+    lens = np.array(data.draw(st.lists(st.integers(0, 9), max_size=20)), dtype=np.int64)
+    n = int(lens.sum())
+    src = np.array(data.draw(st.lists(st.integers(int(info.min), int(info.max)),
+                                      min_size=n + 3, max_size=n + 3)), dtype=dtype)
+    starts = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    starts += 2  # items before and after the rows are not copied
+    dests = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[::-1][:-1], out=dests[1:])
+    dests = dests[::-1].copy()
+    out, want = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    got = scatter_rows_range(src, starts, lens, out, dests)
+    scatter_rows(src, starts, lens, want, dests)
+    np.testing.assert_array_equal(out, want)
+    copied = src[2 : 2 + n]
+    assert got == (None if not n else (int(copied.min()), int(copied.max())))
+    with pytest.raises(ValueError, match="integers"):
+        scatter_rows_range(src.astype(np.float32), starts, lens, out.astype(np.float32), dests)
+
+
 def test_scatter_rows_refuses_what_the_loop_cannot_do() -> None:
     from annbatch_torch.read.scatter import scatter_rows
 

@@ -628,11 +628,26 @@ def _damage_index(indices: RawZarrArray, pos: int, bad: int) -> None:
     p.write_bytes(payload + google_crc32c.value(payload).to_bytes(4, "little"))
 
 
+@pytest.fixture
+def tiny_wide_store(pristine_tiny_store: Path, tmp_path: Path) -> Path:
+    """The tiny collection's inputs written in the wide layout (float32 values, int32
+    column indices: what pools hold, so rows may be read straight into place)."""
+    out = tmp_path / "wide"
+    create_anndata_collection(sorted((pristine_tiny_store.parent / "in").glob("*.h5ad")), out,
+                              n_obs_per_shard=40, zarr_chunk_elems=64, zarr_shard_elems=0,
+                              data_dtype="float32", index_dtype="int32", progress=False)
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False])
 def test_column_indices_are_scanned_once_per_chunk_content(
-    tiny_raw_store: Path, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, fused: bool
 ) -> None:
-    """A pool whose indices chunks were all checked before (same CRC-32C) skips the scan;
-    a chunk rewritten since (another CRC) is scanned again and its damage caught."""
+    """Read through the scratch and the compiled copy (``fused``), a pool's column indices
+    are checked as they are copied: the pool is never scanned, unless one is outside (the
+    scan then names it). Read straight into place, a pool whose indices chunks were all
+    checked before (same CRC-32C) skips the scan; a chunk rewritten since (another CRC) is
+    scanned again. Damage is caught either way."""
     import annbatch_torch.read.reader as reader_mod
 
     scans: list[int] = []
@@ -642,22 +657,26 @@ def test_column_indices_are_scanned_once_per_chunk_content(
         return bad_column(indices, n_cols)
 
     monkeypatch.setattr(reader_mod, "bad_column", counting)
-    c = open_collection(tiny_raw_store)
+    monkeypatch.setattr(reader_mod, "FUSED_SCATTER", fused)
+    store = request.getfixturevalue("tiny_raw_store" if fused else "tiny_wide_store")
+    c = open_collection(store)
     n = c.n_obs
     reader = PoolReader(c, ["X"])
     order = np.random.default_rng(1).permutation(n)
     first = reader.read(np.array([[0, n]]), order)["X"].toarray()
-    assert len(scans) == 1
+    stored = sp.vstack([ad.read_zarr(c.shard_path(k)).X for k in range(len(c.shard_sizes))])
+    np.testing.assert_array_equal(first[np.argsort(order)], stored.toarray())
+    assert len(scans) == (0 if fused else 1)
     again = reader.read(np.array([[0, n]]), order)["X"].toarray()
     np.testing.assert_array_equal(again, first)
     part = reader.read(np.array([[10, 75]]))["X"].toarray()  # chunks checked above
     np.testing.assert_array_equal(part, first[np.argsort(order)][10:75])
-    assert len(scans) == 1
+    assert len(scans) == (0 if fused else 1)
     indices = c.element(1, "X").indices
     _damage_index(indices, 3, 1000)  # same open collection: the chunk's CRC changes
     with pytest.raises(ReadError, match=r"column index 1000 outside \[0, 30\)"):
         reader.read(np.array([[0, n]]), order)
-    assert len(scans) == 2
+    assert len(scans) == (1 if fused else 2)
 
 
 def test_damage_in_the_unread_part_of_a_chunk_is_caught(tiny_raw_store: Path) -> None:

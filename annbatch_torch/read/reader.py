@@ -35,7 +35,7 @@ from ..store.elements import CSCElement, CSRElement
 from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
-from .scatter import scatter_rows, scratch
+from .scatter import scatter_rows, scatter_rows_range, scratch
 
 __all__ = ["Piece", "Pieces", "split_ranges", "piece_arrays", "describe_ranges", "PoolReader",
            "read_column",
@@ -249,8 +249,9 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
     ``indices[dests[i]:]``, cast to their dtypes: read in stored order, a block of at most
     :data:`SCRATCH_ELEMS` at a time, into the thread's scratch (one ``preadv`` and one
     CRC-32C per chunk), then scattered by the compiled loop (:func:`~.scatter.scatter_rows`).
-    Returns the indices chunks' CRCs as :meth:`CSRElement.read_rows_scatter` does
-    (``None``: unknown; ``{}``: the delivered indices were checked already).
+    The column indices are checked inside ``[0, n_cols)`` by that loop, while in the
+    cache: returns ``{}`` (the delivered indices were checked already) or, when one is
+    outside, ``None`` (the caller's check of the pool then finds it and names it).
     ``trust_verified``: rows a sampler drew (see :meth:`CSRElement.read_rows_gather`)."""
     rows = np.asarray(rows, dtype=np.int64)
     if not rows.size:
@@ -264,7 +265,7 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
     # drawn rows read from chunks verified before stay on read_rows_gather (trust_verified)
     contiguous = (not trust_verified) and int(rows[-1]) - int(rows[0]) + 1 == len(rows)
     _prefetch(el, el.indptr[rows], el.indptr[rows] + lens)
-    crcs: dict[int, int] | None = {}
+    inside = True
     for a, b in _row_blocks(lens, SCRATCH_ELEMS):
         part = lens[a:b]
         starts = np.zeros(b - a, dtype=np.int64)
@@ -272,18 +273,15 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
         n = int(starts[-1] + part[-1])
         values, columns = scratch(n, el.data.dtype, 0), scratch(n, el.indices.dtype, 1)
         if contiguous:
-            got = el.read_rows_scatter(int(rows[a]), int(rows[b - 1]) + 1, values, columns,
-                                       starts)
+            el.read_rows_scatter(int(rows[a]), int(rows[b - 1]) + 1, values, columns, starts)
         else:
-            got = el.read_rows_gather(rows[a:b], values, columns, starts,
-                                      trust_verified=trust_verified)
-        if got is None or crcs is None:
-            crcs = None
-        else:
-            crcs.update(got)
+            el.read_rows_gather(rows[a:b], values, columns, starts,
+                                trust_verified=trust_verified)
         scatter_rows(values, starts, part, data, dests[a:b])
-        scatter_rows(columns, starts, part, indices, dests[a:b])
-    return crcs
+        span = scatter_rows_range(columns, starts, part, indices, dests[a:b])
+        if span is not None and not 0 <= span[0] <= span[1] < el.n_cols:
+            inside = False
+    return {} if inside else None
 
 
 #: reads in flight per process (each a thread; only ``threads`` of them use a CPU at once)

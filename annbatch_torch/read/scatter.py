@@ -8,6 +8,8 @@ buffers by :func:`scatter_rows`, widened on the way from what a shard stores (``
 (float32 values, int32 indices). The loop is compiled by numba and releases the GIL, so the
 reader's threads scatter in parallel; done in numpy it would cost a Python step per row (or
 an element index of 8 bytes per non-zero) and one more pass over the pool.
+:func:`scatter_rows_range` copies column indices so, keeping the least and the greatest it
+copies: the check that they lie inside the matrix costs no pass of its own.
 
 :func:`todense_rows` densifies CSR rows into a reused dense array, zeroing each row just
 before filling it (while it is in the cache): one pass over the dense memory where zeroing
@@ -23,7 +25,7 @@ import numpy as np
 from ..store.native import compiled
 from .buffers import fresh_bytes
 
-__all__ = ["scatter_rows", "scratch", "todense_rows"]
+__all__ = ["scatter_rows", "scatter_rows_range", "scratch", "todense_rows"]
 
 
 # Indices are made unsigned inside the copy (scatter_rows checks they are not negative): a
@@ -37,6 +39,25 @@ def _scatter_py(src, starts, lens, out, dests):  # type: ignore[no-untyped-def] 
         for j in range(np.uint64(lens[r])):
             k = np.uint64(j)
             out[d + k] = src[s + k]
+
+
+# the same copy, also keeping the least and the greatest item copied (column indices
+# checked on the way, while in the cache: no pass over the pool afterwards); lohi holds the
+# starting pair, in the source's dtype, and receives the result
+def _scatter_range_py(src, starts, lens, out, dests, lohi):  # type: ignore[no-untyped-def]  # pragma: no cover
+    lo = lohi[0]
+    hi = lohi[1]
+    for r in range(lens.shape[0]):
+        s = np.uint64(starts[r])
+        d = np.uint64(dests[r])
+        for j in range(np.uint64(lens[r])):
+            k = np.uint64(j)
+            v = src[s + k]
+            out[d + k] = v
+            lo = min(lo, v)
+            hi = max(hi, v)
+    lohi[0] = lo
+    lohi[1] = hi
 
 
 # signed column indices here: todense_rows does not check them (a CSR batch handed in by a
@@ -53,6 +74,7 @@ def _todense_py(indptr, indices, data, out, zero):  # type: ignore[no-untyped-de
 # compiled (nogil, cached); importing store/native.py also keeps forked children from
 # inheriting numba's compiler lock held by another thread
 _scatter = compiled(_scatter_py)
+_scatter_range = compiled(_scatter_range_py)
 _todense = compiled(_todense_py)
 
 #: dtype kinds the loop copies between (native byte order)
@@ -70,13 +92,43 @@ def scatter_rows(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, out: np.
         If a row would be read or written outside ``src`` or ``out`` (checked before the
         compiled loop, which does not check).
     """
+    args = _checked_rows(src, starts, lens, out, dests)
+    if args is not None:
+        _scatter(src, args[0], args[1], out, args[2])
+
+
+def scatter_rows_range(src: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                       out: np.ndarray, dests: np.ndarray) -> tuple[int, int] | None:
+    """:func:`scatter_rows` of integer items that also returns the least and the greatest
+    item copied (``None`` when no item was): column indices checked as they are copied.
+
+    Raises
+    ------
+    ValueError
+        As :func:`scatter_rows`, or if ``src`` does not hold integers.
+    """
+    if src.dtype.kind not in "iu":
+        raise ValueError(f"scatter_rows_range copies integers, got {src.dtype}")
+    args = _checked_rows(src, starts, lens, out, dests)
+    if args is None or not int(args[1].sum()):
+        return None
+    info = np.iinfo(src.dtype)
+    lohi = np.array([info.max, info.min], dtype=src.dtype)
+    _scatter_range(src, args[0], args[1], out, args[2], lohi)
+    return int(lohi[0]), int(lohi[1])
+
+
+def _checked_rows(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, out: np.ndarray,
+                  dests: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The rows' ``(starts, lens, dests)`` as int64 once every row is known to lie inside
+    ``src`` and ``out`` (``None``: no row), else ``ValueError``."""
     starts = np.asarray(starts, dtype=np.int64)
     lens = np.asarray(lens, dtype=np.int64)
     dests = np.asarray(dests, dtype=np.int64)
     if not (starts.shape == lens.shape == dests.shape and starts.ndim == 1):
         raise ValueError("scatter_rows: starts, lens and dests must be 1-D and of one length")
     if not lens.size:
-        return
+        return None
     if src.ndim != 1 or out.ndim != 1 or not out.flags.writeable:
         raise ValueError("scatter_rows copies between 1-D arrays into a writeable one")
     for a in (src, out):
@@ -91,7 +143,7 @@ def scatter_rows(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, out: np.
             or int((dests + lens).max()) > out.size):
         raise ValueError(f"scatter_rows: rows fall outside the source ({src.size} items) or "
                          f"the destination ({out.size} items)")
-    _scatter(src, starts, lens, out, dests)
+    return starts, lens, dests
 
 
 def todense_rows(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray,
