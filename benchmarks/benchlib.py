@@ -52,6 +52,22 @@ def _vm_hwm_mb(pid: int | str) -> float | None:
     return None
 
 
+def _own_rss_mb(pid: int | str) -> float | None:
+    """Resident memory of process ``pid`` that is its own, in MiB: ``VmRSS`` less
+    ``RssShmem`` (shared memory it maps: a DataLoader worker's pool memory, which the
+    main process maps to read batches by reference, is resident in the worker and counted
+    there); ``None`` where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            got = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f)
+                   if k in ("VmRSS", "RssShmem")}
+    except (OSError, ValueError, IndexError):
+        return None
+    if "VmRSS" not in got:
+        return None
+    return (got["VmRSS"] - got.get("RssShmem", 0)) / 1024.0
+
+
 def peak_rss_self_mb() -> float:
     """Peak resident set size of this process image so far, in MiB.
 
@@ -104,6 +120,7 @@ class MemoryMonitor:
     interval: float = 0.25
     uss_every: int = 0
     main_peak: float = 0.0
+    main_own_peak: float = 0.0
     child_peak: dict[int, float] = field(default_factory=dict)
     child_uss_peak: dict[int, float] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -136,6 +153,7 @@ class MemoryMonitor:
         me = psutil.Process(os.getpid())
         try:
             self.main_peak = max(self.main_peak, me.memory_info().rss / MB)
+            self.main_own_peak = max(self.main_own_peak, _own_rss_mb("self") or 0.0)
             children = me.children(recursive=True)
         except psutil.Error:
             return
@@ -159,11 +177,13 @@ class MemoryMonitor:
             self._stop.wait(self.interval)
 
     def summary(self) -> dict[str, Any]:
-        """Peaks in MiB: this process (kernel high-water mark) and each child."""
+        """Peaks in MiB: this process (kernel high-water mark; and, polled, its own memory:
+        RSS less the shared memory it maps) and each child."""
         rss = sorted((v for v in self.child_peak.values() if v > 0), reverse=True)
         uss = sorted((v for v in self.child_uss_peak.values() if v > 0), reverse=True)
         return {
             "main_peak_rss_mb": max(self.main_peak, peak_rss_self_mb()),
+            "main_peak_own_mb": self.main_own_peak or None,
             "worker_peak_rss_mb": rss,
             "worker_peak_uss_mb": uss,
             "n_child_processes": len(rss),

@@ -229,10 +229,16 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         fmt="{:.2f}x", cpu_value=cpu_ratio("writer", "anndata_write"),
         detail=(f"anndata {base['seconds']:.1f} s / writer {w['seconds']:.1f} s"
                 if w and base else "writer or baseline did not run")))
-    mains = [c[n]["main_peak_rss_mb"] for n in (*_OURS_COLLECTION, "memory") if _ok(c, n)]
-    out.append(_target("main process <= 1.5 GiB", max(mains) / GIB if mains else None, 1.5,
-                       higher=False, fmt="{:.2f} GiB",
-                       detail="highest main-process peak over our collection cases"))
+    mains = {n: _main_own_mb(c[n]) for n in (*_OURS_COLLECTION, "memory") if _ok(c, n)}
+    top = max(mains, key=mains.__getitem__) if mains else None
+    out.append(_target(
+        "main process <= 1.5 GiB", mains[top] / GIB if top else None, 1.5, higher=False,
+        fmt="{:.2f} GiB",
+        detail=("highest main-process peak over our collection cases, of its own memory: "
+                "RSS less the workers' shared pool memory it maps to read their batches "
+                "(resident in the workers, counted there)"
+                + (f"; {top}: peak RSS {c[top]['main_peak_rss_mb']:,.0f} MiB with it"
+                   if top and mains[top] < 0.95 * c[top]["main_peak_rss_mb"] else ""))))
     workers = [x for n in ("ours_dense_w2", "ours_sparse_w2", "memory") if _ok(c, n)
                for x in c[n].get("worker_peak_rss_mb", [])]
     out.append(_target("each worker <= 1 GiB", max(workers) / GIB if workers else None, 1.0,
@@ -282,7 +288,10 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "Shuffle quality = mean per-batch entropy of "
         f"cell_type / that of truly random batches ({_f(results.get('random_entropy'), '{:.3f}')}"
         " nats). *cells per CPU-s*: cells per CPU second of the loader's process and its "
-        "workers (steadier than cells/s when the machine is shared). *others' CPU*: share of "
+        "workers (steadier than cells/s when the machine is shared). *peak RSS main*: the "
+        "kernel's high-water mark; *(own N)*: the main process's own memory (RSS less the "
+        "workers' shared pool memory it maps to read their batches by reference, resident "
+        "in the workers and counted there), polled every 0.25 s. *others' CPU*: share of "
         f"the machine's {results['machine']['cpu_count']} CPUs used by other processes while "
         "the case was timed (0% = a quiet machine; wall-clock figures measured above ~10% are "
         f"depressed). Each figure is the best of {results.get('repeat', 1)} round(s).",
@@ -311,7 +320,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         lines.append(
             f"| {label} | {_f(rate)} | {_f(rate / scd if rate and scd else None, '{:.2f}x')} "
             f"| {_f(r.get('cells_per_cpu_s'))} "
-            f"| {_f(r.get('main_peak_rss_mb'))} | {', '.join(_f(x) for x in wk) or '-'} | "
+            f"| {_main_cell(r)} | {', '.join(_f(x) for x in wk) or '-'} | "
             f"{_f(r.get('quality'), '{:.3f}')} | "
             f"{_f((r.get('cpu') or {}).get('others_share'), '{:.0%}')} | {'; '.join(notes)} |"
         )
@@ -395,6 +404,24 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
                   ""]
     lines += [*target_table(results["targets"]), ""]
     path.write_text("\n".join(lines))
+
+
+def _main_cell(r: dict[str, Any]) -> str:
+    """Peak RSS of the main process, and its own memory where the workers' shared pool
+    memory it maps made the RSS larger."""
+    own = _main_own_mb(r)
+    total = r.get("main_peak_rss_mb")
+    if total is None or own >= 0.95 * total:  # nothing worth a word mapped beside
+        return _f(total)
+    return f"{_f(total)} (own {_f(own)})"
+
+
+def _main_own_mb(r: dict[str, Any]) -> float:
+    """A case's main-process peak of its own memory (MiB): the polled peak of RSS less the
+    shared memory it maps, where measured and below the kernel's RSS high-water mark;
+    else that high-water mark."""
+    own = r.get("main_peak_own_mb")
+    return min(own, r["main_peak_rss_mb"]) if own else r["main_peak_rss_mb"]
 
 
 def _short(s: Any, n: int = 160) -> str:

@@ -294,6 +294,9 @@ def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return ok[0]
     best = dict(max(ok, key=lambda r: r.get("cells_per_s") or -r.get("seconds", 0.0)))
     best["main_peak_rss_mb"] = max(r.get("main_peak_rss_mb", 0.0) for r in ok)
+    own = [r["main_peak_own_mb"] for r in ok if r.get("main_peak_own_mb")]
+    if own:
+        best["main_peak_own_mb"] = max(own)
     wk = [x for r in ok for x in r.get("worker_peak_rss_mb") or []]
     if wk:
         best["worker_peak_rss_mb"] = [max(wk)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,27 @@ def test_a_case_reports_its_own_peak_not_its_parents() -> None:
                          timeout=60, check=True).stdout
     assert big.sum() > 0
     assert float(out) < 200, out  # an interpreter with numpy; the parent is above 400
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_the_main_process_own_memory_leaves_out_shared_memory_it_maps() -> None:
+    """A DataLoader worker's pool memory is shared memory the main process maps to read
+    batches by reference: resident in both, it is the worker's. The monitor reports the
+    main process's own peak without it, and the kernel's high-water mark with it."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchlib import MemoryMonitor
+
+    with MemoryMonitor(interval=0.05) as mon:
+        shared = torch.ones(300 * 2**20 // 4).share_memory_()  # ~300 MiB, touched
+        for _ in range(50):  # until a poll has seen it
+            if mon.main_peak >= 300:
+                break
+            time.sleep(0.05)
+    got = mon.summary()
+    assert float(shared.sum()) > 0
+    assert got["main_peak_rss_mb"] - got["main_peak_own_mb"] > 250, got
 
 
 def _scale(tmp: Path, out: Path, sizes: str, only: str, *extra: str) -> list[dict]:
