@@ -77,6 +77,25 @@ def test_pool_read_matches_concatenated_inputs(data: st.DataObject) -> None:
     np.testing.assert_array_equal(out["obs/v"], full.obs["v"].to_numpy()[rows])
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_drawn_rows_of_inputs_with_their_own_categories_get_global_codes(
+        data: st.DataObject) -> None:
+    """Rows a sampler draws, one piece each (more than 64 of one input: the code map is
+    applied by one gather over their rows), carry the global codes of their categories."""
+    a, b = _adata(40, 0, ["B", "T"]), _adata(200, 1, ["NK", "T"])
+    src = InPlaceSource([a, b])
+    full = ad.concat([a, b])
+    ct_global = pd.Categorical(full.obs["ct"].astype(str), categories=["B", "T", "NK"]).codes
+    of_a = data.draw(st.lists(st.integers(0, 39), max_size=40, unique=True))
+    # every other row of b: drawn rows next to each other would merge into one piece
+    of_b = data.draw(st.lists(st.integers(0, 99), min_size=65, max_size=100, unique=True))
+    rows = np.sort(np.asarray(of_a + [40 + 2 * k for k in of_b]))
+    ranges = np.stack([rows, rows + 1], axis=1)
+    out = PoolReader(src, ["obs/ct"], threads=2).read(ranges, random_access=True)
+    np.testing.assert_array_equal(out["obs/ct"], ct_global[rows])
+
+
 def test_warm_pools_let_the_deep_read_threads_go(small_collection: Collection) -> None:
     """The first pool is read by many threads (it may come from the disk); once pools come
     from the page cache, those threads exit and their read scratch with them, and every

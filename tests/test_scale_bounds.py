@@ -65,6 +65,34 @@ def test_opening_a_collection_builds_no_python_object_per_row(tmp_path: Path) ->
     assert bytes_l - bytes_s < 9 * 90_000 + 256_000, (bytes_s, bytes_l)
 
 
+def _column_read_peak(path: Path) -> int:
+    """Traced peak of reading the whole ``obs/ct`` column (what binding a sampler does)."""
+    from annbatch_torch.read.reader import read_column
+
+    coll = abt.open_collection(path)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        codes = read_column(coll, "obs/ct")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(codes) == coll.n_obs
+    return peak
+
+
+def test_reading_a_whole_obs_column_holds_no_array_per_row_beside_the_codes(
+        tmp_path: Path) -> None:
+    """A sampler's column is read whole (10^7 rows for an atlas): the category check and
+    the code maps work piece by piece; arrays per row (the shard of each row, its code
+    limit, comparison masks) cost ~27 bytes a row beside 1-byte codes."""
+    small, large = _collection(10_000, tmp_path / "small"), _collection(100_000, tmp_path / "large")
+    _column_read_peak(small)  # one-time costs out of both
+    grown = _column_read_peak(large) - _column_read_peak(small)
+    # the int8 codes as read and as concatenated: 2 bytes a row (4 with slack)
+    assert grown < 4 * 90_000, grown / 90_000
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(-1, 6), max_size=3000), st.integers(7, 9),
        st.sampled_from([1, 7, 1 << 10]))

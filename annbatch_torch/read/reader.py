@@ -745,37 +745,55 @@ class PoolReader:
             return values
         if info.kind != "categorical":  # one dtype for every pool, whatever the shard
             return np.asarray(values).astype(np.dtype(info.dtype), copy=False)
-        # pieces land one after the other (split_ranges): each pool row's shard
+        # pieces land one after the other (split_ranges): checked and mapped piece by
+        # piece, never with an array per row beside the codes (a whole column of 10^7 rows
+        # read to bind a sampler: such arrays took ~27 bytes a row)
         shard, start, stop, _ = piece_arrays(pieces) if arrays is None else arrays
-        row_shard = np.repeat(shard, stop - start)
+        lens = stop - start
+        offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
         shards = np.unique(shard)
         tables = {int(k): self.source.code_map(int(k), field) for k in shards}
         n_global = len(info.categories or ())
         limits = np.array([n_global if tables[int(k)] is None else len(tables[int(k)]) - 1
                            for k in shards], dtype=np.int64)
-        limit = limits[np.searchsorted(shards, row_shard)] if len(shards) > 1 else limits[0]
+        limit = limits[np.searchsorted(shards, shard)]  # of each piece
+        values = np.asarray(values)
         # codes index the categories (-1 is a missing value); anything else would turn into
         # a wrong label, or a device-side assert far away in the loss function
-        bad = (values < -1) | (values >= limit)
-        if bad.any():
-            r = int(np.flatnonzero(bad)[0])
-            i = int(np.searchsorted(np.cumsum(stop - start), r, side="right"))
-            p = pieces[i]
-            n_cats = int(limits[np.searchsorted(shards, p.shard)])
-            raise ReadError(
-                f"{self.source.shard_name(p.shard)}: field {field!r} holds category code "
-                f"{int(values[r])} at shard row {p.start + r - p.out_start} (shard {p.shard}), "
-                f"outside [-1, {n_cats}); the categorical is damaged, rewrite the store."
-            )
+        some = lens > 0
+        if some.any():
+            at = offsets[some]
+            lo = np.minimum.reduceat(values, at)
+            hi = np.maximum.reduceat(values, at)
+            bad = np.flatnonzero((lo < -1) | (hi >= limit[some]))
+            if bad.size:
+                i = int(np.flatnonzero(some)[bad[0]])
+                part = values[offsets[i] : offsets[i] + lens[i]]
+                r = int(np.flatnonzero((part < -1) | (part >= limit[i]))[0])
+                raise ReadError(
+                    f"{self.source.shard_name(int(shard[i]))}: field {field!r} holds category "
+                    f"code {int(part[r])} at shard row {int(start[i]) + r} (shard "
+                    f"{int(shard[i])}), outside [-1, {int(limit[i])}); the categorical is "
+                    "damaged, rewrite the store."
+                )
         # shards appended with more categories store wider codes than the older ones: one
         # dtype for every pool (after the check above, which sees the codes as stored)
-        values = np.asarray(values).astype(np.dtype(info.dtype), copy=False)
-        if any(t is not None for t in tables.values()):
-            values = values.astype(np.int64)  # a copy: never write into a source's buffer
-            for k, table in tables.items():
-                if table is not None:
-                    at = row_shard == k
-                    values[at] = table[values[at]]
+        dtype = np.dtype(info.dtype)
+        if all(t is None for t in tables.values()):
+            return values.astype(dtype, copy=False)
+        values = values.astype(dtype, copy=True)  # never write into a source's buffer
+        for k, table in tables.items():
+            if table is None:
+                continue
+            mine = np.flatnonzero(shard == k)
+            if len(mine) > 64:  # many pieces (drawn rows): one gather over their rows
+                rows = np.repeat(offsets[mine] - np.cumsum(lens[mine]) + lens[mine],
+                                 lens[mine]) + np.arange(int(lens[mine].sum()))
+                values[rows] = table[values[rows]]
+            else:
+                for i in mine.tolist():
+                    part = values[offsets[i] : offsets[i] + lens[i]]
+                    part[...] = table[part]
         return values
 
 
