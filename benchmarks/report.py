@@ -236,8 +236,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         fmt="{:.2f} GiB",
         detail=("highest main-process peak over our collection cases, of its own memory: "
                 "RSS less the workers' shared pool memory it maps to read their batches "
-                "(resident in the workers, counted there)"
-                + (f"; {top}: peak RSS {c[top]['main_peak_rss_mb']:,.0f} MiB with it"
+                "(resident in the workers, counted there), polled every 0.25 s (a sampled "
+                "peak: a spike between two polls is missed)"
+                + (f"; {top}: the kernel's high-water mark with the shared memory "
+                   f"{c[top]['main_peak_rss_mb']:,.0f} MiB"
                    if top and mains[top] < 0.95 * c[top]["main_peak_rss_mb"] else ""))))
     workers = [x for n in ("ours_dense_w2", "ours_sparse_w2", "memory") if _ok(c, n)
                for x in c[n].get("worker_peak_rss_mb", [])]

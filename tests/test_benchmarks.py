@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,36 @@ def test_the_main_process_own_memory_leaves_out_shared_memory_it_maps() -> None:
     got = mon.summary()
     assert float(shared.sum()) > 0
     assert got["main_peak_rss_mb"] - got["main_peak_own_mb"] > 250, got
+
+
+def test_the_raw_ceiling_times_every_pass_it_reads(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cold case reads once after dropping the page cache: that read must be the timed
+    one (an untimed first pass to touch the buffers would leave a warm read timed)."""
+    import annbatch_torch as abt
+    from annbatch_torch.datasets import write_synthetic_h5ads
+    from annbatch_torch.store.rawzarr import RawZarrArray
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cases
+
+    paths = write_synthetic_h5ads(tmp_path / "in", 2, [300, 200], 40, seed=1)
+    store = tmp_path / "store"
+    abt.create_anndata_collection(paths, store, n_obs_per_shard=256, progress=False)
+    reads: list[int] = []
+    real = RawZarrArray.read_into
+
+    def counting(self: RawZarrArray, lo: int, hi: int, out: np.ndarray) -> None:
+        reads.append(hi - lo)
+        real(self, lo, hi, out)
+
+    monkeypatch.setattr(RawZarrArray, "read_into", counting)
+    for passes in (1, 3):
+        reads.clear()
+        r = cases.case_ceiling_seq_raw({"store": str(store), "seq_passes": passes})
+        assert len(r["all_seconds"]) == passes
+        assert len(reads) == passes * 3 * 2  # passes x (data, indices, indptr) x shards
+        assert r["n_cells"] == 500
 
 
 def _scale(tmp: Path, out: Path, sizes: str, only: str, *extra: str) -> list[dict]:
