@@ -62,7 +62,7 @@ SELECTOR = {"x": "X", "y": "obs/cell_type"}
 # --- measurements, each run in a fresh process --------------------------------------------
 
 def _vm(key: str) -> float:
-    """VmHWM / VmRSS of this process in MiB."""
+    """VmHWM / VmRSS / RssShmem of this process in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
@@ -75,10 +75,13 @@ def _drop_caches() -> None:
 
 
 def _rss_monitor() -> tuple[dict[str, float], threading.Event]:
-    """Peak RSS (MiB) of this process and of its largest child, sampled every 0.1 s."""
+    """Peak RSS (MiB) of this process and of its largest child, and this process's own
+    memory (``main_own_mb``: RSS less the shared memory it maps, e.g. the workers' pool
+    memory it reads batches from by reference, resident in the workers and counted there),
+    sampled every 0.1 s."""
     import psutil
 
-    peaks = {"main_rss_mb": 0.0, "worker_rss_mb": 0.0}
+    peaks = {"main_rss_mb": 0.0, "main_own_mb": 0.0, "worker_rss_mb": 0.0}
     stop = threading.Event()
     me = psutil.Process()
 
@@ -86,6 +89,8 @@ def _rss_monitor() -> tuple[dict[str, float], threading.Event]:
         while not stop.is_set():
             try:
                 peaks["main_rss_mb"] = max(peaks["main_rss_mb"], me.memory_info().rss / 2**20)
+                peaks["main_own_mb"] = max(peaks["main_own_mb"],
+                                           _vm("VmRSS") - _vm("RssShmem"))
                 for c in me.children(recursive=True):
                     peaks["worker_rss_mb"] = max(peaks["worker_rss_mb"],
                                                  c.memory_info().rss / 2**20)
