@@ -4,8 +4,6 @@ workers of a plain DataLoader. Values are compared with the in-process dataset."
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -261,33 +259,6 @@ def test_default_read_threads_follow_the_cpus(small_collection: Collection,
         assert default_read_threads() == want
         assert abt.AnnBatchDataset(small_collection).read_threads == want
     assert abt.AnnBatchDataset(small_collection, read_threads=7).read_threads == 7
-
-
-def _rss_anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux")
-                    or tuple(int(x) for x in os.uname().release.split(".")[:2]
-                             if x.isdigit()) < (5, 14),
-                    reason="MADV_POPULATE_WRITE: Linux >= 5.14")
-def test_a_new_pool_buffer_gets_the_pages_it_is_about_to_fill_and_no_more() -> None:
-    """A pool buffer is allocated with room to grow; the pages of the part asked for are
-    made at once (no page fault per page when the read fills it), the room's are not."""
-    from annbatch_torch.read.buffers import BufferCache, fresh_bytes
-
-    mib = 1 << 20
-    before = _rss_anon_kib()
-    untouched = fresh_bytes(64 * mib)
-    assert _rss_anon_kib() - before < 8 * 1024  # no pages yet
-    cache = BufferCache(keep=2)
-    before = _rss_anon_kib()
-    buf = cache.take(48 * mib, np.uint8)  # 72 MiB allocated, 48 of them populated
-    grown = (_rss_anon_kib() - before) / 1024
-    assert 44 <= grown <= 56, grown
-    assert buf.nbytes == 48 * mib
-    assert untouched.nbytes == 64 * mib
 
 
 def test_buffer_cache_is_fresh_in_a_forked_child() -> None:

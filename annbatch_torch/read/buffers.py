@@ -29,10 +29,9 @@ def _libc_madvise() -> Any:
 
 _MADVISE = _libc_madvise()
 _MADV_NOHUGEPAGE = 15  # Linux <sys/mman.h>
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (older kernels: EINVAL, the pages fault as usual)
 
 
-def fresh_bytes(nbytes: int, populate: int = 0) -> np.ndarray:
+def fresh_bytes(nbytes: int) -> np.ndarray:
     """An uninitialised ``uint8`` array of ``nbytes``, on plain pages (Linux).
 
     numpy asks the kernel for transparent huge pages on every allocation of 4 MiB or more
@@ -45,10 +44,6 @@ def fresh_bytes(nbytes: int, populate: int = 0) -> np.ndarray:
     From 1 MiB on, the memory is a private mapping of its own, given back to the kernel
     as soon as the array is garbage (memory malloc takes from its heaps may stay with the
     process for good: a read thread's scratch would outlive the thread).
-
-    ``populate``: the first ``populate`` bytes, about to be written whole, are given their
-    pages at once (``MADV_POPULATE_WRITE``): one call in place of a page fault per 4 KiB
-    page.
     """
     if nbytes >= 1 << 20 and hasattr(mmap, "MAP_PRIVATE"):  # (not on Windows)
         out = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
@@ -61,9 +56,6 @@ def fresh_bytes(nbytes: int, populate: int = 0) -> np.ndarray:
         start, stop = -(-addr // page) * page, (addr + nbytes) // page * page
         if stop > start:
             _MADVISE(start, stop - start, _MADV_NOHUGEPAGE)  # advice: a failure is harmless
-            end = min(stop, (addr + min(populate, nbytes)) // page * page)
-            if end > start:
-                _MADVISE(start, end - start, _MADV_POPULATE_WRITE)  # likewise
     return out
 
 
@@ -183,9 +175,10 @@ class BufferCache(_Reused):
             # (shared pool memory is committed whole: less room there)
             owner = (None if self.memory is None
                      else self.memory.allocate(nbytes + nbytes // 8 + 64))
-            if owner is None:  # no pool memory, or none to be had (the pool's bytes
-                # are written whole next: their pages made at once; not the room to grow)
-                owner = fresh_bytes(nbytes + nbytes // 2 + 64, populate=nbytes)
+            if owner is None:  # no pool memory, or none to be had (populating the pages
+                # here, MADV_POPULATE_WRITE, was measured slower: one thread, before the reads
+                # start, where the read threads fault them in parallel)
+                owner = fresh_bytes(nbytes + nbytes // 2 + 64)
             self._remember(owner, free)
             self._hand_out(owner)
             return owner[:nbytes].view(dtype)
