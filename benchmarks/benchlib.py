@@ -32,6 +32,7 @@ __all__ = [
     "time_batches",
     "batch_entropy",
     "random_batch_entropy",
+    "own_rss_mb",
     "peak_rss_self_mb",
     "rss_mb",
 ]
@@ -39,33 +40,32 @@ __all__ = [
 MB = 1024.0 * 1024.0
 
 
-def _vm_hwm_mb(pid: int | str) -> float | None:
-    """``VmHWM`` of process ``pid`` (or ``"self"``) in MiB; ``None`` where it cannot be
-    read (not Linux, or the process is gone)."""
+def _status_mb(pid: int | str, *keys: str) -> dict[str, float]:
+    """Fields ``keys`` of ``/proc/PID/status`` (``pid`` may be ``"self"``) in MiB, those
+    present; empty where the file cannot be read (not Linux, or the process is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
+            return {k: int(v.split()[0]) / 1024.0
+                    for k, _, v in (line.partition(":") for line in f) if k in keys}
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return {}
 
 
-def _own_rss_mb(pid: int | str) -> float | None:
+def _vm_hwm_mb(pid: int | str) -> float | None:
+    """``VmHWM`` of process ``pid`` (or ``"self"``) in MiB; ``None`` where it cannot be
+    read."""
+    return _status_mb(pid, "VmHWM").get("VmHWM")
+
+
+def own_rss_mb(pid: int | str = "self") -> float | None:
     """Resident memory of process ``pid`` that is its own, in MiB: ``VmRSS`` less
     ``RssShmem`` (shared memory it maps: a DataLoader worker's pool memory, which the
     main process maps to read batches by reference, is resident in the worker and counted
     there); ``None`` where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            got = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f)
-                   if k in ("VmRSS", "RssShmem")}
-    except (OSError, ValueError, IndexError):
-        return None
+    got = _status_mb(pid, "VmRSS", "RssShmem")
     if "VmRSS" not in got:
         return None
-    return (got["VmRSS"] - got.get("RssShmem", 0)) / 1024.0
+    return got["VmRSS"] - got.get("RssShmem", 0.0)
 
 
 def peak_rss_self_mb() -> float:
@@ -153,7 +153,7 @@ class MemoryMonitor:
         me = psutil.Process(os.getpid())
         try:
             self.main_peak = max(self.main_peak, me.memory_info().rss / MB)
-            self.main_own_peak = max(self.main_own_peak, _own_rss_mb("self") or 0.0)
+            self.main_own_peak = max(self.main_own_peak, own_rss_mb() or 0.0)
             children = me.children(recursive=True)
         except psutil.Error:
             return

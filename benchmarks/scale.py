@@ -62,7 +62,7 @@ SELECTOR = {"x": "X", "y": "obs/cell_type"}
 # --- measurements, each run in a fresh process --------------------------------------------
 
 def _vm(key: str) -> float:
-    """VmHWM / VmRSS / RssShmem of this process in MiB."""
+    """VmHWM / VmRSS of this process in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
@@ -81,6 +81,10 @@ def _rss_monitor() -> tuple[dict[str, float], threading.Event]:
     sampled every 0.1 s."""
     import psutil
 
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from benchlib import own_rss_mb
+
     peaks = {"main_rss_mb": 0.0, "main_own_mb": 0.0, "worker_rss_mb": 0.0}
     stop = threading.Event()
     me = psutil.Process()
@@ -89,8 +93,7 @@ def _rss_monitor() -> tuple[dict[str, float], threading.Event]:
         while not stop.is_set():
             try:
                 peaks["main_rss_mb"] = max(peaks["main_rss_mb"], me.memory_info().rss / 2**20)
-                peaks["main_own_mb"] = max(peaks["main_own_mb"],
-                                           _vm("VmRSS") - _vm("RssShmem"))
+                peaks["main_own_mb"] = max(peaks["main_own_mb"], own_rss_mb() or 0.0)
                 for c in me.children(recursive=True):
                     peaks["worker_rss_mb"] = max(peaks["worker_rss_mb"],
                                                  c.memory_info().rss / 2**20)

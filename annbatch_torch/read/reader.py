@@ -786,7 +786,9 @@ class PoolReader:
             if table is None:
                 continue
             mine = np.flatnonzero(shard == k)
-            if len(mine) > 64:  # many pieces (drawn rows): one gather over their rows
+            # many pieces (drawn rows): one gather over their rows rather than a Python
+            # step each; few (whole shards of a column): in place, no array of their rows
+            if len(mine) > 64:
                 rows = np.repeat(offsets[mine] - np.cumsum(lens[mine]) + lens[mine],
                                  lens[mine]) + np.arange(int(lens[mine].sum()))
                 values[rows] = table[values[rows]]
