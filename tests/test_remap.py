@@ -29,7 +29,9 @@ def _reference(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
 def _blocks(draw: st.DrawFn) -> tuple[sp.csr_matrix, np.ndarray, int, np.dtype, np.ndarray | None]:
     n_rows = draw(st.integers(0, 40))
     n_in = draw(st.integers(1, 150))
-    n_out = draw(st.integers(n_in, 300))
+    # panels of one digit, of two, and of three (above 65,536 columns: the radix sort's
+    # digits change with the panel's width)
+    n_out = draw(st.one_of(st.integers(n_in, 300), st.integers(60_000, 1 << 25)))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     density = draw(st.floats(0, 1))
@@ -47,7 +49,8 @@ def _blocks(draw: st.DrawFn) -> tuple[sp.csr_matrix, np.ndarray, int, np.dtype, 
             p = lo + rng.permutation(hi - lo)
             m.indices[lo:hi], m.data[lo:hi] = m.indices[p], m.data[p]
         m.has_sorted_indices = False
-    col_map = rng.permutation(n_out)[:n_in].astype(draw(st.sampled_from([np.int32, np.int64])))
+    col_map = rng.choice(n_out, n_in, replace=False).astype(
+        draw(st.sampled_from([np.int32, np.int64])))
     col_map[rng.random(n_in) < draw(st.floats(0, 0.5))] = -1  # genes the collection drops
     dtype = np.dtype(draw(st.sampled_from([np.float32, np.float64, np.int32, np.int64])))
     order = rng.permutation(n_rows) if draw(st.booleans()) else None

@@ -392,8 +392,10 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
-        if warm is not None:
-            warm.join()  # (before any fork of a scheduler's workers)
+        if warm is not None and early is not None:
+            warm.join()  # before a local cluster forks its workers; in this process the
+            # load goes on beside pass 1's first reads, and numba's compiler lock makes the
+            # first remap wait for it
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
                                       first)
