@@ -148,7 +148,10 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     out_indptr = np.zeros(rows.size + 1, dtype=np.int64)
     out_indices = np.empty(nnz, dtype=np.int32)
     out_data = np.empty(nnz, dtype=dtype)
-    data = np.asarray(m.data)
+    # cast before (a copy only where the dtypes differ): one compiled loop per output
+    # dtype and index width, not per input dtype too (each a compile, or a load from
+    # numba's cache in a fresh process)
+    data = np.asarray(m.data, dtype=dtype)
 
     digits, bits = _radix_digits(n_out)
     longest = max(int(lens.max()) if lens.size else 0, 1)
