@@ -5,6 +5,7 @@ pass would be; the rank's row ids written to ``rank{r}.npy``."""
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,11 @@ def entry(rank: int, world: int, init: str, url: str, options: dict[str, Any],
         ds = abt.AnnBatchDataset(coll, selector={"x": A.X}, batch_size=128, chunk_size=64,
                                  preload_nchunks=4, seed=3, return_index=True, densify=True)
         rows = []
-        for b in DataLoader(ds, batch_size=None, num_workers=1):
+        # fork, as under torchrun (a process started by torch.multiprocessing.spawn defaults
+        # to "spawn", whose workers re-import torch and annbatch_torch); a remote collection
+        # in spawned workers: test_workers_read_every_row_once_with_the_source_values[spawn]
+        for b in DataLoader(ds, batch_size=None, num_workers=1,
+                            multiprocessing_context=mp.get_context("fork")):
             rows.append(b["index"].numpy())
             t = torch.ones(1)
             dist.all_reduce(t)  # a rank with more batches than its peer would hang here

@@ -9,6 +9,7 @@ rows on a collection grouped by cell type)."""
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 import os
 from pathlib import Path
 
@@ -40,7 +41,12 @@ def entry(rank: int, world_size: int, port: int, cases: list[tuple[str, int | st
         for i, (store, chunk_size) in enumerate(cases):
             ds = dataset(store, chunk_size)  # rank and world size from the group
             index, labels = [], []
-            for batch in DataLoader(ds, batch_size=None, num_workers=2):
+            # fork, as under torchrun (a process started by torch.multiprocessing.spawn
+            # defaults to "spawn", whose workers re-import torch and annbatch_torch, 3-4 s
+            # each); spawned workers in a rank: tests/test_ddp.py ("before_spawn") and
+            # tests/test_pairing_loader.py ([spawn])
+            for batch in DataLoader(ds, batch_size=None, num_workers=2,
+                                    multiprocessing_context=mp.get_context("fork")):
                 index.append(batch["index"].numpy())
                 labels.append(batch["y"].numpy())
                 dist.all_reduce(torch.ones(1))

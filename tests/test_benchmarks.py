@@ -145,10 +145,16 @@ def test_the_raw_ceiling_times_every_pass_it_reads(tmp_path: Path,
         assert r["n_cells"] == 500
 
 
+# 2,000 genes, not the real runs' 30,000: every child (generate, writer, open, the
+# measurements) then builds and reads a smaller gene universe; nothing checked here
+# depends on how many genes there are
+GENES = "2000"
+
+
 def _scale(tmp: Path, out: Path, sizes: str, only: str, *extra: str) -> list[dict]:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--sizes", sizes,
            "--n-inputs", "8", "--max-batches", "2", "--data-dir", str(tmp / "data"),
-           "--only", only, "--out", str(out), *extra]
+           "--n-genes", GENES, "--only", only, "--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=380, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.with_suffix(".json").read_text())
@@ -182,5 +188,6 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
     assert r["resume"]["chunked_state_dict_bytes"] > 0
     assert r["samplers"]["class_balanced_bind_peak_mb"] > 0
     assert r["obs_names_at"]["obs_names_at_10k_s"] > 0
-    assert (tmp_path / "data" / "atlas_6000" / "collection").exists()  # --keep
-    assert not (tmp_path / "data" / "atlas_3000").exists()  # removed without --keep
+    assert (tmp_path / "data" / f"atlas_6000_genes{GENES}" / "collection").exists()  # --keep
+    assert not (tmp_path / "data" / f"atlas_3000_genes{GENES}").exists()  # removed
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [f"atlas_6000_genes{GENES}"]

@@ -45,9 +45,14 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _dm(store: Path, num_workers: int) -> AnnBatchDataModule:
+    # workers forked: in a ddp_spawn rank the default start method is "spawn", whose workers
+    # re-import torch, Lightning and annbatch_torch (3-4 s each) for nothing this file
+    # checks (the resume derivation is the ranks' own); Lightning's ddp_spawn with spawned
+    # workers: tests/test_lightning.py::test_ddp_two_ranks
+    loader = {"multiprocessing_context": "fork"} if num_workers else None
     return AnnBatchDataModule(None, store, selector={"x": A.X}, batch_size=20, chunk_size=10,
                               preload_nchunks=3, num_workers=num_workers, seed=2, densify=True,
-                              dataset_kwargs={"return_index": True})
+                              dataset_kwargs={"return_index": True}, dataloader_kwargs=loader)
 
 
 def _fit(store: Path, out: Path, tag: str, devices: int, num_workers: int,
