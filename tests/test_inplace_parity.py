@@ -10,6 +10,8 @@ kinds of source, compared with each other and with the inputs' AnnData.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -310,3 +312,23 @@ def test_memory_inputs_answer_like_files(synthetic_h5ads: list[Path]) -> None:
     np.testing.assert_array_equal(mem.obs_names_at(rows), disk.obs_names_at(rows))
     pd.testing.assert_frame_equal(mem.obs_at(rows), disk.obs_at(rows))
     pd.testing.assert_series_equal(mem.category_counts("batch"), disk.category_counts("batch"))
+
+
+def test_inputs_read_in_place_from_paths_never_import_anndata(synthetic_h5ads: list[Path],
+                                                             tmp_path: Path) -> None:
+    """Paths are read with h5py / zarr: anndata (which imports dask where it is installed,
+    ~1 s) is imported only by callers that pass AnnData objects, so a process that reads
+    inputs in place (a DDP rank, a DataLoader worker) does not pay for it."""
+    code = (
+        "import sys, annbatch_torch as abt\n"
+        f"ds = abt.AnnBatchDataset({[str(p) for p in synthetic_h5ads]!r}, batch_size=256,\n"
+        "                          return_index=True)\n"
+        "rows = sorted(int(i) for b in ds for i in b['index'])\n"
+        "assert rows == list(range(2700)), rows[:10]\n"
+        "assert 'anndata' not in sys.modules, 'anndata was imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")

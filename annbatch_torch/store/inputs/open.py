@@ -13,6 +13,7 @@ to read is named with the fix (:func:`damaged_reason`, :func:`resave_command`).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,10 @@ def resolve_input(obj: Any, index: int) -> Path | Any:
     InputError
         For anything else, and for a view of a backed AnnData (see :func:`backed_file`).
     """
-    import anndata as ad
-
-    if isinstance(obj, ad.AnnData) or _looks_like_anndata(obj):
+    # an AnnData exists only once anndata is imported: a path never imports it (~1 s with
+    # dask installed, in each process that checks its inputs)
+    ad = sys.modules.get("anndata")
+    if (ad is not None and isinstance(obj, ad.AnnData)) or _looks_like_anndata(obj):
         return backed_file(obj, f"input #{index}") or obj
     if isinstance(obj, str | os.PathLike):
         from ..remote.location import is_url
