@@ -6,6 +6,8 @@ Both are session-scoped and shared by many test modules: treat them as read-only
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 # one OpenMP thread per process, set before torch is imported (subprocesses inherit it): the
 # suite runs two test processes on two CPUs, each starting DataLoader workers, ranks and
@@ -60,6 +62,16 @@ def drain(loader: Iterable[Any]) -> list[Any]:
         stop = getattr(it, "_shutdown_workers", None)  # none without worker processes
         if stop is not None:
             stop()
+
+
+def run_python(code: str, cwd: Path, timeout: float = 120) -> str:
+    """Run ``code`` in a fresh Python (this interpreter), fail on a non-zero exit with the
+    end of its stderr, and return its stdout: for what only a new process shows (which
+    modules a path imports)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=cwd, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 #: the slowest test files and their seconds in a full run (``--durations``, 2 CPUs, loaded):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from conftest import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,10 +153,7 @@ def test_cpu_paths_never_import_cupy(tmp_path) -> None:  # type: ignore[no-untyp
         "assert 'cupy' not in sys.modules, 'cupy was imported'\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().endswith("ok")
+    assert run_python(code, tmp_path).strip().endswith("ok")
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

@@ -10,8 +10,6 @@ kinds of source, compared with each other and with the inputs' AnnData.
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +17,7 @@ import anndata as ad
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import run_python
 
 import annbatch_torch as abt
 from annbatch_torch import A
@@ -328,7 +327,4 @@ def test_inputs_read_in_place_from_paths_never_import_anndata(synthetic_h5ads: l
         "assert 'anndata' not in sys.modules, 'anndata was imported'\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("ok")
+    assert run_python(code, tmp_path).strip().endswith("ok")
