@@ -130,6 +130,7 @@ def task_writer(a: dict[str, Any]) -> dict[str, Any]:
     if a.get("scheduler"):
         kw.update(scheduler=a["scheduler"], n_workers=2)
     peaks, stop = _rss_monitor()  # Dask worker processes too
+    os.sync()  # the inputs' or an earlier write's dirty pages are not this write's to flush
     t = time.perf_counter()
     abt.create_anndata_collection(_inputs(a["inputs"]), a["store"], var_join="outer",
                                   overwrite=True, progress=False, **kw)
