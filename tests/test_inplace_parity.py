@@ -10,6 +10,7 @@ kinds of source, compared with each other and with the inputs' AnnData.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -328,3 +329,20 @@ def test_inputs_read_in_place_from_paths_never_import_anndata(synthetic_h5ads: l
         "print('ok')\n"
     )
     assert run_python(code, tmp_path).strip().endswith("ok")
+
+
+def test_a_path_is_an_input_while_another_thread_imports_anndata(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """While another thread imports anndata, ``sys.modules`` holds the module before its
+    classes: a path is still a path (no AttributeError from the half-made module), and an
+    AnnData is still an AnnData once the class is there."""
+    import types
+
+    from annbatch_torch.store.inputs.open import resolve_input
+
+    half_made = types.ModuleType("anndata")  # bound, its body not run yet
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "anndata", half_made)
+        assert resolve_input(str(tmp_path / "x.h5ad"), 0) == tmp_path / "x.h5ad"
+    a = ad.AnnData(np.ones((2, 3), dtype=np.float32))
+    assert resolve_input(a, 0) is a

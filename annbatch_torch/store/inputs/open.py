@@ -75,10 +75,12 @@ def resolve_input(obj: Any, index: int) -> Path | Any:
     InputError
         For anything else, and for a view of a backed AnnData (see :func:`backed_file`).
     """
-    # an AnnData exists only once anndata is imported: a path never imports it (~1 s with
-    # dask installed, in each process that checks its inputs)
-    ad = sys.modules.get("anndata")
-    if (ad is not None and isinstance(obj, ad.AnnData)) or _looks_like_anndata(obj):
+    # an AnnData exists only once anndata's class is: a path never imports anndata (~1 s
+    # with dask installed, in each process that checks its inputs); the class looked up,
+    # not the module, which another thread may be importing (bound, not yet its class)
+    anndata_class = getattr(sys.modules.get("anndata"), "AnnData", None)
+    if ((anndata_class is not None and isinstance(obj, anndata_class))
+            or _looks_like_anndata(obj)):
         return backed_file(obj, f"input #{index}") or obj
     if isinstance(obj, str | os.PathLike):
         from ..remote.location import is_url
