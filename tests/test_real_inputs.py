@@ -504,12 +504,17 @@ def test_the_same_input_twice_is_refused_on_both_paths(tmp_path: Path,
     backed.file.close()
 
 
+@pytest.mark.parametrize("scheduler", [None, "threads"])
 def test_obs_names_shared_by_inputs_are_a_warning(tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+                                                  caplog: pytest.LogCaptureFixture,
+                                                  scheduler: str | None) -> None:
+    """Serially before the write; on Dask in a thread of the caller while its workers
+    write (the same warning, once)."""
     a, b = _adata(10, "c"), _adata(8, "d")
     b.obs_names = ["c1", "c2", "c3", *[f"d{i}" for i in range(5)]]
     caplog.set_level(logging.WARNING, logger="annbatch_torch")
-    coll = abt.create_anndata_collection([a, b], tmp_path / "out", progress=False)
+    kw = {"scheduler": scheduler, "n_workers": 2} if scheduler else {}
+    coll = abt.create_anndata_collection([a, b], tmp_path / "out", progress=False, **kw)
     src = InPlaceSource([a, b])
     assert coll.n_obs == src.n_obs == 18
     warned = [r.getMessage() for r in caplog.records if "obs_names appear" in r.getMessage()]

@@ -62,6 +62,7 @@ import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -396,6 +397,8 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
     # would otherwise come after all that, on its own)
     early = start_cluster(scheduler, n_workers)
     prints: Fingerprints | None = None
+    names_check: ThreadPoolExecutor | None = None
+    checked: Future[None] | None = None
     try:
         sources = open_inputs(adata_paths)  # the same input twice is refused
         # the manifest's content fingerprints, read while the write goes on
@@ -403,10 +406,10 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         schema = resolve_schema(sources, var_join, _as_list(obs_columns), _as_list(layers),
                                 _as_list(obsm), reference, raw)
         check_group_by(schema, opts.get("group_by"), str(out))  # before any work
-        names = InputNames.read([s for s in sources if s.n_obs])
-        warn_shared_obs_names(names)
-        warn_repeated_obs_names(names)
-        del names  # 8 bytes per cell, before the budget measures what this process holds
+        with_cells = [s for s in sources if s.n_obs]
+        parallel = early is not None or scheduler is not None
+        if not parallel:  # done (and its 8 bytes a cell freed) before the budget is measured
+            warn_obs_names(with_cells)
         n_total = sum(s.n_obs for s in sources)
         work = _budget.working_memory(budget, n_total if shuffle else 0)
         shard_obs = _budget.fit_layout(sources, schema, work, n_obs_per_shard, opts)
@@ -418,9 +421,15 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = sibling_path(out, "tmp")
         tmp.mkdir()
+        if parallel:  # while this process waits on its workers (after the budget and the
+            # layout are set, which its names' memory must not sway)
+            names_check = ThreadPoolExecutor(1, thread_name_prefix="annbatch-names")
+            checked = names_check.submit(warn_obs_names, with_cells)
         shards, dtypes = write_shards(sources, schema, tmp, n_total, (shard_obs, block_obs),
                                       shuffle, seed, work, opts, progress, value_check,
                                       early or scheduler)
+        if checked is not None:
+            checked.result()  # (it only warns; an error reading the names is raised here)
         sync_tree(tmp)  # the shards reach the disk before a manifest can vouch for them
         _write_collection_manifest(tmp, sources, schema, shards, dtypes, seed, shuffle,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor,
@@ -430,6 +439,8 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         sync_dir(out.parent)  # the rename of the collection into place
         tmp = None
     finally:
+        if names_check is not None:
+            names_check.shutdown(wait=True)  # before the inputs it reads are closed
         if prints is not None:
             prints.close()
         if early is not None:
@@ -439,6 +450,14 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def warn_obs_names(sources: list[InputSource]) -> None:
+    """Warn about obs_names shared between ``sources`` or repeated within one (their hashes,
+    8 bytes a cell, held while it runs)."""
+    names = InputNames.read(sources)
+    warn_shared_obs_names(names)
+    warn_repeated_obs_names(names)
 
 
 def permutation(n_total: int, shuffle: bool, seed: int) -> np.ndarray | None:
