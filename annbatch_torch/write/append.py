@@ -393,9 +393,9 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp.mkdir()
         layout = (shard_obs, block_obs)
         if warm is not None and early is not None:
-            warm.join()  # before a local cluster forks its workers; in this process the
-            # load goes on beside pass 1's first reads, and numba's compiler lock makes the
-            # first remap wait for it
+            warm.join()  # before a local cluster's workers start; written in this process,
+            # the load goes on beside pass 1's first reads (its first remap waits for it on
+            # numba's compiler lock)
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
                                       first)

@@ -214,10 +214,11 @@ def _warm() -> None:
 
 def warm_remap() -> threading.Thread | None:
     """Load the compiled loop in a thread of its own, started now: a process's first call of
-    a compiled function pays numba's start (~0.2 s here), which the caller's setup (opening
-    inputs, reading their names) then overlaps. Join it before forking (numba's compiler
-    lock must not be held across a fork) and before the first block is remapped; ``None``
-    where no thread could be had (the first remap loads it instead)."""
+    a compiled function pays numba's start, which the caller's setup (opening inputs,
+    reading their names) then overlaps. A remap called meanwhile waits for it on numba's
+    compiler lock (which a fork waits for too, see ``store/native.py``); join it before the
+    caller returns, and before a local cluster starts its workers. ``None`` where no
+    thread could be had (the first remap loads it instead)."""
     t = threading.Thread(target=_warm, name="annbatch-remap-warm", daemon=True)
     try:
         t.start()
