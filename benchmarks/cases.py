@@ -584,11 +584,12 @@ def case_ceiling_seq_zarr(cfg: Config) -> Result:
 def case_ceiling_seq_raw(cfg: Config) -> Result:
     """Front-to-back read of our store's X with annbatch_torch's own raw-chunk reader
     (:mod:`annbatch_torch.store.rawzarr`: uncompressed chunks read straight into the buffer,
-    each chunk's CRC-32C checked, as the loader does). One buffer per array, sized to the
-    largest shard, is allocated and written once before the timed passes and reused by
-    every pass, as the loader reuses its pool buffers: fresh buffers would time this
-    machine's page faults (0.6-0.8x the speed), not the read. Every pass is timed (the cold
-    case's one pass is the one read after the page cache was dropped)."""
+    each chunk's CRC-32C checked, as the loader does). One buffer per array and stored
+    dtype, sized to the largest shard, is allocated and written once before the timed
+    passes and reused by every pass, as the loader reuses its pool buffers: fresh buffers
+    would time this machine's page faults (0.6-0.8x the speed), not the read. Every pass
+    is timed (the cold case's one pass is the one read after the page cache was
+    dropped)."""
     try:
         from annbatch_torch.store.rawzarr import open_raw
     except ImportError:
@@ -607,16 +608,21 @@ def case_ceiling_seq_raw(cfg: Config) -> Result:
     times, cpus = [], []
     nnz = 0
     with MemoryMonitor() as mon:
-        buffers = [np.empty(max(int(t[k].shape[0]) for t in arrays), dtype=arrays[0][k].dtype)
-                   for k in range(3)]
-        for b in buffers:  # written once: their pages exist before the timing (np.zeros
-            b.fill(0)  # would map them lazily, on first touch inside a timed pass)
+        sizes: dict[tuple[int, np.dtype], int] = {}  # shards may store narrower dtypes
+        for trio in arrays:
+            for k, a in enumerate(trio):
+                key = (k, np.dtype(a.dtype))
+                sizes[key] = max(sizes.get(key, 0), int(a.shape[0]))
+        buffers = {key: np.empty(n, dtype=key[1]) for key, n in sizes.items()}
+        for b in buffers.values():  # written once: their pages exist before the timing
+            b.fill(0)  # (np.zeros would map them lazily, on first touch in a timed pass)
         for _ in range(cfg["seq_passes"]):
             nnz = 0
             clock = CpuClock()
             t0 = time.perf_counter()
             for trio in arrays:
-                for a, o in zip(trio, buffers):
+                for k, a in enumerate(trio):  # into a buffer of its stored dtype: no cast
+                    o = buffers[(k, np.dtype(a.dtype))]
                     a.read_into(0, a.shape[0], o[: a.shape[0]])
                 nnz += trio[0].shape[0]
             times.append(time.perf_counter() - t0)

@@ -116,9 +116,10 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     :data:`SPLIT_NNZ` non-zeros, on a process with two CPUs or more).
 
     Returns ``None`` where the compiled loop does not apply and scipy must do it: a row of
-    ``m`` holds a column twice (a non-canonical matrix; scipy keeps both entries), a dtype
-    numba has no loop for (float16, longdouble), or numba's JIT is disabled
-    (``NUMBA_DISABLE_JIT``).
+    ``m`` holds a column twice (a non-canonical matrix; scipy keeps both entries), an
+    output ``dtype`` numba has no loop for (float16, longdouble; the values are cast to
+    ``dtype`` before the loop, so any input dtype numpy casts from will do), or numba's JIT
+    is disabled (``NUMBA_DISABLE_JIT``).
 
     Raises
     ------
@@ -132,7 +133,7 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     rows = (np.arange(n_rows, dtype=np.int64) if order is None
             else np.asarray(order, dtype=np.int64))
     col_map = np.asarray(col_map, dtype=np.int64)
-    if numba.config.DISABLE_JIT or not (_compiled_kind(m.data.dtype) and _compiled_kind(dtype)):
+    if numba.config.DISABLE_JIT or not _compiled_kind(dtype):
         return None
     if rows.ndim != 1 or (rows.size and (int(rows.min()) < 0 or int(rows.max()) >= n_rows)):
         raise ValueError(f"remap_rows: order must hold row numbers of the {n_rows} rows")

@@ -407,7 +407,7 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
                                 _as_list(obsm), reference, raw)
         check_group_by(schema, opts.get("group_by"), str(out))  # before any work
         with_cells = [s for s in sources if s.n_obs]
-        parallel = early is not None or scheduler is not None
+        parallel = scheduler is not None  # a local cluster or the caller's Client
         if not parallel:  # done (and its 8 bytes a cell freed) before the budget is measured
             warn_obs_names(with_cells)
         n_total = sum(s.n_obs for s in sources)
