@@ -266,8 +266,9 @@ def join_genes(used: list[tuple[str, pd.Index]], every: list[pd.Index | None], v
             )
         _check_overlap(used, var_join, what, kept=len(names))
     else:
-        _check_overlap(used, var_join, what)
-        names = pd.Index(list(dict.fromkeys(v for _, g in used for v in g)), dtype=object)
+        coded = _gene_codes(used)  # the distinct genes in first-seen order: the outer join
+        _check_overlap(used, var_join, what, coded=coded)
+        names = pd.Index(coded[1], dtype=object)
     maps: list[np.ndarray | None] = []
     is_sorted = []
     for genes in every:
@@ -336,22 +337,32 @@ def _identifier_hints(a_label: str, a: pd.Index, b_label: str, b: pd.Index) -> s
     return "".join(h + " " for h in hints)
 
 
+def _gene_codes(used: Sequence[tuple[str, pd.Index]]) -> tuple[np.ndarray, np.ndarray]:
+    """The genes of every input of ``used`` factorised together: the code of each (the
+    lists concatenated) and the distinct genes, in first-seen order."""
+    genes = [np.asarray(g, dtype=object) for _, g in used]
+    codes, uniques = pd.factorize(np.concatenate(genes) if genes else np.empty(0, object),
+                                  use_na_sentinel=False)
+    return codes, np.asarray(uniques, dtype=object)
+
+
 def _check_overlap(used: Sequence[tuple[str, pd.Index]], var_join: str, what: str,
-                   kept: int | None = None) -> None:
+                   kept: int | None = None,
+                   coded: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Refuse an outer join of inputs that fall into groups sharing no gene (a block
     matrix); warn, for either join, when an input shares under :data:`LOW_GENE_OVERLAP` of
     the smaller gene list (its own or the other inputs') with the others. ``kept``: the
     genes an inner join keeps.
 
-    One pass over every input's genes (factorised together); the inputs and their genes
-    as the nodes of one graph, whose connected components are the groups.
+    One pass over every input's genes (factorised together, ``coded``: done already by
+    :func:`_gene_codes`); the inputs and their genes as the nodes of one graph, whose
+    connected components are the groups.
     """
     inputs = [(label, pd.Index(g)) for label, g in used if len(g)]
     if len(inputs) < 2 or all(g.equals(inputs[0][1]) for _, g in inputs[1:]):
         return
     sizes = np.array([len(g) for _, g in inputs], dtype=np.int64)
-    codes, uniques = pd.factorize(np.concatenate([np.asarray(g, dtype=object)
-                                                  for _, g in inputs]))
+    codes, uniques = _gene_codes(inputs) if coded is None else coded  # (empty lists add none)
     n_in, n_genes = len(inputs), len(uniques)
     owner = np.repeat(np.arange(n_in), sizes)
     graph = sp.csr_matrix((np.ones(codes.size, dtype=np.int8), (owner, n_in + codes)),
