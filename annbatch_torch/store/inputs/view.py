@@ -10,7 +10,7 @@ truncated file is named with the fix (download it again, or re-save it) on both 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +149,35 @@ def _probe_memory_obs(s: pd.Series) -> ObsProbe:
     if pd.api.types.is_string_dtype(dt) or dt is np.dtype(object):
         return ObsProbe("string", np.dtype(object), n_rows=n)
     return ObsProbe("unsupported", np.dtype(object), why=f"dtype {dt}", n_rows=n)
+
+
+class _ObsProbes(Mapping[Any, ObsProbe]):
+    """The probes of an input's obs columns, each made when first looked up (a column's
+    categories are read then): a pass-1 task of the parallel writer, which reads a few
+    columns of an input opened again, does not read every column's categories."""
+
+    def __init__(self, columns: list[Any], probe: Callable[[Any], ObsProbe]) -> None:
+        self._columns = list(columns)
+        self._known = set(self._columns)
+        self._probe = probe
+        self._probes: dict[Any, ObsProbe] = {}
+
+    def __getitem__(self, column: Any) -> ObsProbe:
+        if column not in self._known:
+            raise KeyError(column)
+        p = self._probes.get(column)
+        if p is None:
+            p = self._probes[column] = self._probe(column)
+        return p
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    def __contains__(self, column: object) -> bool:
+        return column in self._known
 
 
 def _damaged(probe_cls: type, e: InputError) -> Any:
@@ -316,8 +345,16 @@ class InputSource:
         order = [_attr_str(c) for c in obs.attrs.get("column-order", [])]
         order += [k for k in obs if k not in order and k != index_key
                   and k != "__categories"]
-        self.obs = {c: self._safe(ObsProbe, _probe_disk_obs, lambda c=c: obs[c])
-                    for c in order}
+        self.obs = _ObsProbes(order, self._probe_obs)
+        if not self._lean:  # a column that cannot be read refuses the input here
+            for c in order:
+                self.obs[c]
+
+    def _probe_obs(self, column: Any) -> ObsProbe:
+        try:
+            return self._safe(ObsProbe, _probe_disk_obs, lambda: self.group["obs"][column])
+        except (OSError, RuntimeError, KeyError) as e:  # as in __init__
+            raise InputError(damaged_reason(self.label, f"obs/{column}", e)) from e
 
     @staticmethod
     def _safe(probe_cls: type, probe: Any, node: Any) -> Any:
@@ -441,14 +478,16 @@ class InputSource:
     def obs_reader(self, column: Any) -> Element:
         """An :class:`Element` over obs ``column``: codes (categorical, and in-memory
         strings, which become categorical with sorted categories), values, or strings."""
-        probe = self.obs[column]
         name = f"obs/{column}"
         if self.adata is not None:
+            probe = self.obs[column]
             s = self.adata.obs[column]
             if probe.kind in ("categorical", "string"):
                 return element_from_memory(s.astype("category"), name)
             na = {"na_value": np.nan} if probe.dtype.kind == "f" else {}
             return DenseElement(s.to_numpy(dtype=probe.dtype, **na), name=name)
+        if column not in self.obs:  # (its probe is not needed to read it)
+            raise KeyError(column)
         node = self.group["obs"][column]
         if encoding_type(node) == "nullable-string-array":
             return NullableStringElement(node, name)
