@@ -51,7 +51,7 @@ from .buckets import BucketSegment, BucketWriter, bucket_id, bucket_segments
 from .narrow import ValueRange
 from .passes import route_rows, write_shard_blocks
 from .publish import start_writeback
-from .remap import usable_cpus
+from .remap import load_remap, usable_cpus
 from .schema import Schema
 from .shardstore import stored_arrays
 
@@ -238,11 +238,26 @@ def open_scheduler(scheduler: Any) -> Iterator[tuple[Any, int]]:
 
 
 def _local_cluster(distributed: Any, procs: bool, n_workers: int) -> Any:
-    """A LocalCluster on loopback only (threads: in this process)."""
+    """A LocalCluster on loopback only (threads: in this process); its worker processes
+    run :func:`dask_setup` as they start."""
     return distributed.LocalCluster(
         n_workers=n_workers if procs else 1, threads_per_worker=1 if procs else n_workers,
         processes=procs, memory_limit=0, dashboard_address="127.0.0.1:0",
-        silence_logs=logging.ERROR, **({"host": "127.0.0.1"} if procs else {}))
+        silence_logs=logging.ERROR,
+        **({"host": "127.0.0.1", "preload": [__name__]} if procs else {}))
+
+
+def dask_setup(worker: Any) -> None:
+    """Dask's preload hook, run by each worker process of a local ``"processes"`` cluster
+    as it starts (:func:`_local_cluster`): it loads what the first task of each pass would
+    load (anndata's element writer, which imports dask.array, for the shards; the compiled
+    gene remap for pass 1), so that this runs beside the caller's opening of the inputs
+    instead of inside the first tasks. A failure here is left to the task that meets it."""
+    try:
+        import anndata.io  # noqa: F401
+    except Exception:
+        logger.debug("importing anndata ahead in a worker failed", exc_info=True)
+    load_remap()
 
 
 # --------------------------------------------------------------------------- tasks
