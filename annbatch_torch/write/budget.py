@@ -100,10 +100,13 @@ def working_memory(max_memory: int | None, n_cells: int) -> int:
     ``max_memory`` minus the RSS in use now, the permutation of ``n_cells`` and
     :data:`RESERVE`. Raises :class:`InputError` when under :data:`MIN_WORK_MEMORY` is left.
     ``None`` (the writer's default): :data:`DEFAULT_WORK_MEMORY`, on top of whatever the
-    process already uses (never refused).
+    process already uses (never refused; what the passes import is not loaded here then,
+    as no baseline is counted: a parallel writer's caller, which writes no shard, never
+    imports anndata).
     """
-    _preload()
-    release_memory()
+    if max_memory is not None:
+        _preload()
+        release_memory()
     rss = current_rss()
     if rss is None:
         logger.warning("Cannot measure this process' memory (no /proc, no psutil): "
