@@ -79,10 +79,11 @@ def run_python(code: str, cwd: Path, timeout: float = 120) -> str:
 #: no long file is left for the end while the other worker has nothing to do. Other files
 #: follow, those with more tests first (what xdist's own reordering does).
 SLOW_FILES = {
-    "test_remote.py": 320, "test_examples.py": 210, "test_scvi.py": 150,
-    "test_benchmarks.py": 120, "test_lightning_elastic.py": 110, "test_sampling_mode.py": 95,
-    "test_parallel_writer.py": 75, "test_lightning.py": 60, "test_doc_snippets.py": 45,
-    "test_pairing_loader.py": 40, "test_elastic_runs.py": 40, "test_dataset.py": 35,
+    "test_remote.py": 162, "test_examples.py": 135, "test_benchmarks.py": 76,
+    "test_parallel_writer.py": 75, "test_scvi.py": 55, "test_elastic_runs.py": 45,
+    "test_lightning.py": 40, "test_narrow_dtypes.py": 39, "test_pairing_loader.py": 38,
+    "test_writer.py": 35, "test_scatter.py": 33, "test_lightning_elastic.py": 31,
+    "test_sampling.py": 30, "test_doc_snippets.py": 29,
 }
 
 
