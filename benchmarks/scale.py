@@ -34,6 +34,11 @@ are kept in folders of their own (``atlas_{n}_genes{N}``), never taken for the d
   fewer), chunked and sampling mode,
   and the seconds from ``load_state_dict`` to the next batch in a new dataset;
 * ``obs_names_at``: 10,000 random rows;
+* ``epoch_pairs``: after the largest size is measured, ``--epoch-pairs`` rounds of warm
+  sparse epochs with 0 workers, the smallest size and the largest alternated, each in a
+  fresh process: their ratio from the same minutes (the target of 10^7 against 10^5); the
+  sizes' own epoch figures are taken tens of minutes apart, across which this machine's
+  speed drifts by more than the target's 10%;
 * ``append``: 100,000 new cells (one input, new cell types) appended to a copy of the
   collection made of hard links (the kept collection is not changed), against writing
   those cells alone: three of each, alternated, each in a fresh process after ``os.sync()``,
@@ -444,6 +449,31 @@ def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     return res
 
 
+def paired_epochs(small: int, large: int, args: argparse.Namespace,
+                  log: Any) -> dict[str, Any]:
+    """Warm sparse epochs with 0 workers of the atlases of ``small`` and ``large`` cells,
+    alternated, each in a fresh process: the large one's cells/s over the small one's, per
+    pair and their median."""
+    import numpy as np
+
+    runs: dict[int, list[float]] = {small: [], large: []}
+    for _ in range(args.epoch_pairs):
+        for n in (small, large):
+            store = args.data_dir / _atlas_name(n, args) / "collection"
+            t = time.perf_counter()
+            r = _child("epoch", {"n_obs": n, "store": str(store), "cold": False,
+                                 "dense": False, "workers": 0,
+                                 "max_batches": args.max_batches}, 7200)
+            log(f"  {n:,} epoch_pairs: {json.dumps(r)} ({time.perf_counter() - t:.0f} s)")
+            if not r.get("cells_s"):  # (none timed: under 3 batches)
+                return {"error": f"{n:,} cells: {r.get('error') or r.get('skipped') or r}"}
+            runs[n].append(r["cells_s"])
+    ratios = [b / a for a, b in zip(runs[small], runs[large])]
+    return {"small_n_obs": small, "small_cells_s_runs": runs[small],
+            "large_cells_s_runs": runs[large], "pairs": len(ratios),
+            "ratio_median": float(np.median(ratios))}
+
+
 def _flat(res: dict[str, Any]) -> dict[str, float]:
     out = {}
     for key, val in res.items():
@@ -520,6 +550,9 @@ def main() -> None:
     p.add_argument("--max-batches-dense", type=int, default=200)
     p.add_argument("--epoch-repeats", type=int, default=3,
                    help="fresh processes per warm sparse epoch; the median is kept")
+    p.add_argument("--epoch-pairs", type=int, default=3,
+                   help="rounds of warm sparse epochs alternating the smallest and the "
+                        "largest size (0: none)")
     p.add_argument("--max-memory", default=None, help="also write with this max_memory")
     p.add_argument("--parallel-at", type=float, default=1e6)
     p.add_argument("--keep", action="store_true", help="keep each size's data")
@@ -535,12 +568,22 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    only = set(args.only.split(",")) if args.only else None
+    # the smallest atlas is kept until the largest one's epochs are paired with its own
+    pairs = (len(set(sizes)) > 1 and args.epoch_pairs > 0
+             and (only is None or "epoch_pairs" in only))
+    small, large = min(sizes), max(sizes)
+    first, last = sorted((small, large), key=sizes.index)  # the pairs run after `last`
     results = []
     for n in sizes:
         results.append(measure_size(n, args, log))
+        if pairs and n == last:
+            results[-1]["epoch_pairs"] = paired_epochs(small, large, args, log)
         report(results, args.out)
-        if not args.keep:
+        if not args.keep and not (pairs and n == first):
             shutil.rmtree(args.data_dir / _atlas_name(n, args), ignore_errors=True)
+    if pairs and not args.keep:
+        shutil.rmtree(args.data_dir / _atlas_name(first, args), ignore_errors=True)
 
 
 if __name__ == "__main__":
