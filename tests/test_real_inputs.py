@@ -638,6 +638,21 @@ def test_duplicate_var_names_are_refused_in_place_too(tmp_path: Path,
         assert str(writer.value) == str(in_place.value)
 
 
+@pytest.mark.parametrize("var_join", ["outer", "inner"])
+def test_missing_var_names_are_refused(tmp_path: Path, var_join: str) -> None:
+    """A gene named None: the outer join wrote it as 'nan', all zeros, its values dropped
+    (a review's finding); the writer and in-place reading refuse it, naming the input."""
+    a, b = _adata(4, "a"), _adata(4, "b")
+    a.var_names = pd.Index(["g0", None, "g2", "g3"], dtype=object)
+    match = r"<AnnData #0>: var_names hold 1 missing value\(s\).*position 1.*name every gene"
+    with pytest.raises(InputError, match=match):
+        abt.create_anndata_collection([a, b], tmp_path / "out", var_join=var_join,
+                                      progress=False)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match=match):
+        InPlaceSource([a, b])
+
+
 # -- B1, B2, B8: values that are no numbers, labels that are no plain scalars ---------------
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_complex_numbers_are_refused_before_anything_is_written(tmp_path: Path,

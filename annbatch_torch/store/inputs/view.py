@@ -278,6 +278,15 @@ class InputSource:
         if lean:  # its genes were checked where the write began (see open_input)
             return
         names = pd.Index(self.var_names)
+        missing = np.flatnonzero(names.isna())
+        if missing.size:  # (an in-memory AnnData's; a store's are decoded to strings)
+            self.close()
+            raise InputError(
+                f"{self.label}: var_names hold {missing.size} missing value(s) (None or NaN; "
+                f"the first at position {int(missing[0])}); genes cannot be aligned without "
+                "names. Fix: name every gene (e.g. adata.var_names = "
+                "adata.var['gene_ids'].astype(str)) or drop the unnamed ones."
+            )
         if not names.is_unique:
             self.close()
             dup = names[names.duplicated()].unique()[:5].tolist()
@@ -286,7 +295,11 @@ class InputSource:
                 "Fix: adata.var_names_make_unique() (or drop the duplicates) and save it again."
             )
         raw_names = None if self.raw_var_names is None else pd.Index(self.raw_var_names)
-        if raw_names is not None and not raw_names.is_unique:
+        if raw_names is not None and raw_names.hasnans:
+            self.matrices[RAW_X] = MatrixProbe("damaged", np.dtype(np.float32), (), why=(
+                f"{self.label}: raw.var_names hold missing values (None or NaN); raw genes "
+                "cannot be aligned. Fix: name every gene of adata.raw, or leave raw out"))
+        elif raw_names is not None and not raw_names.is_unique:
             dup = raw_names[raw_names.duplicated()].unique()[:5].tolist()
             self.matrices[RAW_X] = MatrixProbe("damaged", np.dtype(np.float32), (), why=(
                 f"{self.label}: raw.var_names are not unique (e.g. {dup}); raw genes cannot "
@@ -342,7 +355,7 @@ class InputSource:
                                                    lambda key=key, k=k: g[key][k])
         obs = g["obs"]
         index_key = _attr_str(obs.attrs.get("_index", "_index"))
-        order = [_attr_str(c) for c in obs.attrs.get("column-order", [])]
+        order = list(dict.fromkeys(_attr_str(c) for c in obs.attrs.get("column-order", [])))
         order += [k for k in obs if k not in order and k != index_key
                   and k != "__categories"]
         self.obs = _ObsProbes(order, self._probe_obs)
