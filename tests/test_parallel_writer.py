@@ -301,3 +301,32 @@ def test_a_local_cluster_is_checked_first_and_stopped_however_the_write_ends(
                                      n_workers=2, progress=False)
     assert grown.n_obs == 4300 + 2500
     assert _dask_leftovers(before) == ([], [])
+
+
+def _worker_modules() -> list[bool]:
+    # (anndata is not asked about: this module, imported in the worker to run this
+    # function, imports it)
+    import sys
+
+    from annbatch_torch.write import remap
+
+    return ["colorsys" in sys.modules, bool(remap._remap.signatures)]
+
+
+def test_a_local_clusters_workers_load_the_passes_imports_as_they_start() -> None:
+    """Each worker process of a local 'processes' cluster loads the compiled remap (and
+    imports anndata) as it starts (``parallel.dask_setup``, a Dask preload), after the
+    preloads the user configured (here the stdlib's colorsys, which nothing imports)."""
+    import dask
+
+    from annbatch_torch.write.parallel import _local_cluster
+
+    with dask.config.set({"distributed.worker.preload": ["colorsys"],
+                          "distributed.worker.multiprocessing-method": "spawn"}):
+        cluster = _local_cluster(distributed, True, 1)
+    try:
+        with distributed.Client(cluster) as c:
+            [loaded] = c.run(_worker_modules).values()
+    finally:
+        cluster.close()
+    assert loaded == [True, True]

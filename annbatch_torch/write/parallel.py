@@ -239,12 +239,15 @@ def open_scheduler(scheduler: Any) -> Iterator[tuple[Any, int]]:
 
 def _local_cluster(distributed: Any, procs: bool, n_workers: int) -> Any:
     """A LocalCluster on loopback only (threads: in this process); its worker processes
-    run :func:`dask_setup` as they start."""
+    run :func:`dask_setup` as they start, after the preloads the user configured."""
+    import dask
+
+    preload = [*(dask.config.get("distributed.worker.preload", None) or []), __name__]
     return distributed.LocalCluster(
         n_workers=n_workers if procs else 1, threads_per_worker=1 if procs else n_workers,
         processes=procs, memory_limit=0, dashboard_address="127.0.0.1:0",
         silence_logs=logging.ERROR,
-        **({"host": "127.0.0.1", "preload": [__name__]} if procs else {}))
+        **({"host": "127.0.0.1", "preload": preload} if procs else {}))
 
 
 def dask_setup(worker: Any) -> None:
