@@ -197,7 +197,8 @@ def task_epoch(a: dict[str, Any]) -> dict[str, Any]:
                     while f.read(1 << 24):
                         pass
     peaks, stop = _rss_monitor()
-    ds = abt.AnnBatchDataset(store, selector=SELECTOR, batch_size=4096, densify=a["dense"])
+    ds = abt.AnnBatchDataset(store, selector=SELECTOR, batch_size=a.get("batch_size", 4096),
+                             densify=a["dense"])
     # a plain DataLoader densifies dense batches as they arrive (torch then holds those it
     # puts back in order); AnnBatchDataLoader densifies them once they are in order
     loader = abt.AnnBatchDataLoader if a.get("abt_loader") else torch.utils.data.DataLoader
@@ -463,7 +464,8 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
             t = time.perf_counter()
             r = _child("epoch", {"n_obs": n, "store": str(store), "cold": False,
                                  "dense": False, "workers": 0,
-                                 "max_batches": args.max_batches}, 7200)
+                                 "max_batches": args.max_batches,
+                                 "batch_size": args.epoch_batch_size}, 7200)
             log(f"  {n:,} epoch_pairs: {json.dumps(r)} ({time.perf_counter() - t:.0f} s)")
             if not r.get("cells_s"):  # (none timed: under 3 batches)
                 return {"error": f"{n:,} cells: {r.get('error') or r.get('skipped') or r}"}
@@ -553,6 +555,8 @@ def main() -> None:
     p.add_argument("--epoch-pairs", type=int, default=3,
                    help="rounds of warm sparse epochs alternating the smallest and the "
                         "largest size (0: none)")
+    p.add_argument("--epoch-batch-size", type=int, default=4096,
+                   help="batch size of the paired epochs (smaller for smoke runs)")
     p.add_argument("--max-memory", default=None, help="also write with this max_memory")
     p.add_argument("--parallel-at", type=float, default=1e6)
     p.add_argument("--keep", action="store_true", help="keep each size's data")

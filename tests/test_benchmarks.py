@@ -182,18 +182,17 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
     assert "| writer.writer_s |" in md
     assert "exponent" in md
     assert out.with_suffix(".png").stat().st_size > 1000
-    # warm epochs of the smallest and the largest size alternated, after the largest (4
-    # batches of 4,096 each: the epoch times those after the first 2); neither kept
-    small, large = _scale(tmp_path, tmp_path / "pairs", "1.3e4,1.4e4", "epoch_pairs",
-                          "--epoch-pairs", "1")
+    # warm epochs of the smallest and the largest size alternated, after the largest, on
+    # the kept atlases (batches of 512: the epoch times those after the first 2)
+    small, large = _scale(tmp_path, tmp_path / "pairs", "3e3,6e3", "epoch_pairs",
+                          "--epoch-pairs", "1", "--epoch-batch-size", "512", "--keep")
     assert "epoch_pairs" not in small
+    assert "writer" not in small  # the kept collections were reused
     pairs = large["epoch_pairs"]
     assert pairs["pairs"] == 1
-    assert pairs["small_n_obs"] == 13000
+    assert pairs["small_n_obs"] == 3000
     [a], [b] = pairs["small_cells_s_runs"], pairs["large_cells_s_runs"]
     assert pairs["ratio_median"] == pytest.approx(b / a)
-    assert not (tmp_path / "data" / f"atlas_13000_genes{GENES}").exists()
-    assert not (tmp_path / "data" / f"atlas_14000_genes{GENES}").exists()
     [r] = _scale(tmp_path, tmp_path / "one", "3e3", "resume,obs_names_at,samplers")
     assert set(r) >= {"resume", "obs_names_at", "samplers"}
     assert "writer" not in r  # the kept collection was reused
