@@ -157,27 +157,23 @@ class _ObsProbes(Mapping[Any, ObsProbe]):
     columns of an input opened again, does not read every column's categories."""
 
     def __init__(self, columns: list[Any], probe: Callable[[Any], ObsProbe]) -> None:
-        self._columns = list(columns)
-        self._known = set(self._columns)
         self._probe = probe
-        self._probes: dict[Any, ObsProbe] = {}
+        self._probes: dict[Any, ObsProbe | None] = dict.fromkeys(columns)  # None: not yet
 
     def __getitem__(self, column: Any) -> ObsProbe:
-        if column not in self._known:
-            raise KeyError(column)
-        p = self._probes.get(column)
+        p = self._probes[column]  # (KeyError for a column it does not have)
         if p is None:
             p = self._probes[column] = self._probe(column)
         return p
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._columns)
+        return iter(self._probes)
 
     def __len__(self) -> int:
-        return len(self._columns)
+        return len(self._probes)
 
     def __contains__(self, column: object) -> bool:
-        return column in self._known
+        return column in self._probes
 
 
 def _damaged(probe_cls: type, e: InputError) -> Any:
