@@ -5,10 +5,11 @@ interface the reader pulls rows from, with lazy per-process handles), ``collecti
 (``Collection``, a written collection, and ``open_collection``), ``metadata`` (obs / var frames and
 categories), ``elements`` (row-range readers of one AnnData element), ``checks`` (value and
 structure checks), ``rawzarr`` (the array reader: our uncompressed chunks read with ``preadv``,
-chunk objects from a :class:`~annbatch_torch.store.rawzarr.ChunkSource`), ``diskio`` (``preadv``
-reads, CPU slots and the disk gate), ``native`` (numba's set-up for every compiled loop, and
-a compiled loop of ``preadv2`` reads), ``groups`` (a shard's hierarchy: raw, zarr and mirrored
-arrays), ``zarrs`` (the zarrs codec pipeline).
+chunk objects from a :class:`~annbatch_torch.store.rawzarr.ChunkSource`), ``rawstrings``
+(a string array's raw vlen-utf8 chunks read by position: a shard's obs names), ``diskio``
+(``preadv`` reads, CPU slots and the disk gate), ``native`` (numba's set-up for every
+compiled loop, and a compiled loop of ``preadv2`` reads), ``groups`` (a shard's hierarchy:
+raw, zarr and mirrored arrays), ``zarrs`` (the zarrs codec pipeline).
 
 Sub-wings: ``inputs/`` (AnnData inputs: opening, legacy files, the input view, the plan of a
 list of inputs, harmonising fields, in-place reading, fingerprints) and ``remote/`` (collections

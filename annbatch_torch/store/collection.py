@@ -33,6 +33,7 @@ from .metadata import read_dataframe, shard_obs_names
 from .source import Source, reads_metadata
 
 if TYPE_CHECKING:
+    from .rawstrings import RawStringArray
     from .remote.mirror import Mirror
 
 __all__ = [
@@ -208,10 +209,10 @@ class Collection(Source):
         return [np.dtype(s.stored.get(f"{field}/data", logical)) for s in self.manifest.shards]
 
     # -- cell and gene metadata (never X; see store/metadata.py) ---------------------
-    def _read_obs_names(self, shard: int) -> np.ndarray:
+    def _read_obs_names(self, shard: int) -> np.ndarray | RawStringArray:
         return shard_obs_names(
             self.shard_group(shard), self.shard_sizes[shard], self.shard_name(shard),
-            check=functools.partial(self._check_node, shard),
+            check=functools.partial(self._check_node, shard), by_position=True,
         )
 
     def _obs_fields(self) -> dict[str, FieldInfo]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import CollectionError
+from .rawstrings import RawStringArray, open_raw_strings
 from .rawzarr import RawZarrArray, open_raw
 
 if TYPE_CHECKING:
@@ -140,6 +141,15 @@ class FastGroup:
         present = sum((base / sep.join(prefix + [str(i) for i in idx])).is_file()
                       for idx in itertools.product(*(range(n) for n in counts)))
         return present, expected
+
+    def strings(self, key: str) -> RawStringArray | None:
+        """Array ``key`` as a :class:`~annbatch_torch.store.rawstrings.RawStringArray`
+        (items read by position, a chunk's bytes kept rather than its str objects), or
+        ``None`` when it is not a string array of raw ``vlen-utf8`` chunks."""
+        if key not in self:
+            raise KeyError(key)
+        return open_raw_strings(self.path / key,
+                                None if self.mirror is None else self.mirror.chunks())
 
     def __iter__(self) -> Any:
         return iter(self.keys())

@@ -31,6 +31,7 @@ from .elements import (
     open_element,
     read_index,
 )
+from .rawstrings import RawStringArray
 
 __all__ = [
     "MISSING_CATEGORY",
@@ -152,12 +153,16 @@ def split_by_shard(
     return out
 
 
-def shard_obs_names(group: Any, n_obs: int, where: str,
-                    check: NodeCheck | None = None) -> np.ndarray:
+def shard_obs_names(group: Any, n_obs: int, where: str, check: NodeCheck | None = None,
+                    by_position: bool = False) -> np.ndarray | RawStringArray:
     """The obs_names of one shard (an object array of str), read from the array its ``obs``
     group's ``_index`` attribute names (``obs/_index`` by default), nothing else.
 
     ``check``: the collection's check of that array before it is read (:data:`NodeCheck`).
+    ``by_position``: where the index is a string array of raw ``vlen-utf8`` chunks (a
+    collection's shard opened as a :class:`~annbatch_torch.store.groups.FastGroup`), the
+    :class:`~annbatch_torch.store.rawstrings.RawStringArray` instead, which decodes only the
+    names asked for (``names[positions]``, as with the array).
 
     Raises
     ------
@@ -168,20 +173,22 @@ def shard_obs_names(group: Any, n_obs: int, where: str,
     try:
         obs = group["obs"]
         key = index_key(obs)
-        node = obs[key]
+        strings = getattr(obs, "strings", None) if by_position else None
+        node = (strings(key) if strings is not None else None) or obs[key]
     except KeyError as e:
         raise CollectionError(
             f"{where}: the shard has no obs index ({e}); the collection is damaged, {_REWRITE}"
         ) from None
     if check is not None:
         check(f"obs/{key}", node)
-    names = read_index(obs)
+    names = node if isinstance(node, RawStringArray) else read_index(obs)
     if names.shape != (n_obs,):
         raise CollectionError(
             f"{where}: the obs index holds {names.shape[0] if names.ndim else 0} names but the "
             f"manifest says {n_obs} rows; the collection is damaged, rewrite it."
         )
-    logger.debug("%s: read %d obs_names", where, n_obs)
+    logger.debug("%s: %s %d obs_names", where,
+                 "opened" if isinstance(names, RawStringArray) else "read", n_obs)
     return names
 
 

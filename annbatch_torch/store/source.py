@@ -35,6 +35,7 @@ from .metadata import (
     gather,
     split_by_shard,
 )
+from .rawstrings import RawStringArray
 
 __all__ = ["Source", "field_node", "reads_metadata"]
 
@@ -313,10 +314,13 @@ class Source:
         input); they are what ``AnnBatchDataset(..., return_index=True)`` yields as
         ``batch["index"]``. Only each shard's obs index is read (the array the ``obs``
         group's ``_index`` attribute names; an in-memory AnnData's ``obs_names``), never
-        ``X``; a shard's names are read once and cached in this object (in this process:
-        a pickled source, e.g. one sent to a spawned DataLoader worker, carries none and
-        reads its own when asked). The cache holds Python str objects, roughly 70-100
-        bytes per cell of the shards asked about.
+        ``X``; what was read is kept in this object (in this process: a pickled source,
+        e.g. one sent to a spawned DataLoader worker, carries none and reads its own when
+        asked). A collection written with ``compressor="raw"`` (the default) or ``"none"``
+        keeps its shards' index chunks as bytes (the names' UTF-8 plus about 8 bytes a
+        cell) and decodes only the names asked for; other collections and inputs read in
+        place keep every name of a shard asked about as a Python str (roughly 70-100 bytes
+        a cell).
 
         Duplicate obs_names are returned as they are stored: a name that repeats (within
         an input, or across inputs; the writer and in-place reading warn about both but
@@ -369,17 +373,21 @@ class Source:
             out[positions] = self._shard_obs_names(shard)[local]
         return pd.Index(out, dtype=object)
 
-    def _shard_obs_names(self, shard: int) -> np.ndarray:
-        cache: dict[int, np.ndarray] = self.__dict__.setdefault("_obs_names", {})
+    def _shard_obs_names(self, shard: int) -> np.ndarray | RawStringArray:
+        cache: dict[int, np.ndarray | RawStringArray] = self.__dict__.setdefault(
+            "_obs_names", {})
         names = cache.get(shard)
         if names is None:
             names = self._read_obs_names(shard)
-            names.flags.writeable = False
+            if isinstance(names, np.ndarray):
+                names.flags.writeable = False
             cache[shard] = names
         return names
 
-    def _read_obs_names(self, shard: int) -> np.ndarray:
-        """The obs_names of ``shard``, an object array of str (read once, then cached)."""
+    def _read_obs_names(self, shard: int) -> np.ndarray | RawStringArray:
+        """The obs_names of ``shard`` (read once, then cached): an object array of str, or
+        a :class:`~annbatch_torch.store.rawstrings.RawStringArray` that decodes the names
+        asked for (``names[positions]``)."""
         raise NotImplementedError
 
     def _obs_fields(self) -> dict[str, FieldInfo]:
