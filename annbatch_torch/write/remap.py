@@ -8,7 +8,8 @@ rows: each row's columns are mapped and copied into place, then sorted there by 
 sort of two 8-bit digits (a 30,000-gene panel; 256 counters and a row of scratch, in
 cache), which costs a row of ~250 genes less than a bitmap of the panel's 30,000 bits read
 back word by word. Compiled by numba; it releases the GIL, so the Dask writer's threads
-remap in parallel.
+remap in parallel. Where the input's genes keep the collection's order (some perhaps
+dropped) and its rows are sorted, the mapped rows are sorted as they are copied: no sort.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def _remap_py(indptr, indices, data, col_map, order, n_digits, bits, count,  # t
             dst_c[:] = src_c
             dst_v[:] = src_v
         for i in range(o + 1, k):
-            if out_indices[i] == out_indices[i - 1]:  # a column twice: leave it to scipy
-                return -1
+            if out_indices[i] <= out_indices[i - 1]:  # a column twice (or a row not sorted
+                return -1  # with n_digits == 0): leave it to scipy
         o = k
         out_indptr[r + 1] = o
     return o
@@ -86,6 +87,14 @@ def _radix_digits(n_out: int) -> tuple[int, int]:
     width = max(int(n_out - 1).bit_length(), 1)
     digits = -(-width // 8)
     return digits, -(-width // digits)
+
+
+def _keeps_order(m: sp.csr_matrix, col_map: np.ndarray) -> bool:
+    """Whether ``col_map`` keeps the order of the columns it keeps (the input's genes in the
+    collection's order, some perhaps dropped) and ``m``'s rows are sorted: the mapped rows
+    are sorted then, as they are copied."""
+    kept = col_map[col_map >= 0]
+    return bool(np.all(kept[1:] > kept[:-1])) and bool(m.has_sorted_indices)
 
 
 _remap = compiled(_remap_py)
@@ -155,6 +164,8 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
     data = np.asarray(m.data, dtype=dtype)
 
     digits, bits = _radix_digits(n_out)
+    if _keeps_order(m, col_map):
+        digits = 0  # each row's columns mapped in place are sorted already: no sort
     longest = max(int(lens.max()) if lens.size else 0, 1)
 
     def run(r0: int, r1: int, o: int) -> int:
