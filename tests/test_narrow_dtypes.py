@@ -136,6 +136,30 @@ def test_the_choice_is_the_narrowest_lossless_dtype(data: st.DataObject) -> None
     np.testing.assert_array_equal(everything.astype(got).astype(logical), everything)
 
 
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from([np.int32, np.int64, np.uint32, np.uint64]), data=st.data())
+def test_whether_floats_hold_integers_exactly(dtype: type, data: st.DataObject) -> None:
+    """``fits_float32`` / ``fits_float64`` of integer values (what mixed int/float inputs
+    are settled by): each as a brute-force round trip says, near 2**24 and 2**53 too."""
+    info = np.iinfo(dtype)
+    near = [s * (2**p + d) for p in (24, 53) for d in (-1, 0, 1, 3) for s in (1, -1)]
+    elements = st.one_of(st.sampled_from([v for v in near if info.min <= v <= info.max]),
+                         st.integers(int(info.min), int(info.max)),
+                         st.integers(-(2**25), 2**25).filter(
+                             lambda v: info.min <= v <= info.max))
+    blocks = data.draw(st.lists(st.lists(elements, min_size=1, max_size=20), min_size=1,
+                                max_size=3))
+    seen = ValueRange()
+    for b in blocks:
+        seen.observe(np.array(b, dtype=dtype), "input")
+    values = [int(v) for b in blocks for v in b]
+    for flt, got in ((np.float32, seen.fits_float32), (np.float64, seen.fits_float64)):
+        with np.errstate(invalid="ignore"):
+            exact = all(int(x) == v for x, v in zip(
+                np.array(values, dtype=object).astype(flt), values, strict=True))
+        assert got == exact, (flt, values)
+
+
 def test_an_asked_dtype_that_cannot_hold_a_value_is_refused_naming_it() -> None:
     seen = ValueRange()
     seen.observe(np.array([1, 2, 3], np.float32), "a.h5ad")

@@ -103,7 +103,8 @@ class ValueRange:
                 if off.size:
                     self.fits_float32, self.inexact = False, float(v[off[0]])
                     self.where["inexact"] = label
-        elif v.dtype.itemsize >= 4 and (self.fits_float32 or self.fits_float64):
+        elif (v.dtype.itemsize >= 4 and (self.fits_float32 or self.fits_float64)
+              and max(-lo, hi) > 1 << 24):  # else every value is exact in float32
             big = np.flatnonzero(np.abs(v.astype(np.int64, copy=False)) > 1 << 24)
             if big.size:  # integers above 2**24 (float32) and 2**53 (float64) may not fit
                 w = v[big].astype(np.int64)
