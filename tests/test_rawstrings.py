@@ -8,6 +8,7 @@ names kept between calls must be the chunks' bytes, not a str object per cell.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import tracemalloc
@@ -102,8 +103,54 @@ def test_a_length_running_past_the_chunk_raises(tmp_path: Path) -> None:
     body = bytearray(chunk.read_bytes())
     body[4 + 4 + 5 + 2] = 0xFF  # item 1's length: now far past the chunk's end
     chunk.write_bytes(bytes(body))
-    with pytest.raises(ChunkError, match=re.escape(str(chunk)) + ".*item 1 runs past"):
+    with pytest.raises(ChunkError, match=re.escape(str(chunk)) + ".*item 1 of 8 runs past"):
         raw[np.array([0])]
+
+
+def test_bytes_after_the_items_are_left_alone_as_zarr_does(tmp_path: Path) -> None:
+    """Few items asked or most of the chunk: the same answer, zarr's."""
+    names = [f"cell{i}" for i in range(8)]
+    raw = _write(tmp_path / "a.zarr", names, 8, crc=False)
+    chunk = tmp_path / "a.zarr" / "c" / "0"
+    chunk.write_bytes(chunk.read_bytes() + b"\x00" * 8)
+    assert list(zarr.open_array(str(tmp_path / "a.zarr"), mode="r")[:]) == names
+    assert list(raw[np.array([3])]) == ["cell3"]
+    assert list(raw[...]) == names
+
+
+@pytest.mark.parametrize(("count", "what"), [(5, "holds 5 items, expected 8"),
+                                             (None, "holds 2 bytes, too few")])
+def test_a_chunk_of_the_wrong_size_is_refused(tmp_path: Path, count: int | None,
+                                              what: str) -> None:
+    """An item count other than the chunk's (zarr writes edge chunks whole) or a chunk too
+    short to hold one."""
+    raw = _write(tmp_path / "a.zarr", [f"cell{i}" for i in range(10)], 8, crc=False)
+    chunk = tmp_path / "a.zarr" / "c" / "1"
+    body = chunk.read_bytes()
+    chunk.write_bytes(body[:2] if count is None else count.to_bytes(4, "little") + body[4:])
+    with pytest.raises(ChunkError, match=re.escape(str(chunk)) + f".*{what}"):
+        raw[np.array([9])]
+
+
+def test_without_numbas_jit_whole_chunks_are_decoded(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan of items' places would run in Python: a whole chunk is decoded instead."""
+    import numba
+
+    names = [f"cell{i}" for i in range(100)]
+    raw = _write(tmp_path / "a.zarr", names, 50)
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
+    assert list(raw[np.array([7, 93, 7])]) == ["cell7", "cell93", "cell7"]
+    assert all(ch is None or ch.bounds is None for ch in raw._chunks.values())
+
+
+def test_metadata_zarr_does_not_write_is_left_to_zarr(tmp_path: Path) -> None:
+    _write(tmp_path / "a.zarr", ["a"], 1)
+    meta = json.loads((tmp_path / "a.zarr" / "zarr.json").read_text())
+    for bad in ({"codecs": ["vlen-utf8"]}, {"chunk_key_encoding": 3},
+                {"chunk_grid": {"name": "regular"}}, {"shape": "x"}):
+        (tmp_path / "a.zarr" / "zarr.json").write_text(json.dumps({**meta, **bad}))
+        assert open_raw_strings(tmp_path / "a.zarr") is None, bad
 
 
 def test_a_missing_chunk_is_the_fill_value_unless_required(tmp_path: Path) -> None:

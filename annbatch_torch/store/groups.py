@@ -148,8 +148,8 @@ class FastGroup:
         ``None`` when it is not a string array of raw ``vlen-utf8`` chunks."""
         if key not in self:
             raise KeyError(key)
-        return open_raw_strings(self.path / key,
-                                None if self.mirror is None else self.mirror.chunks())
+        # in a mirror too: its obs arrays are local copies, made at open
+        return open_raw_strings(self.path / key)
 
     def __iter__(self) -> Any:
         return iter(self.keys())

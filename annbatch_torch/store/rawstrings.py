@@ -7,25 +7,26 @@ CRC-32C. zarr-python decodes a whole chunk into Python str objects (then casts t
 numpy's string dtype and back to objects), so naming 10^4 random cells of a 10^7-cell
 collection decoded every name of every shard. :class:`RawStringArray` reads a chunk's bytes
 once, verifies them, finds each item's place by one compiled scan of the lengths and keeps
-those bytes and places (about 4 bytes per item beyond the text itself); an item becomes a str
-only when it is asked for.
+those bytes and places (about 8 bytes per item beyond the text itself: its stored length and
+its place); an item becomes a str only when it is asked for, on every call (no str is kept).
 
-Anything else (other codecs, sharded or v2 arrays) is left to zarr: :func:`open_raw_strings`
-returns ``None``.
+The chunk files are local: a collection on an object store has its obs arrays copied into
+its mirror at open (:mod:`annbatch_torch.store.remote.mirror`). Anything else (other codecs,
+sharded or v2 arrays) is left to zarr: :func:`open_raw_strings` returns ``None``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 
 from .native import compiled
-from .rawzarr import ChunkError, ChunkSource
+from .rawzarr import ChunkError
 
 __all__ = ["RawStringArray", "open_raw_strings"]
 
@@ -81,33 +82,26 @@ class RawStringArray:
     #: wrote every chunk)
     require_chunks = False
 
-    def __init__(self, path: Path, meta: dict[str, Any], remote: ChunkSource | None = None
-                 ) -> None:
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
         self.path = path
-        #: where the chunk objects are when they are on an object store (``None``: files
-        #: under ``path``)
-        self.remote = remote
         self.shape = (int(meta["shape"][0]),)
         self.chunk_rows = int(meta["chunk_grid"]["configuration"]["chunk_shape"][0])
         self.crc = any(c.get("name") == "crc32c" for c in meta["codecs"])
         fill = meta.get("fill_value", "")
         self.fill_value = fill if isinstance(fill, str) else ""
-        enc = meta.get("chunk_key_encoding", {"name": "default"})
+        enc = meta.get("chunk_key_encoding") or {"name": "default"}
         v2_keys = enc.get("name") == "v2"
-        sep = enc.get("configuration", {}).get("separator", "." if v2_keys else "/")
+        sep = (enc.get("configuration") or {}).get("separator", "." if v2_keys else "/")
         self._prefix = str(path) + os.sep + ("" if v2_keys else "c" + sep)
         self.attrs: dict[str, Any] = meta.get("attributes", {})
+        # chunk -> its bytes and places (None: absent); filled without a lock (two threads
+        # may read a chunk twice, one copy kept), so a fork never inherits one held
         self._chunks: dict[int, _Chunk | None] = {}
-        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_chunks"], state["_lock"] = {}, None  # read again where it is used
+        state["_chunks"] = {}  # read again where it is used
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def ndim(self) -> int:
@@ -121,8 +115,6 @@ class RawStringArray:
     @property
     def nchunks_initialized(self) -> int:
         """Number of chunk files present (as ``zarr.Array.nchunks_initialized``)."""
-        if self.remote is not None:
-            return sum(self.remote.present(self._file_name(c)) for c in range(self.nchunks))
         return sum(Path(self._file_name(c)).is_file() for c in range(self.nchunks))
 
     @property
@@ -149,26 +141,10 @@ class RawStringArray:
         chunk_of = pos // self.chunk_rows
         order = np.argsort(chunk_of, kind="stable")
         cuts = np.flatnonzero(np.diff(chunk_of[order])) + 1
-        parts = np.split(order, cuts)
-        if self.remote is not None:
-            self._prefetch([int(chunk_of[p[0]]) for p in parts])
-        for part in parts:
+        for part in np.split(order, cuts):
             c = int(chunk_of[part[0]])
             out[part] = self._take(c, pos[part] - c * self.chunk_rows)
         return out
-
-    def _prefetch(self, chunks: list[int]) -> None:
-        assert self.remote is not None
-        wanted = []
-        for c in chunks:
-            if c in self._chunks:
-                continue
-            name = self._file_name(c)
-            size = self.remote.size(name)
-            if size is not None:
-                wanted.append((name, 0, size + 1))
-        if wanted:
-            self.remote.fetch(wanted)
 
     def _take(self, c: int, items: np.ndarray) -> np.ndarray:
         chunk = self._chunk(c)
@@ -176,13 +152,14 @@ class RawStringArray:
         if chunk is None:
             out[...] = self.fill_value
             return out
+        bounds = self._bounds(c, chunk)  # the chunk's items checked: both ways agree
         try:
-            if items.size >= _WHOLE_SHARE * chunk.n:  # one decode of the whole chunk
-                from numcodecs.vlen import VLenUTF8
+            if items.size >= _WHOLE_SHARE * chunk.n or bounds is None:
+                from numcodecs.vlen import VLenUTF8  # one decode of the whole chunk
 
                 out[...] = VLenUTF8().decode(memoryview(chunk.raw)[:chunk.size])[items]
             else:
-                bounds, raw = self._bounds(c, chunk), chunk.raw
+                raw = chunk.raw
                 starts = (bounds[items] + 4).tolist()
                 ends = bounds[items + 1].tolist()
                 out[...] = [raw[a:b].decode() for a, b in zip(starts, ends, strict=True)]
@@ -191,43 +168,35 @@ class RawStringArray:
                              "file is corrupted") from None
         return out
 
-    def _bounds(self, c: int, chunk: _Chunk) -> np.ndarray:
-        """Where each item of ``chunk`` lies: ``bounds[i] + 4`` to ``bounds[i + 1]``."""
-        if chunk.bounds is None:
+    def _bounds(self, c: int, chunk: _Chunk) -> np.ndarray | None:
+        """Where each item of ``chunk`` lies: ``bounds[i] + 4`` to ``bounds[i + 1]``
+        (``None`` where numba's JIT is disabled: the scan would run in Python, the whole
+        chunk is decoded instead); a chunk whose items run past its end is damage."""
+        if chunk.bounds is None and not numba.config.DISABLE_JIT:
             bounds = np.empty(chunk.n + 1, dtype=np.int64)
             data = np.frombuffer(chunk.raw, dtype=np.uint8)[:chunk.size]
             end = int(_vlen_bounds(data, chunk.n, bounds))
-            if end != chunk.size:
-                what = (f"item {-1 - end} runs past its end" if end < 0
-                        else f"{chunk.size - end} bytes follow its {chunk.n} items")
-                raise ChunkError(f"{self._file_name(c)}: {what} (the file is corrupted)")
+            if end < 0:  # bytes past the items are left alone, as zarr does
+                raise ChunkError(f"{self._file_name(c)}: item {-1 - end} of {chunk.n} runs "
+                                 "past the chunk's end (the file is corrupted)")
             chunk.bounds = bounds.astype(np.uint32) if end < 2**32 else bounds
         return chunk.bounds
 
     def _chunk(self, c: int) -> _Chunk | None:
         chunk = self._chunks.get(c, False)
-        if chunk is not False:
-            return chunk  # type: ignore[return-value]
-        with self._lock:
-            if c not in self._chunks:
-                self._chunks[c] = self._read_chunk(c)
-            return self._chunks[c]
+        if chunk is False:
+            chunk = self._chunks.setdefault(c, self._read_chunk(c))
+        return chunk  # type: ignore[return-value]
 
     def _read_chunk(self, c: int) -> _Chunk | None:
         name = self._file_name(c)
-        path: str | None = name
-        if self.remote is not None:
-            size = self.remote.size(name)
-            path = None if size is None else self.remote.local(name, 0, size + 1)
         try:
-            with open(path or name, "rb") as f:
+            with open(name, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:
-            raw = None
-        if path is None or raw is None:
             if self.require_chunks:
                 raise ChunkError(f"{name}: chunk {c} is missing (the writer wrote every "
-                                 "chunk: files were deleted or not copied)")
+                                 "chunk: files were deleted or not copied)") from None
             return None
         size = len(raw)
         if self.crc:
@@ -237,42 +206,42 @@ class RawStringArray:
             if size < 0 or google_crc32c.value(np.frombuffer(raw, np.uint8)[:size]) != (
                     int.from_bytes(raw[size:], "little")):
                 raise ChunkError(f"{name}: chunk checksum mismatch (the file is corrupted)")
-        rows = min(self.chunk_rows, self.shape[0] - c * self.chunk_rows)
-        n = int.from_bytes(raw[:4], "little") if size >= 4 else -1
-        if not rows <= n <= self.chunk_rows:
+        if size < 4:
+            raise ChunkError(f"{name}: the chunk holds {size} bytes, too few for its item "
+                             "count (the file is corrupted)")
+        n = int.from_bytes(raw[:4], "little")
+        if n != self.chunk_rows:
             raise ChunkError(f"{name}: the chunk holds {n} items, expected {self.chunk_rows} "
                              "(the file is corrupted)")
         return _Chunk(raw, size, n)
 
 
-def open_raw_strings(path: str | os.PathLike[str], remote: ChunkSource | None = None
-                     ) -> RawStringArray | None:
-    """A :class:`RawStringArray` for the zarr v3 array at ``path``, or ``None`` when it is
-    not a 1-D ``string`` array of unsharded ``vlen-utf8`` (+ ``crc32c``) chunks on a
-    regular grid. ``remote``: ``path`` holds the array's metadata only, its chunk objects
-    come from there (a collection on an object store)."""
+def open_raw_strings(path: str | os.PathLike[str]) -> RawStringArray | None:
+    """A :class:`RawStringArray` for the zarr v3 array at ``path`` (on the local file
+    system), or ``None`` when it is not a 1-D ``string`` array of unsharded ``vlen-utf8``
+    (+ ``crc32c``) chunks on a regular grid, or its metadata is not what zarr writes (zarr
+    then reads it, or says what is wrong)."""
     p = Path(path)
     try:
         with open(p / "zarr.json", "rb") as f:
             meta = json.loads(f.read())
     except (OSError, ValueError):
         return None
-    if (not isinstance(meta, dict) or meta.get("zarr_format") != 3
-            or meta.get("node_type") != "array" or meta.get("data_type") != "string"
-            or meta.get("storage_transformers")):
-        return None
-    codecs = meta.get("codecs", [])
-    if (not codecs or codecs[0].get("name") != "vlen-utf8"
-            or any(c.get("name") != "crc32c" for c in codecs[1:]) or len(codecs) > 2):
-        return None
-    grid = meta.get("chunk_grid", {})
-    enc = meta.get("chunk_key_encoding", {"name": "default"})
     try:
+        if (meta.get("zarr_format") != 3 or meta.get("node_type") != "array"
+                or meta.get("data_type") != "string" or meta.get("storage_transformers")):
+            return None
+        codecs = meta.get("codecs", [])
+        if (not codecs or len(codecs) > 2 or codecs[0].get("name") != "vlen-utf8"
+                or any(c.get("name") != "crc32c" for c in codecs[1:])):
+            return None
+        grid = meta.get("chunk_grid", {})
+        enc = meta.get("chunk_key_encoding") or {"name": "default"}
         shape = [int(s) for s in meta["shape"]]
         chunks = [int(s) for s in grid["configuration"]["chunk_shape"]]
-    except (KeyError, TypeError, ValueError):
+        if (grid.get("name") != "regular" or len(shape) != 1 or len(chunks) != 1
+                or chunks[0] < 1 or enc.get("name") not in ("default", "v2")):
+            return None
+        return RawStringArray(p, meta)
+    except (AttributeError, KeyError, TypeError, ValueError):  # not zarr's metadata
         return None
-    if (grid.get("name") != "regular" or len(shape) != 1 or len(chunks) != 1 or chunks[0] < 1
-            or enc.get("name") not in ("default", "v2")):
-        return None
-    return RawStringArray(p, meta, remote)

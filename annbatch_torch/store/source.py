@@ -316,11 +316,11 @@ class Source:
         group's ``_index`` attribute names; an in-memory AnnData's ``obs_names``), never
         ``X``; what was read is kept in this object (in this process: a pickled source,
         e.g. one sent to a spawned DataLoader worker, carries none and reads its own when
-        asked). A collection written with ``compressor="raw"`` (the default) or ``"none"``
-        keeps its shards' index chunks as bytes (the names' UTF-8 plus about 8 bytes a
-        cell) and decodes only the names asked for; other collections and inputs read in
-        place keep every name of a shard asked about as a Python str (roughly 70-100 bytes
-        a cell).
+        asked). A collection written in zarr v3 (the default) with ``compressor="raw"``
+        (the default) or ``"none"`` keeps its shards' index chunks as bytes (the names'
+        UTF-8 plus about 8 bytes a cell) and decodes the names asked for on each call;
+        other collections and inputs read in place keep every name of a shard asked about
+        as a Python str (roughly 70-100 bytes a cell).
 
         Duplicate obs_names are returned as they are stored: a name that repeats (within
         an input, or across inputs; the writer and in-place reading warn about both but
