@@ -38,7 +38,9 @@ are kept in folders of their own (``atlas_{n}_genes{N}``), never taken for the d
   sparse epochs with 0 workers, the smallest size and the largest alternated, each in a
   fresh process: their ratio from the same minutes (the target of 10^7 against 10^5); the
   sizes' own epoch figures are taken tens of minutes apart, across which this machine's
-  speed drifts by more than the target's 10%;
+  speed drifts by more than the target's 10%. A side whose epoch is under 200 batches
+  (10^5 cells: 23) is timed over as many epochs of one dataset (``set_epoch``) as make
+  200, each epoch's first two batches untimed as the single epoch's are;
 * ``append``: 100,000 new cells (one input, new cell types) appended to a copy of the
   collection made of hard links (the kept collection is not changed), against writing
   those cells alone: three of each, alternated, each in a fresh process after ``os.sync()``,
@@ -202,21 +204,27 @@ def task_epoch(a: dict[str, Any]) -> dict[str, Any]:
     # a plain DataLoader densifies dense batches as they arrive (torch then holds those it
     # puts back in order); AnnBatchDataLoader densifies them once they are in order
     loader = abt.AnnBatchDataLoader if a.get("abt_loader") else torch.utils.data.DataLoader
-    it = iter(ds if not a["workers"] else loader(ds, batch_size=None, num_workers=a["workers"]))
-    n = k = 0
-    t = time.perf_counter()
-    for b in it:
-        k += 1
-        if k == 2:
-            t = time.perf_counter()
-        elif k > 2:
-            n += b["x"].shape[0]
-        if a["max_batches"] is not None and k >= a["max_batches"] + 2:
-            break
-    dt = time.perf_counter() - t
-    del it
+    source = ds if not a["workers"] else loader(ds, batch_size=None, num_workers=a["workers"])
+    n = timed = 0
+    dt = 0.0
+    for epoch in range(a.get("epochs", 1)):  # each epoch's first two batches untimed
+        ds.set_epoch(epoch)
+        it = iter(source)
+        k = 0
+        t = time.perf_counter()
+        for b in it:
+            k += 1
+            if k == 2:
+                t = time.perf_counter()
+            elif k > 2:
+                n += b["x"].shape[0]
+            if a["max_batches"] is not None and k >= a["max_batches"] + 2:
+                break
+        dt += time.perf_counter() - t
+        timed += max(k - 2, 0)
+        del it
     stop.set()
-    return {"cells_s": n / dt, "batches": k - 2, **peaks}
+    return {"cells_s": n / dt, "batches": timed, **peaks}
 
 
 def task_samplers(a: dict[str, Any]) -> dict[str, Any]:
@@ -450,6 +458,10 @@ def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
     return res
 
 
+#: batches of 4096 timed at least on each side of a pair (several epochs of a small atlas)
+PAIRED_BATCHES = 200
+
+
 def paired_epochs(small: int, large: int, args: argparse.Namespace,
                   log: Any) -> dict[str, Any]:
     """Warm sparse epochs with 0 workers of the atlases of ``small`` and ``large`` cells,
@@ -458,6 +470,9 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
     import numpy as np
 
     runs: dict[int, list[float]] = {small: [], large: []}
+    # an epoch of the small atlas is a few batches (23 of 4096 at 10^5: 0.2 s, whose rate
+    # swings by 30% run to run): epochs of it are timed until they make PAIRED_BATCHES
+    per_epoch = {n: max(1, n // args.epoch_batch_size - 2) for n in (small, large)}
     for _ in range(args.epoch_pairs):
         for n in (small, large):
             store = args.data_dir / _atlas_name(n, args) / "collection"
@@ -465,6 +480,7 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
             r = _child("epoch", {"n_obs": n, "store": str(store), "cold": False,
                                  "dense": False, "workers": 0,
                                  "max_batches": args.max_batches,
+                                 "epochs": -(-PAIRED_BATCHES // per_epoch[n]),
                                  "batch_size": args.epoch_batch_size}, 7200)
             log(f"  {n:,} epoch_pairs: {json.dumps(r)} ({time.perf_counter() - t:.0f} s)")
             if not r.get("cells_s"):  # (none timed: under 3 batches)
