@@ -132,8 +132,8 @@ class CSRElement(Element):
                 f"{where}: indptr runs from {int(self.indptr[0])} to {int(self.indptr[-1])} but "
                 f"data holds {n_data} values and indices {n_indices}; {fix}"
             )
-        if self.n_rows and (np.diff(self.indptr) < 0).any():
-            row = int(np.flatnonzero(np.diff(self.indptr) < 0)[0])
+        if self.n_rows and bool((self.indptr[1:] < self.indptr[:-1]).any()):
+            row = int(np.flatnonzero(self.indptr[1:] < self.indptr[:-1])[0])
             raise InputError(f"{where}: indptr decreases at row {row}; {fix}")
 
     @property
