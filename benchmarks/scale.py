@@ -472,7 +472,8 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
     runs: dict[int, list[float]] = {small: [], large: []}
     # an epoch of the small atlas is a few batches (23 of 4096 at 10^5: 0.2 s, whose rate
     # swings by 30% run to run): epochs of it are timed until they make PAIRED_BATCHES
-    per_epoch = {n: max(1, n // args.epoch_batch_size - 2) for n in (small, large)}
+    per_epoch = {n: max(1, min(n // args.epoch_batch_size - 2,
+                               args.max_batches or n)) for n in (small, large)}
     for _ in range(args.epoch_pairs):
         for n in (small, large):
             store = args.data_dir / _atlas_name(n, args) / "collection"

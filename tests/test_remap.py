@@ -3,6 +3,8 @@ same rows, columns, values and dtype, duplicates and dropped genes included."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -119,6 +121,34 @@ def test_rows_flagged_sorted_that_are_not_are_left_to_scipy() -> None:
     m.has_sorted_indices = True  # a lie
     col_map = np.array([0, 2, 3])  # keeps the order
     assert remap_rows(m, col_map, 4, np.dtype(np.float32)) is None
-    out = _remap(m, col_map, False, 4, np.dtype(np.float32), None)
+    out = _remap(m, col_map, True, 4, np.dtype(np.float32), None)  # as pass 1 calls it
     assert out.indices.tolist() == [0, 2, 3]
     assert out.data.tolist() == [1.0, 5.0, 2.0]
+
+
+@pytest.mark.parametrize("var_names", [None, ["g0", "g1", "g2", "gX"]])
+def test_unsorted_input_rows_are_stored_sorted(tmp_path: Any, var_names: Any) -> None:
+    """An input's rows with unsorted columns, its genes in the collection's order (no remap
+    at all, or one that keeps the order): stored sorted, the values those of the input."""
+    import anndata as ad
+    import pandas as pd
+    import zarr
+
+    from annbatch_torch.write.writer import create_anndata_collection
+
+    x = sp.csr_matrix((np.array([1, 2, 3, 4, 5], np.float32), np.array([2, 0, 1, 0, 2]),
+                       np.array([0, 2, 5])), shape=(2, 3))
+    assert not x.has_sorted_indices
+    a = ad.AnnData(X=x, obs=pd.DataFrame(index=["c0", "c1"]),
+                   var=pd.DataFrame(index=["g0", "g1", "g2"]))
+    a.write_h5ad(tmp_path / "a.h5ad")  # read back as blocks (in memory, scipy sorts them)
+    coll = create_anndata_collection([tmp_path / "a.h5ad"], tmp_path / "c",
+                                     var_names=var_names, progress=False, shuffle=False)
+    z = zarr.open_group(str(coll.shard_path(0)), mode="r")["X"]
+    indptr, indices = z["indptr"][:], z["indices"][:].astype(np.int64)  # stored narrow
+    stored = sp.csr_matrix((z["data"][:], indices, indptr),
+                           shape=(2, 3 if var_names is None else 4))
+    for r in range(2):
+        row = indices[indptr[r]:indptr[r + 1]]
+        assert (np.diff(row) > 0).all(), row
+    np.testing.assert_array_equal(stored.toarray()[:, :3], x.toarray())

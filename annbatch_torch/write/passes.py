@@ -46,16 +46,21 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
            dtype: np.dtype, order: np.ndarray | None, threads: int = 1) -> sp.csr_matrix:
     """Block rows ``order`` (``None``: all, in order) in the collection's var order and
     dtype (sparse in, sparse out); ``threads``: see :func:`remap_rows`."""
+    compiled = False
     if col_map is not None and sp.issparse(m) and m.format == "csr":
         out = remap_rows(m, col_map, n_out, dtype, order, threads)  # one compiled pass
         if out is not None:
             return out
+        compiled = True  # it met a row it could not leave sorted, or has no loop for dtype
     if not sp.issparse(m):
         m = sp.csr_matrix(np.asarray(m, dtype=dtype))  # scipy has no float16: cast first
+    # the genes keep their order and the rows are sorted (scipy checks them; the compiled
+    # loop refused a row it could not leave sorted, whatever the matrix's flag says)
+    sort = compiled or not (is_sorted and m.has_sorted_indices)
     # a copy when sorting in place below (the block may view an in-memory input's arrays);
     # else one only if the dtype changes (numpy 2's
     # copy=False would refuse that cast: inputs of different dtypes are promoted)
-    data = np.array(m.data, dtype=dtype) if not is_sorted else np.asarray(m.data, dtype=dtype)
+    data = np.array(m.data, dtype=dtype) if sort else np.asarray(m.data, dtype=dtype)
     indices, indptr = m.indices, m.indptr
     if col_map is not None:
         indices = col_map[indices]
@@ -64,8 +69,10 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
             cs = np.zeros(len(keep) + 1, dtype=np.int64)
             np.cumsum(keep, out=cs[1:])
             indptr, indices, data = cs[indptr], indices[keep], data[keep]
+    elif sort:
+        indices = indices.copy()
     out = sp.csr_matrix((data, indices, indptr), shape=(m.shape[0], n_out))
-    if not is_sorted:
+    if sort:
         out.has_sorted_indices = False
         out.sort_indices()
     return out if order is None else out[order]
