@@ -96,15 +96,45 @@ def test_a_corrupted_chunk_raises_naming_the_file(tmp_path: Path, where: str) ->
     assert list(raw[np.array([0, 9])]) == ["cell0", "cell9"]  # the other chunks are intact
 
 
-def test_a_length_running_past_the_chunk_raises(tmp_path: Path) -> None:
-    """Without a CRC, a damaged item length is found by the scan of the items' places."""
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_length_running_past_the_chunk_raises(tmp_path: Path, scan: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a CRC, a damaged item length is found by the scan of the items' places, or
+    by numcodecs where the chunk is decoded whole (before numba's start, few chunks)."""
+    from annbatch_torch.store import rawstrings
+
+    monkeypatch.setattr(rawstrings, "_SCAN_FROM_CHUNKS", 0 if scan else 10**9)
+    monkeypatch.setattr(rawstrings, "_unscanned", 0)
+    if not scan:
+        monkeypatch.setattr(rawstrings, "_vlen_bounds", rawstrings._vlen_bounds_py)
     raw = _write(tmp_path / "a.zarr", [f"cell{i}" for i in range(8)], 8, crc=False)
     chunk = tmp_path / "a.zarr" / "c" / "0"
     body = bytearray(chunk.read_bytes())
     body[4 + 4 + 5 + 2] = 0xFF  # item 1's length: now far past the chunk's end
     chunk.write_bytes(bytes(body))
-    with pytest.raises(ChunkError, match=re.escape(str(chunk)) + ".*item 1 of 8 runs past"):
+    what = "item 1 of 8 runs past" if scan else "does not decode"
+    with pytest.raises(ChunkError, match=re.escape(str(chunk)) + f".*{what}"):
         raw[np.array([0])]
+
+
+def test_numbas_start_is_paid_only_for_many_chunks(tmp_path: Path) -> None:
+    """In a fresh process, names from a few chunks are decoded whole (no compiled scan:
+    numba's start costs more than decoding them); after 16 chunks so decoded, in one call or
+    over several, the scan is loaded."""
+    from conftest import run_python
+
+    names = [f"c{i}" for i in range(400)]
+    _write(tmp_path / "a.zarr", names, 10)
+    code = (
+        "import numpy as np\n"
+        "from annbatch_torch.store import rawstrings as r\n"
+        f"a = r.open_raw_strings({str(tmp_path / 'a.zarr')!r})\n"
+        "print(list(a[np.array([1, 25, 12])]), bool(r._vlen_bounds.overloads))\n"
+        "print(list(a[np.arange(0, 400, 10)])[-1], bool(r._vlen_bounds.overloads))\n"
+    )
+    few, many = run_python(code, tmp_path).strip().splitlines()
+    assert few == "['c1', 'c25', 'c12'] False"
+    assert many == "c390 True"
 
 
 def test_bytes_after_the_items_are_left_alone_as_zarr_does(tmp_path: Path) -> None:

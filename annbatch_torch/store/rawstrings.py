@@ -33,6 +33,11 @@ __all__ = ["RawStringArray", "open_raw_strings"]
 #: a chunk's items decoded all at once (numcodecs) rather than one by one when at least
 #: this share of them is asked for: about as fast, and no scan of its items' places
 _WHOLE_SHARE = 0.5
+#: chunks this process decodes whole before it pays numba's start for the scan (~0.3 s
+#: where no compiled loop ran yet; a whole chunk of 65,536 names decodes in ~10 ms): a few
+#: names of a small collection never load it, many of a large one load it soon
+_SCAN_FROM_CHUNKS = 16
+_unscanned = 0  # chunks decoded whole so far for want of the scan (this process)
 
 
 def _vlen_bounds_py(buf, n, bounds):  # type: ignore[no-untyped-def]  # pragma: no cover
@@ -147,12 +152,19 @@ class RawStringArray:
         return out
 
     def _take(self, c: int, items: np.ndarray) -> np.ndarray:
+        global _unscanned
         chunk = self._chunk(c)
         out = np.empty(items.size, dtype=object)
         if chunk is None:
             out[...] = self.fill_value
             return out
-        bounds = self._bounds(c, chunk)  # the chunk's items checked: both ways agree
+        # the chunk's items checked (both ways agree), unless it is decoded whole at once
+        # for want of the scan (see _SCAN_FROM_CHUNKS)
+        scan = (chunk.bounds is not None or _unscanned >= _SCAN_FROM_CHUNKS
+                or getattr(_vlen_bounds, "overloads", None))
+        bounds = self._bounds(c, chunk) if scan else None
+        if bounds is None:
+            _unscanned += 1
         try:
             if items.size >= _WHOLE_SHARE * chunk.n or bounds is None:
                 from numcodecs.vlen import VLenUTF8  # one decode of the whole chunk
