@@ -153,7 +153,7 @@ def _row_lengths(pieces: Sequence[Piece], els: list[Any], arrays: PieceArrays | 
     if not pieces:
         return np.zeros(0, np.int64)
     if len(pieces) < GATHER_PIECES:
-        return np.concatenate([np.diff(el.indptr[p.start : p.stop + 1])
+        return np.concatenate([el.indptr.lengths(p.start, p.stop)
                                for p, el in zip(pieces, els)])
     arrays = piece_arrays(pieces) if arrays is None else arrays
     lengths = np.empty(int((arrays[2] - arrays[1]).sum()), dtype=np.int64)
@@ -261,10 +261,17 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
     if trust_verified and hasattr(el, "read_rows_cast") and el.read_rows_cast(
             rows, data, indices, dests):
         return {}
-    lens = el.indptr[rows + 1] - el.indptr[rows]
     # drawn rows read from chunks verified before stay on read_rows_gather (trust_verified)
-    contiguous = (not trust_verified) and int(rows[-1]) - int(rows[0]) + 1 == len(rows)
-    _prefetch(el, el.indptr[rows], el.indptr[rows] + lens)
+    first = int(rows[0])
+    contiguous = (not trust_verified) and int(rows[-1]) - first + 1 == len(rows)
+    offsets = None
+    if contiguous:
+        offsets = el.indptr[first : first + len(rows) + 1]
+        at, lens = offsets[:-1], np.diff(offsets)
+    else:
+        at = el.indptr[rows]
+        lens = el.indptr[rows + 1] - at
+    _prefetch(el, at, at + lens)
     inside = True
     for a, b in _row_blocks(lens, SCRATCH_ELEMS):
         part = lens[a:b]
@@ -273,7 +280,8 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
         n = int(starts[-1] + part[-1])
         values, columns = scratch(n, el.data.dtype, 0), scratch(n, el.indices.dtype, 1)
         if contiguous:
-            el.read_rows_scatter(int(rows[a]), int(rows[b - 1]) + 1, values, columns, starts)
+            el.read_rows_scatter(int(rows[a]), int(rows[b - 1]) + 1, values, columns, starts,
+                                 offsets=offsets[a : b + 1] if offsets is not None else None)
         else:
             el.read_rows_gather(rows[a:b], values, columns, starts,
                                 trust_verified=trust_verified)

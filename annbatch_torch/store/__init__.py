@@ -3,7 +3,8 @@
 Root modules: ``manifest`` (the JSON schema of a collection), ``source`` (``Source``: the
 interface the reader pulls rows from, with lazy per-process handles), ``collection``
 (``Collection``, a written collection, and ``open_collection``), ``metadata`` (obs / var frames and
-categories), ``elements`` (row-range readers of one AnnData element), ``checks`` (value and
+categories), ``elements`` (row-range readers of one AnnData element), ``rowoffsets`` (a CSR
+element's row offsets in a few bytes a row), ``checks`` (value and
 structure checks), ``rawzarr`` (the array reader: our uncompressed chunks read with ``preadv``,
 chunk objects from a :class:`~annbatch_torch.store.rawzarr.ChunkSource`), ``rawstrings``
 (a string array's raw vlen-utf8 chunks read by position: a shard's obs names), ``diskio``

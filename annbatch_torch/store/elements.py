@@ -23,6 +23,7 @@ import scipy.sparse as sp
 
 from ..errors import InputError
 from .rawzarr import IndexOutOfRange
+from .rowoffsets import RowOffsets
 
 __all__ = [
     "CSRElement",
@@ -97,13 +98,14 @@ class Element:
 class CSRElement(Element):
     """A CSR matrix: ``data``, ``indices`` and ``indptr`` arrays supporting slicing.
 
-    ``indptr`` is read once into memory (``n_rows + 1`` integers); row ranges then map
-    to one contiguous slice of ``data`` and of ``indices``.
+    ``indptr`` is read once, checked, and kept as a :class:`~.rowoffsets.RowOffsets`
+    (``n_rows + 1`` offsets in about 2-4 bytes a row, read like an ``int64`` array); row
+    ranges then map to one contiguous slice of ``data`` and of ``indices``.
     """
 
     data: Any
     indices: Any
-    indptr: np.ndarray
+    indptr: Any
     shape: tuple[int, int]
     name: str = "X"
     kind: str = "csr"
@@ -111,30 +113,31 @@ class CSRElement(Element):
 
     def __post_init__(self) -> None:
         where = f"{self.source}: field {self.name!r}"
-        self.indptr = np.asarray(self.indptr[...], dtype=np.int64)
+        ip = np.asarray(self.indptr[...], dtype=np.int64)
         self.shape = (int(self.shape[0]), int(self.shape[1]))
         self.n_rows = self.shape[0]
         self.dtype = np.dtype(self.data.dtype)
         #: indices chunks whose every value was checked inside [0, n_cols): {chunk: CRC}
         self.checked_chunks: dict[int, int] = {}
         fix = "the sparse matrix is damaged; rewrite it (or the collection) from its inputs."
-        if self.indptr.ndim != 1 or self.indptr.shape[0] != self.n_rows + 1:
+        if ip.ndim != 1 or ip.shape[0] != self.n_rows + 1:
             raise InputError(
-                f"{where}: indptr has {self.indptr.shape[0] if self.indptr.ndim else 0} entries "
+                f"{where}: indptr has {ip.shape[0] if ip.ndim else 0} entries "
                 f"but the shape attribute says {self.n_rows} rows (expected "
                 f"{self.n_rows + 1}); {fix}"
             )
-        # indptr is in memory anyway: checking it is cheap, and a damaged one would
+        # indptr is read whole anyway: checking it is cheap, and a damaged one would
         # otherwise slice the wrong values silently
         n_data, n_indices = int(self.data.shape[0]), int(self.indices.shape[0])
-        if self.indptr[0] != 0 or self.indptr[-1] > min(n_data, n_indices):
+        if ip[0] != 0 or ip[-1] > min(n_data, n_indices):
             raise InputError(
-                f"{where}: indptr runs from {int(self.indptr[0])} to {int(self.indptr[-1])} but "
+                f"{where}: indptr runs from {int(ip[0])} to {int(ip[-1])} but "
                 f"data holds {n_data} values and indices {n_indices}; {fix}"
             )
-        if self.n_rows and bool((self.indptr[1:] < self.indptr[:-1]).any()):
-            row = int(np.flatnonzero(self.indptr[1:] < self.indptr[:-1])[0])
+        if self.n_rows and bool((ip[1:] < ip[:-1]).any()):
+            row = int(np.flatnonzero(ip[1:] < ip[:-1])[0])
             raise InputError(f"{where}: indptr decreases at row {row}; {fix}")
+        self.indptr = RowOffsets(ip)
 
     @property
     def n_cols(self) -> int:
@@ -148,7 +151,7 @@ class CSRElement(Element):
         lo, hi = self.nnz_range(start, stop)
         data = np.asarray(self.data[lo:hi])
         indices = np.asarray(self.indices[lo:hi])
-        lengths = np.diff(self.indptr[start : stop + 1])
+        lengths = self.indptr.lengths(start, stop)
         return data, indices, lengths
 
     def read_into(
@@ -163,7 +166,7 @@ class CSRElement(Element):
                 src.read_into(lo, hi, out)
             else:
                 out[...] = np.asarray(src[lo:hi])
-        return np.diff(self.indptr[start : stop + 1])
+        return self.indptr.lengths(start, stop)
 
     @property
     def can_scatter(self) -> bool:
@@ -178,7 +181,7 @@ class CSRElement(Element):
 
     def read_rows_scatter(
         self, start: int, stop: int, data_out: np.ndarray, indices_out: np.ndarray,
-        dests: np.ndarray,
+        dests: np.ndarray, offsets: np.ndarray | None = None,
     ) -> dict[int, int] | None:
         """Copy row ``start + i``'s values and column indices to ``data_out[dests[i]:]``
         and ``indices_out[dests[i]:]`` for ``i < stop - start`` (rows land wherever the
@@ -189,11 +192,13 @@ class CSRElement(Element):
         ``[0, n_cols)`` already; a caller that checks the delivered indices may record the
         chunks with :meth:`mark_checked` and skip its check when
         :meth:`all_checked` says every chunk of a later read is one it checked before.
+        ``offsets``: ``indptr[start : stop + 1]`` when the caller has it already.
         """
         if stop <= start:
             return {}
-        runs = self.indptr[start:stop]
-        end = int(self.indptr[stop])
+        if offsets is None:
+            offsets = self.indptr[start : stop + 1]
+        runs, end = offsets[:-1], int(offsets[-1])
         crcs: dict[int, int] | None = None
         for src, out in ((self.data, data_out), (self.indices, indices_out)):
             if hasattr(src, "read_runs"):
@@ -204,7 +209,7 @@ class CSRElement(Element):
                     crcs = got
             else:
                 values = np.asarray(src[int(runs[0]) : end])
-                lengths = np.diff(self.indptr[start : stop + 1])
+                lengths = np.diff(offsets)
                 pos = np.repeat(dests - (runs - runs[0]), lengths) + np.arange(values.size)
                 out[pos] = values
         return crcs

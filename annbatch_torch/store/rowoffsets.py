@@ -1,0 +1,196 @@
+"""A CSR matrix's row offsets (its ``indptr``) held in a few bytes a row.
+
+Every process that reads a collection keeps each open shard's ``indptr`` in memory: one
+offset a row. As ``int64`` that is 8 bytes a cell, 800 MB per process at 10^8 cells (and
+a DataLoader runs one process per worker). :class:`RowOffsets` keeps the same values as
+an ``int64`` base every ``2**shift`` rows plus each row's offset from its block's base in
+the narrowest unsigned dtype that holds every such offset: ``uint16`` when the blocks are
+small enough for that (about 2 bytes a row), else ``uint32`` (about 4), else ``int64``.
+Reading any offset stays one gather and one add (``base[r >> shift] + off[r]``).
+
+Indexing follows numpy's ``int64`` array: an integer, a slice or an integer array gives
+the offsets at those places (``int64``), ``np.searchsorted`` and ``np.asarray`` work.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+from .native import compiled
+
+__all__ = ["RowOffsets"]
+
+#: the largest block (rows a base serves) tried: bases cost 8 bytes per 2**_MAX_SHIFT rows
+_MAX_SHIFT = 16
+#: the smallest block worth a uint16 layout (its bases cost 8 / 2**shift bytes a row)
+_MIN_SHIFT_16 = 3
+
+
+def _expand_py(base, off, shift, a, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    for i in range(out.shape[0]):
+        out[i] = base[(a + i) >> shift] + off[a + i]
+
+
+#: offsets ``[a, a + len(out))`` into ``out``: one compiled loop, without the GIL (a
+#: piece's slice is read by several threads at once; numpy's few small steps each hold it)
+_expand = compiled(_expand_py)
+
+
+def _max_offset(ip: np.ndarray, shift: int) -> int:
+    """The largest ``ip[r] - ip[(r >> shift) << shift]`` (``ip`` non-decreasing)."""
+    n = ip.shape[0]
+    step = 1 << shift
+    ends = np.minimum(np.arange(step - 1, n + step - 1, step), n - 1)
+    return int((ip[ends] - ip[::step]).max()) if n else 0
+
+
+def _layout(ip: np.ndarray) -> tuple[int, type[np.unsignedinteger] | type[np.int64]]:
+    """The block shift and offset dtype that hold ``ip`` in the fewest bytes."""
+    n = max(ip.shape[0], 1)
+    best: tuple[float, int, Any] = (8.0, 62, np.int64)  # one base, offsets as they are
+    for dtype, limit in ((np.uint32, 1 << 32), (np.uint16, 1 << 16)):
+        shift = _MAX_SHIFT
+        while shift >= _MIN_SHIFT_16 and _max_offset(ip, shift) >= limit:
+            shift -= 1
+        if shift < _MIN_SHIFT_16:
+            continue
+        size = np.dtype(dtype).itemsize + 8 * (-(-n >> shift) if shift < 62 else 1) / n
+        if size < best[0]:
+            best = (size, shift, dtype)
+    return best[1], best[2]
+
+
+class RowOffsets:
+    """Row offsets of a CSR matrix (``n_rows + 1`` non-decreasing integers from 0), held
+    compactly and read like an ``int64`` array.
+
+    Parameters
+    ----------
+    indptr
+        The offsets, non-decreasing (the caller checks them: decreasing ones would wrap
+        in an unsigned layout); copied, not kept.
+    """
+
+    __slots__ = ("_base", "_n", "_off", "_shift")
+
+    def __init__(self, indptr: Any) -> None:
+        ip = np.asarray(indptr, dtype=np.int64)
+        if ip.ndim != 1:
+            raise ValueError(f"row offsets must be 1-D, got shape {ip.shape}")
+        self._n = int(ip.shape[0])
+        shift, dtype = _layout(ip)
+        self._shift = shift
+        step = 1 << shift if shift < 62 else max(self._n, 1)
+        self._base = np.ascontiguousarray(ip[::step]) if self._n else np.zeros(1, np.int64)
+        off = np.empty(self._n, dtype=dtype)
+        whole = (self._n // step) * step
+        nb = whole // step
+        np.subtract(ip[:whole].reshape(nb, step), self._base[:nb, None],
+                    out=off[:whole].reshape(nb, step), casting="unsafe")
+        if whole < self._n:
+            np.subtract(ip[whole:], self._base[nb], out=off[whole:], casting="unsafe")
+        self._off = off
+
+    # -- array-like surface ------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int]:
+        return (self._n,)
+
+    @property
+    def ndim(self) -> int:
+        return 1
+
+    @property
+    def size(self) -> int:
+        return self._n
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (bases and offsets), not the ``8 * len(self)`` of the values."""
+        return int(self._base.nbytes + self._off.nbytes)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        return (f"RowOffsets({self._n} offsets, {self._off.dtype} a row, a base every "
+                f"{1 << self._shift if self._shift < 62 else self._n} rows)")
+
+    def _at(self, rows: np.ndarray) -> np.ndarray:
+        """Offsets at non-negative ``rows`` (int64 array; out of range raises)."""
+        off = self._off[rows]  # raises IndexError past the end
+        return self._base[rows >> self._shift] + off
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):  # the readers' common case: a piece's rows
+            a, b, step = key.indices(self._n)
+            if step == 1:
+                return self._slice(a, b)
+            return self._at(np.arange(a, b, step, dtype=np.int64))
+        if isinstance(key, (int, np.integer)):
+            k = int(key)
+            if k < 0:
+                k += self._n
+            if not 0 <= k < self._n:
+                raise IndexError(f"index {int(key)} is out of bounds for {self._n} row offsets")
+            return self._base[k >> self._shift] + np.int64(self._off[k])
+        if key is Ellipsis:
+            return self._at(np.arange(self._n, dtype=np.int64))
+        rows = np.asarray(key)
+        if rows.dtype == bool:
+            if rows.shape != (self._n,):
+                raise IndexError(f"a boolean index of shape {rows.shape} does not match "
+                                 f"{self._n} row offsets")
+            rows = np.flatnonzero(rows)
+        elif rows.dtype.kind not in "iu":
+            raise IndexError(f"row offsets are indexed by integers, not {rows.dtype}")
+        rows = rows.astype(np.int64, copy=False)
+        if rows.size and int(rows.min()) < 0:
+            rows = np.where(rows < 0, rows + self._n, rows)
+            if int(rows.min()) < 0:
+                raise IndexError(f"an index is out of bounds for {self._n} row offsets")
+        return self._at(rows)
+
+    def _slice(self, a: int, b: int) -> np.ndarray:
+        """Offsets ``[a, b)`` (``0 <= a``, ``b <= n``)."""
+        if b <= a:
+            return np.empty(0, dtype=np.int64)
+        if numba.config.DISABLE_JIT:
+            return self._at(np.arange(a, b, dtype=np.int64))
+        out = np.empty(b - a, dtype=np.int64)
+        _expand(self._base, self._off, self._shift, a, out)
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[...]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def lengths(self, start: int, stop: int) -> np.ndarray:
+        """Entries of rows ``[start, stop)`` (``int64``): ``np.diff(self[start : stop + 1])``."""
+        return np.diff(self[start : stop + 1])
+
+    def searchsorted(self, v: Any, side: str = "left", sorter: Any = None) -> Any:
+        """``np.searchsorted`` over the offsets, reading only the bases and one block per
+        value."""
+        if sorter is not None:
+            raise ValueError("row offsets are sorted already: sorter must be None")
+        if side not in ("left", "right"):
+            raise ValueError(f"side must be 'left' or 'right', not {side!r}")
+        values = np.asarray(v)
+        out = np.empty(values.shape, dtype=np.intp)
+        step = 1 << self._shift if self._shift < 62 else max(self._n, 1)
+        for i, x in enumerate(values.ravel().tolist()):
+            k = int(np.searchsorted(self._base, x, side=side)) - 1  # last block before x
+            if k < 0:
+                out.flat[i] = 0
+                continue
+            a = k * step
+            block = self[a : min(a + step, self._n)]
+            out.flat[i] = a + int(np.searchsorted(block, x, side=side))
+        return out if values.ndim else int(out)

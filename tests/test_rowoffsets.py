@@ -1,0 +1,118 @@
+"""A CSR matrix's row offsets held compactly (``store/rowoffsets.py``): every read must
+give what the same ``int64`` array gives (integers, negative ones, slices with any step,
+integer and boolean arrays, ``np.searchsorted`` on both sides, ``np.asarray``, row
+lengths), whichever layout the offsets took (``uint16`` in small blocks, ``uint32``,
+``int64``), and the bytes held must be the layout's, not 8 a row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from annbatch_torch.store.rowoffsets import RowOffsets
+
+
+def _indptr(lengths: list[int]) -> np.ndarray:
+    ip = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=ip[1:])
+    return ip
+
+
+def _counts(seed: int, n: int, mean: int) -> list[int]:
+    """``n`` heavy-tailed row lengths around ``mean`` (as a count matrix's rows are)."""
+    return np.random.default_rng(seed).negative_binomial(1, 1 / (1 + mean), n).tolist()
+
+
+# row lengths from empty rows to rows that force the wider layouts (2**16: uint16 blocks
+# must shrink; 2**29: eight rows pass 2**32, so only int64 holds them), and thousands of
+# count-like rows (uint16 offsets in blocks of 8 to 2**16 rows: slices cross blocks)
+_lengths = st.one_of(
+    st.lists(st.one_of(st.integers(0, 300), st.integers(0, 70_000),
+                       st.sampled_from([0, 1, 2**16 - 1, 2**16, 2**29])),
+             min_size=0, max_size=400),
+    st.builds(_counts, st.integers(0, 2**16), st.integers(1, 6000),
+              st.sampled_from([1, 30, 300, 3000])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=_lengths, data=st.data())
+def test_every_read_equals_the_int64_arrays(lengths: list[int], data: st.DataObject) -> None:
+    ip = _indptr(lengths)
+    r = RowOffsets(ip)
+    n = len(ip)
+    assert len(r) == n
+    assert r.shape == (n,)
+    assert r.dtype == np.int64
+    np.testing.assert_array_equal(np.asarray(r), ip)
+    np.testing.assert_array_equal(r[...], ip)
+    k = data.draw(st.integers(-n, n - 1))
+    assert r[k] == ip[k]
+    assert r[np.int32(k)] == ip[k]
+    a = data.draw(st.integers(-n - 2, n + 2) | st.none())
+    b = data.draw(st.integers(-n - 2, n + 2) | st.none())
+    step = data.draw(st.sampled_from([None, 1, 2, 7, -1, -3]))
+    got = r[a:b:step]
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, ip[a:b:step])
+    a = data.draw(st.integers(0, n))  # a piece's rows: a short range anywhere
+    b = a + data.draw(st.sampled_from([0, 1, 9, 100, 700, 3000]))
+    np.testing.assert_array_equal(r[a:b], ip[a:b])
+    rows = np.asarray(data.draw(st.lists(st.integers(-n, n - 1), max_size=50)), dtype=np.int64)
+    np.testing.assert_array_equal(r[rows], ip[rows])
+    np.testing.assert_array_equal(r[rows.astype(np.int32)], ip[rows])
+    mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    np.testing.assert_array_equal(r[mask], ip[mask])
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start, min(n - 1, start + 1000)) | st.integers(start, n - 1))
+    got = r.lengths(start, stop)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.diff(ip[start : stop + 1]))
+    values = np.asarray(data.draw(st.lists(
+        st.integers(-1, int(ip[-1]) + 1) | st.sampled_from(ip.tolist()), max_size=20)))
+    for side in ("left", "right"):
+        np.testing.assert_array_equal(np.searchsorted(r, values, side=side),
+                                      np.searchsorted(ip, values, side=side))
+        if values.size:
+            assert np.searchsorted(r, values[0], side=side) == np.searchsorted(
+                ip, values[0], side=side)
+
+
+def test_out_of_range_reads_raise_as_numpy_does() -> None:
+    r = RowOffsets(_indptr([3, 0, 5]))
+    for bad in (4, -5):
+        with pytest.raises(IndexError, match="out of bounds"):
+            r[bad]
+    with pytest.raises(IndexError):
+        r[np.array([0, 4])]
+    with pytest.raises(IndexError, match="out of bounds"):
+        r[np.array([-5])]
+    with pytest.raises(IndexError, match="boolean index"):
+        r[np.array([True, False])]
+    with pytest.raises(IndexError, match="integers"):
+        r[np.array([0.5])]
+    with pytest.raises(ValueError, match="side"):
+        r.searchsorted(3, side="middle")
+
+
+@pytest.mark.parametrize(("mean", "most"), [(4, 2.1), (250, 2.2), (20_000, 4.1)])
+def test_bytes_held_a_row(mean: int, most: float) -> None:
+    """Counts of a few to a few hundred entries a row hold about 2 bytes a row (uint16
+    offsets in blocks of rows), wide rows about 4 (uint32), never the 8 of int64."""
+    rng = np.random.default_rng(mean)
+    lengths = rng.negative_binomial(2, 2 / (2 + mean), 200_000)
+    ip = _indptr(lengths.tolist())
+    r = RowOffsets(ip)
+    assert r.nbytes <= most * len(ip), (r, r.nbytes / len(ip))
+    np.testing.assert_array_equal(np.asarray(r), ip)
+
+
+def test_offsets_past_four_billion_stay_exact() -> None:
+    lengths = [2**31] * 9 + [1, 0, 7]
+    ip = _indptr(lengths)
+    r = RowOffsets(ip)
+    np.testing.assert_array_equal(np.asarray(r), ip)
+    assert r[-1] == ip[-1]
+    assert int(r[10]) == 9 * 2**31 + 1
+    np.testing.assert_array_equal(r.lengths(0, len(lengths)), np.asarray(lengths))
