@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -1157,3 +1158,46 @@ def test_covering_reads_of_drawn_rows_span_a_bounded_number_of_bytes(
         assert_same(got[f], full[f][rows], f)
     assert max(spans["obsm/X_pca"]) == 1  # gaps of 9 rows of X_pca exceed the budget
     assert max(spans["obs/n_counts"]) > 10  # a narrow column's gaps are bridged
+
+
+@pytest.mark.parametrize("encoding", [("default", "/"), ("default", "."), ("v2", "."),
+                                      ("v2", "/")])
+def test_chunk_key_encodings_name_the_files_zarr_wrote(tmp_path: Path,
+                                                       encoding: tuple[str, str]) -> None:
+    """Every chunk key encoding zarr v3 writes (default or v2 keys, either separator) is
+    read at the files zarr wrote: a raw array's values, a raw string array's items and a
+    group's chunk file count (chunks absent would read as fill values, or count short)."""
+    from annbatch_torch.store.groups import open_fast_group
+    from annbatch_torch.store.rawstrings import open_raw_strings
+
+    name, sep = encoding
+    enc = {"name": name, "separator": sep}
+    root = zarr.open_group(str(tmp_path / "g"), mode="w", zarr_format=3)
+    values = np.arange(50, dtype=np.float32).reshape(25, 2) + 1
+    root.create_array("m", shape=values.shape, chunks=(4, 2), dtype=np.float32,
+                      compressors=[Crc32cCodec()], chunk_key_encoding=enc, fill_value=0)[:] = values
+    names = [f"cell{i}" for i in range(11)]
+    root.create_array("s", shape=(11,), chunks=(3,), dtype=str, compressors=[Crc32cCodec()],
+                      chunk_key_encoding=enc)[:] = np.array(names, dtype=object)
+    root.create_array("z", shape=(9,), chunks=(2,), dtype=np.int64, chunk_key_encoding=enc,
+                      compressors=[zarr.codecs.ZstdCodec()])[:] = np.arange(9) + 1
+    raw = open_raw(tmp_path / "g" / "m")
+    assert raw is not None
+    np.testing.assert_array_equal(raw[...], values)
+    strings = open_raw_strings(tmp_path / "g" / "s")
+    assert strings is not None
+    assert [str(x) for x in strings[np.arange(11)]] == names
+    assert open_fast_group(tmp_path / "g").chunk_files("z") == (5, 5)
+
+
+def test_an_unknown_chunk_key_encoding_is_left_to_zarr(tmp_path: Path) -> None:
+    raw = write_raw(tmp_path / "a", np.arange(10, dtype=np.float32), 4, True)
+    meta_path = tmp_path / "a" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    assert raw is not None
+    assert rawzarr.chunk_key_layout(meta) == ("c/", "/")
+    for enc in ({"name": "future"}, {"name": "default", "configuration": {"separator": "-"}},
+                "default"):
+        meta["chunk_key_encoding"] = enc
+        meta_path.write_text(json.dumps(meta))
+        assert open_raw(tmp_path / "a") is None, enc

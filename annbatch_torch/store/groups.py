@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import CollectionError
 from .rawstrings import RawStringArray, open_raw_strings
-from .rawzarr import RawZarrArray, open_raw
+from .rawzarr import RawZarrArray, chunk_key_layout, open_raw
 
 if TYPE_CHECKING:
     from .remote.mirror import Mirror
@@ -118,8 +118,8 @@ class FastGroup:
         if isinstance(child, RawZarrArray):
             return None
         grid = meta.get("chunk_grid")
-        enc = meta.get("chunk_key_encoding", {"name": "default"})
-        if not isinstance(grid, dict) or not isinstance(enc, dict):
+        layout = chunk_key_layout(meta)
+        if not isinstance(grid, dict) or layout is None:
             return None
         try:
             shape = [int(n) for n in meta.get("shape", ())]
@@ -128,17 +128,13 @@ class FastGroup:
             return None
         if grid.get("name") != "regular" or len(chunks) != len(shape) or min(chunks, default=1) < 1:
             return None
-        name, conf = enc.get("name"), enc.get("configuration") or {}
-        if name not in ("default", "v2"):
-            return None
-        sep = conf.get("separator", "/" if name == "default" else ".")
+        prefix, sep = layout
         counts = [-(-n // c) for n, c in zip(shape, chunks)]
         expected = int(np.prod(counts)) if shape else 1
         base = self.path / key
-        prefix = ["c"] if name == "default" else []
         if not shape:  # one chunk, named "c" (v2 keys: "0")
             return int((base / ("c" if prefix else "0")).is_file()), expected
-        present = sum((base / sep.join(prefix + [str(i) for i in idx])).is_file()
+        present = sum((base / (prefix + sep.join(str(i) for i in idx))).is_file()
                       for idx in itertools.product(*(range(n) for n in counts)))
         return present, expected
 

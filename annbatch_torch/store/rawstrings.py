@@ -26,7 +26,7 @@ import numba
 import numpy as np
 
 from .native import compiled
-from .rawzarr import ChunkError
+from .rawzarr import ChunkError, chunk_key_layout
 
 __all__ = ["RawStringArray", "open_raw_strings"]
 
@@ -94,10 +94,11 @@ class RawStringArray:
         self.crc = any(c.get("name") == "crc32c" for c in meta["codecs"])
         fill = meta.get("fill_value", "")
         self.fill_value = fill if isinstance(fill, str) else ""
-        enc = meta.get("chunk_key_encoding") or {"name": "default"}
-        v2_keys = enc.get("name") == "v2"
-        sep = (enc.get("configuration") or {}).get("separator", "." if v2_keys else "/")
-        self._prefix = str(path) + os.sep + ("" if v2_keys else "c" + sep)
+        layout = chunk_key_layout(meta)
+        if layout is None:
+            raise ValueError(f"{path}: chunk_key_encoding {meta.get('chunk_key_encoding')!r} "
+                             "is neither zarr v3's default nor v2")
+        self._prefix = str(path) + os.sep + layout[0]
         self.attrs: dict[str, Any] = meta.get("attributes", {})
         # chunk -> its bytes and places (None: absent); filled without a lock (two threads
         # may read a chunk twice, one copy kept), so a fork never inherits one held
@@ -248,11 +249,10 @@ def open_raw_strings(path: str | os.PathLike[str]) -> RawStringArray | None:
                 or any(c.get("name") != "crc32c" for c in codecs[1:])):
             return None
         grid = meta.get("chunk_grid", {})
-        enc = meta.get("chunk_key_encoding") or {"name": "default"}
         shape = [int(s) for s in meta["shape"]]
         chunks = [int(s) for s in grid["configuration"]["chunk_shape"]]
         if (grid.get("name") != "regular" or len(shape) != 1 or len(chunks) != 1
-                or chunks[0] < 1 or enc.get("name") not in ("default", "v2")):
+                or chunks[0] < 1 or chunk_key_layout(meta) is None):
             return None
         return RawStringArray(p, meta)
     except (AttributeError, KeyError, TypeError, ValueError):  # not zarr's metadata

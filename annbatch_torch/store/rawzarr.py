@@ -164,10 +164,11 @@ class RawZarrArray:
             self._indexes: dict[int, np.ndarray | None] = {}
             self._index_lock = threading.Lock()
         self.fill_value = meta.get("fill_value", 0)
-        enc = meta.get("chunk_key_encoding", {"name": "default"})
-        conf = enc.get("configuration", {})
-        self._v2_keys = enc.get("name") == "v2"
-        self._sep = conf.get("separator", "." if self._v2_keys else "/")
+        layout = chunk_key_layout(meta)
+        if layout is None:
+            raise ValueError(f"{path}: chunk_key_encoding {meta.get('chunk_key_encoding')!r} "
+                             "is neither zarr v3's default nor v2")
+        key_prefix, self._sep = layout
         self.row_items = int(np.prod(self.shape[1:], dtype=np.int64))
         self.chunk_rows = self.chunks[0]
         self.chunk_nbytes = self.chunk_rows * self.row_items * self.dtype.itemsize
@@ -180,7 +181,7 @@ class RawZarrArray:
         # chunk file names: f"{prefix}{c}{suffix}" (built once: this is on the hot path)
         rest = self._sep.join(["0"] * (len(self.shape) - 1))
         self._suffix = self._sep + rest if rest else ""
-        self._prefix = str(path) + os.sep + ("" if self._v2_keys else "c" + self._sep)
+        self._prefix = str(path) + os.sep + key_prefix
 
     @property
     def reads_compiled(self) -> bool:
@@ -989,6 +990,22 @@ def _blosc_codecs(codecs: list[dict[str, Any]]) -> bool:
             and codecs[1].get("name") == "blosc" and codecs[2].get("name") == "crc32c")
 
 
+def chunk_key_layout(meta: dict[str, Any]) -> tuple[str, str] | None:
+    """How the zarr v3 array metadata ``meta`` names its chunk files: ``(prefix, sep)``,
+    a chunk's key being ``prefix + sep.join(its grid coordinates)`` (the default encoding:
+    ``"c" + sep``, ``sep`` "/" unless configured; v2 keys: no prefix, "." unless
+    configured). ``None`` for an encoding other than those two."""
+    enc = meta.get("chunk_key_encoding") or {"name": "default"}
+    if not isinstance(enc, dict) or enc.get("name") not in ("default", "v2"):
+        return None
+    default = enc["name"] == "default"
+    conf = enc.get("configuration") or {}
+    sep = conf.get("separator", "/" if default else ".") if isinstance(conf, dict) else None
+    if sep not in ("/", "."):
+        return None
+    return ("c" + sep if default else ""), sep
+
+
 def open_raw(path: str | os.PathLike[str], remote: ChunkSource | None = None
              ) -> RawZarrArray | None:
     """A :class:`RawZarrArray` for the zarr v3 array at ``path``, or ``None`` when the
@@ -1015,6 +1032,8 @@ def open_raw(path: str | os.PathLike[str], remote: ChunkSource | None = None
           or sharding.get("index_location", "end") not in ("end", "start")):
         return None
     if meta.get("chunk_grid", {}).get("name") != "regular" or meta.get("storage_transformers"):
+        return None
+    if chunk_key_layout(meta) is None:
         return None
     try:
         dtype = np.dtype(meta["data_type"])
