@@ -6,12 +6,37 @@ lengths), whichever layout the offsets took (``uint16`` in small blocks, ``uint3
 
 from __future__ import annotations
 
+import contextlib
+import tracemalloc
+from collections.abc import Iterator
+
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from annbatch_torch.store import rowoffsets
 from annbatch_torch.store.rowoffsets import RowOffsets
+
+#: how slices are expanded: numpy (a process's first slices, or numba's JIT disabled)
+#: or the compiled loop
+MODES = ["numpy", "no_jit", "compiled"]
+
+
+@contextlib.contextmanager
+def _mode(mode: str) -> Iterator[None]:
+    saved = rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT
+    try:
+        if mode == "compiled":
+            rowoffsets._EXPAND_FROM_CALLS = 0
+        elif mode == "no_jit":
+            numba.config.DISABLE_JIT = True
+        else:
+            rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices = 10**12, 0
+        yield
+    finally:
+        rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT = saved
 
 
 def _indptr(lengths: list[int]) -> np.ndarray:
@@ -36,10 +61,16 @@ _lengths = st.one_of(
               st.sampled_from([1, 30, 300, 3000])))
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=150, deadline=None)
 @given(lengths=_lengths, data=st.data())
-def test_every_read_equals_the_int64_arrays(lengths: list[int], data: st.DataObject) -> None:
-    ip = _indptr(lengths)
+def test_every_read_equals_the_int64_arrays(mode: str, lengths: list[int],
+                                            data: st.DataObject) -> None:
+    with _mode(mode):
+        _check_every_read(_indptr(lengths), data)
+
+
+def _check_every_read(ip: np.ndarray, data: st.DataObject) -> None:
     r = RowOffsets(ip)
     n = len(ip)
     assert len(r) == n
@@ -79,6 +110,46 @@ def test_every_read_equals_the_int64_arrays(lengths: list[int], data: st.DataObj
                 ip, values[0], side=side)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("row", "jump"), [(65_535, 70_000), (7, 65_536), (65_535, 2**32),
+                                           (15, 2**32 + 1), (131_071, 65_536),
+                                           (65_536, 70_000), (65_536, 2**33)])
+def test_a_jump_on_a_blocks_last_row_is_held(mode: str, row: int, jump: int) -> None:
+    """The only row whose offset passes what a layout holds is the last of its block (a
+    block's largest offset is its last row's), or the first of the next (values between
+    two blocks are searched past the first block's offsets)."""
+    lengths = np.zeros(140_000, dtype=np.int64)
+    lengths[row - 1] = jump  # indptr[row] jumps
+    ip = _indptr(lengths.tolist())
+    with _mode(mode):
+        r = RowOffsets(ip)
+        np.testing.assert_array_equal(np.asarray(r), ip)
+        np.testing.assert_array_equal(r[row - 3 : row + 3], ip[row - 3 : row + 3])
+        assert r[row] == jump
+        np.testing.assert_array_equal(r.lengths(row - 2, row + 2),
+                                      lengths[row - 2 : row + 2])
+        values = np.array([0, 1, jump // 2, jump - 70_000, jump - 1, jump, jump + 1])
+        for side in ("left", "right"):
+            np.testing.assert_array_equal(r.searchsorted(values, side=side),
+                                          np.searchsorted(ip, values, side=side))
+
+
+@pytest.mark.parametrize("lengths", [[1] * 60_000, [10_000] * 60_000, [2**30] * 5_000,
+                                     [300] * 131_072])
+def test_nothing_but_the_layout_is_held(lengths: list[int]) -> None:
+    """The int64 offsets given are not kept alive (a one-element view of them as the
+    bases of a single-block layout would keep all of them)."""
+    tracemalloc.start()
+    try:
+        ip = _indptr(lengths)  # traced: held after the del only if the layout keeps it
+        r = RowOffsets(ip)
+        del ip
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held <= r.nbytes + 4096, (r, held, r.nbytes)
+
+
 def test_out_of_range_reads_raise_as_numpy_does() -> None:
     r = RowOffsets(_indptr([3, 0, 5]))
     for bad in (4, -5):
@@ -94,6 +165,13 @@ def test_out_of_range_reads_raise_as_numpy_does() -> None:
         r[np.array([0.5])]
     with pytest.raises(ValueError, match="side"):
         r.searchsorted(3, side="middle")
+    with pytest.raises(IndexError, match="out of bounds"):
+        r[np.array([2**64 - 1], dtype=np.uint64)]
+    with pytest.raises(IndexError, match="bool"):
+        r[True]
+    with pytest.raises(ValueError, match="copy"):
+        np.asarray(r, copy=False)
+    assert r[[]].shape == (0,)
 
 
 @pytest.mark.parametrize(("mean", "most"), [(4, 2.1), (250, 2.2), (20_000, 4.1)])

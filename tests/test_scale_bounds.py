@@ -64,6 +64,8 @@ def test_opening_a_collection_builds_no_python_object_per_row(tmp_path: Path) ->
     # the shard's row offsets (about 2 bytes a row of an open shard: uint16 offsets from a
     # base every few rows, store/rowoffsets.py; int64 took 8) and nothing else
     assert bytes_l - bytes_s < 3 * 90_000 + 256_000, (bytes_s, bytes_l)
+    offsets = abt.open_collection(large).element(0, "X").indptr
+    assert offsets.nbytes <= 2.1 * len(offsets), offsets  # uint16 a row (4 would be uint32)
 
 
 def _column_read_peak(path: Path) -> int:

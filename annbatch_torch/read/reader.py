@@ -264,7 +264,7 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
     # drawn rows read from chunks verified before stay on read_rows_gather (trust_verified)
     first = int(rows[0])
     contiguous = (not trust_verified) and int(rows[-1]) - first + 1 == len(rows)
-    offsets = None
+    offsets: Any = None
     if contiguous:
         offsets = el.indptr[first : first + len(rows) + 1]
         at, lens = offsets[:-1], np.diff(offsets)
@@ -281,7 +281,7 @@ def read_fused(el: CSRElement, rows: np.ndarray, data: np.ndarray, indices: np.n
         values, columns = scratch(n, el.data.dtype, 0), scratch(n, el.indices.dtype, 1)
         if contiguous:
             el.read_rows_scatter(int(rows[a]), int(rows[b - 1]) + 1, values, columns, starts,
-                                 offsets=offsets[a : b + 1] if offsets is not None else None)
+                                 offsets=offsets[a : b + 1])
         else:
             el.read_rows_gather(rows[a:b], values, columns, starts,
                                 trust_verified=trust_verified)

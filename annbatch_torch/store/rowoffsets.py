@@ -36,6 +36,11 @@ def _expand_py(base, off, shift, a, out):  # type: ignore[no-untyped-def]  # pra
 #: offsets ``[a, a + len(out))`` into ``out``: one compiled loop, without the GIL (a
 #: piece's slice is read by several threads at once; numpy's few small steps each hold it)
 _expand = compiled(_expand_py)
+#: slices a process expands with numpy before it loads :data:`_expand` (unless loaded
+#: already): numba's start (~0.3 s in a process that ran no compiled loop yet, such as
+#: one reading an h5ad in place) is paid only by a reader that goes on for long
+_EXPAND_FROM_CALLS = 4096
+_slices = 0  # slices expanded with numpy so far (this process)
 
 
 def _max_offset(ip: np.ndarray, shift: int) -> int:
@@ -83,7 +88,8 @@ class RowOffsets:
         shift, dtype = _layout(ip)
         self._shift = shift
         step = 1 << shift if shift < 62 else max(self._n, 1)
-        self._base = np.ascontiguousarray(ip[::step]) if self._n else np.zeros(1, np.int64)
+        # a copy: a one-element view would keep the whole int64 array alive
+        self._base = np.array(ip[::step]) if self._n else np.zeros(1, np.int64)
         off = np.empty(self._n, dtype=dtype)
         whole = (self._n // step) * step
         nb = whole // step
@@ -128,6 +134,8 @@ class RowOffsets:
         return self._base[rows >> self._shift] + off
 
     def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, (bool, np.bool_)):
+            raise IndexError("row offsets are indexed by integers, slices or arrays, not a bool")
         if isinstance(key, slice):  # the readers' common case: a piece's rows
             a, b, step = key.indices(self._n)
             if step == 1:
@@ -143,6 +151,8 @@ class RowOffsets:
         if key is Ellipsis:
             return self._at(np.arange(self._n, dtype=np.int64))
         rows = np.asarray(key)
+        if rows.size == 0:
+            return np.empty(rows.shape, dtype=np.int64)
         if rows.dtype == bool:
             if rows.shape != (self._n,):
                 raise IndexError(f"a boolean index of shape {rows.shape} does not match "
@@ -150,6 +160,8 @@ class RowOffsets:
             rows = np.flatnonzero(rows)
         elif rows.dtype.kind not in "iu":
             raise IndexError(f"row offsets are indexed by integers, not {rows.dtype}")
+        elif rows.dtype.kind == "u" and int(rows.max()) >= self._n:
+            raise IndexError(f"an index is out of bounds for {self._n} row offsets")
         rows = rows.astype(np.int64, copy=False)
         if rows.size and int(rows.min()) < 0:
             rows = np.where(rows < 0, rows + self._n, rows)
@@ -159,15 +171,21 @@ class RowOffsets:
 
     def _slice(self, a: int, b: int) -> np.ndarray:
         """Offsets ``[a, b)`` (``0 <= a``, ``b <= n``)."""
+        global _slices
         if b <= a:
             return np.empty(0, dtype=np.int64)
-        if numba.config.DISABLE_JIT:
+        if numba.config.DISABLE_JIT or (_slices < _EXPAND_FROM_CALLS
+                                        and not getattr(_expand, "overloads", None)):
+            _slices += 1
             return self._at(np.arange(a, b, dtype=np.int64))
         out = np.empty(b - a, dtype=np.int64)
         _expand(self._base, self._off, self._shift, a, out)
         return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("row offsets are held compactly: an int64 array of them is "
+                             "always a copy")
         out = self[...]
         return out if dtype is None else out.astype(dtype, copy=False)
 
@@ -176,8 +194,8 @@ class RowOffsets:
         return np.diff(self[start : stop + 1])
 
     def searchsorted(self, v: Any, side: str = "left", sorter: Any = None) -> Any:
-        """``np.searchsorted`` over the offsets, reading only the bases and one block per
-        value."""
+        """``np.searchsorted`` over the offsets: the bases, then one block's stored
+        offsets per value (nothing expanded)."""
         if sorter is not None:
             raise ValueError("row offsets are sorted already: sorter must be None")
         if side not in ("left", "right"):
@@ -191,6 +209,9 @@ class RowOffsets:
                 out.flat[i] = 0
                 continue
             a = k * step
-            block = self[a : min(a + step, self._n)]
-            out.flat[i] = a + int(np.searchsorted(block, x, side=side))
+            block = self._off[a : min(a + step, self._n)]
+            rel = x - int(self._base[k])  # >= 0: the block's base is at most x
+            pos = (len(block) if rel > np.iinfo(block.dtype).max
+                   else int(np.searchsorted(block, block.dtype.type(rel), side=side)))
+            out.flat[i] = a + pos
         return out if values.ndim else int(out)
