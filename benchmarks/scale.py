@@ -40,7 +40,10 @@ are kept in folders of their own (``atlas_{n}_genes{N}``), never taken for the d
   sizes' own epoch figures are taken tens of minutes apart, across which this machine's
   speed drifts by more than the target's 10%. A side whose epoch is under 200 batches
   (10^5 cells: 23) is timed over as many epochs of one dataset (``set_epoch``) as make
-  200, each epoch's first two batches untimed as the single epoch's are;
+  200, each epoch's first two batches untimed as the single epoch's are; the largest is
+  also paired with every other size (``epoch_pairs_vs_<n>``): an atlas that fits in the
+  CPU's last-level cache (10^5 cells, ~105 MB, against a 480 MiB L3 here) is read warm
+  from that cache, a larger one from memory (``benchmarks/page_cache_span.py``);
 * ``append``: 100,000 new cells (one input, new cell types) appended to a copy of the
   collection made of hard links (the kept collection is not changed), against writing
   those cells alone: three of each, alternated, each in a fresh process after ``os.sync()``,
@@ -590,21 +593,27 @@ def main() -> None:
         print(msg, flush=True)
 
     only = set(args.only.split(",")) if args.only else None
-    # the smallest atlas is kept until the largest one's epochs are paired with its own
+    # the smaller atlases are kept until the largest one's epochs are paired with each of
+    # theirs: with the smallest (the target's 10^5), and with every other one (a 10^5
+    # atlas, ~105 MB, fits in a large CPU cache and reads faster warm than any atlas that
+    # does not: benchmarks/page_cache_span.py; pairs within one memory tier show scaling)
     pairs = (len(set(sizes)) > 1 and args.epoch_pairs > 0
              and (only is None or "epoch_pairs" in only))
-    small, large = min(sizes), max(sizes)
-    first, last = sorted((small, large), key=sizes.index)  # the pairs run after `last`
+    large = max(sizes)
+    smaller = sorted(set(sizes) - {large})
     results = []
-    for n in sizes:
+    for i, n in enumerate(sizes):
         results.append(measure_size(n, args, log))
-        if pairs and n == last:
-            results[-1]["epoch_pairs"] = paired_epochs(small, large, args, log)
+        last = i == len(sizes) - 1
+        if pairs and last:
+            done = next(r for r in results if r["n_obs"] == large)
+            for small in smaller:
+                key = "epoch_pairs" if small == smaller[0] else f"epoch_pairs_vs_{small}"
+                done[key] = paired_epochs(small, large, args, log)
         report(results, args.out)
-        if not args.keep and not (pairs and n == first):
-            shutil.rmtree(args.data_dir / _atlas_name(n, args), ignore_errors=True)
-    if pairs and not args.keep:
-        shutil.rmtree(args.data_dir / _atlas_name(first, args), ignore_errors=True)
+        if not args.keep and (last or not pairs):  # pairs: every atlas kept until then
+            for m in sorted(set(sizes)) if pairs else [n]:
+                shutil.rmtree(args.data_dir / _atlas_name(m, args), ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -182,17 +182,20 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
     assert "| writer.writer_s |" in md
     assert "exponent" in md
     assert out.with_suffix(".png").stat().st_size > 1000
-    # warm epochs of the smallest and the largest size alternated, after the largest, on
-    # the kept atlases (batches of 512: the epoch times those after the first 2)
-    small, large = _scale(tmp_path, tmp_path / "pairs", "3e3,6e3", "epoch_pairs",
-                          "--epoch-pairs", "1", "--epoch-batch-size", "512", "--keep")
+    # warm epochs of the largest size alternated with each smaller one's, after the last
+    # size (here the largest comes first: it is kept until then), on the kept atlases
+    # (batches of 512: the epoch times those after the first 2)
+    large, small, mid = _scale(tmp_path, tmp_path / "pairs", "6e3,2e3,3e3", "epoch_pairs",
+                               "--epoch-pairs", "1", "--epoch-batch-size", "512", "--keep")
     assert "epoch_pairs" not in small
-    assert "writer" not in small  # the kept collections were reused
-    pairs = large["epoch_pairs"]
-    assert pairs["pairs"] == 1
-    assert pairs["small_n_obs"] == 3000
-    [a], [b] = pairs["small_cells_s_runs"], pairs["large_cells_s_runs"]
-    assert pairs["ratio_median"] == pytest.approx(b / a)
+    assert "epoch_pairs" not in mid
+    assert "writer" not in mid  # the kept collections were reused
+    for key, n in (("epoch_pairs", 2000), ("epoch_pairs_vs_3000", 3000)):
+        pairs = large[key]
+        assert pairs["pairs"] == 1
+        assert pairs["small_n_obs"] == n
+        [a], [b] = pairs["small_cells_s_runs"], pairs["large_cells_s_runs"]
+        assert pairs["ratio_median"] == pytest.approx(b / a)
     [r] = _scale(tmp_path, tmp_path / "one", "3e3", "resume,obs_names_at,samplers")
     assert set(r) >= {"resume", "obs_names_at", "samplers"}
     assert "writer" not in r  # the kept collection was reused
@@ -201,4 +204,5 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
     assert r["obs_names_at"]["obs_names_at_10k_s"] > 0
     assert (tmp_path / "data" / f"atlas_6000_genes{GENES}" / "collection").exists()  # --keep
     assert not (tmp_path / "data" / f"atlas_3000_genes{GENES}").exists()  # removed
-    assert [p.name for p in (tmp_path / "data").iterdir()] == [f"atlas_6000_genes{GENES}"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
+        f"atlas_2000_genes{GENES}", f"atlas_6000_genes{GENES}"]  # kept by the pairs' --keep
