@@ -50,6 +50,16 @@ def _counts(seed: int, n: int, mean: int) -> list[int]:
     return np.random.default_rng(seed).negative_binomial(1, 1 / (1 + mean), n).tolist()
 
 
+def _deep_runs(seed: int, n: int, runs: int) -> list[int]:
+    """``n`` rows of ~30 entries with ``runs`` runs of 2-12 rows of 10^4-10^5 entries (a
+    run of deep cells: uint16 offsets with a few blocks held wide)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 60, n)
+    for start in rng.integers(0, max(n - 12, 1), runs):
+        lengths[start : start + int(rng.integers(2, 13))] = rng.integers(10_000, 100_000)
+    return lengths.tolist()
+
+
 # row lengths from empty rows to rows that force the wider layouts (2**16: uint16 blocks
 # must shrink; 2**29: eight rows pass 2**32, so only int64 holds them), and thousands of
 # count-like rows (uint16 offsets in blocks of 8 to 2**16 rows: slices cross blocks)
@@ -58,7 +68,8 @@ _lengths = st.one_of(
                        st.sampled_from([0, 1, 2**16 - 1, 2**16, 2**29])),
              min_size=0, max_size=400),
     st.builds(_counts, st.integers(0, 2**16), st.integers(1, 6000),
-              st.sampled_from([1, 30, 300, 3000])))
+              st.sampled_from([1, 30, 300, 3000])),
+    st.builds(_deep_runs, st.integers(0, 2**16), st.integers(20, 20_000), st.integers(1, 4)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -93,7 +104,7 @@ def _check_every_read(ip: np.ndarray, data: st.DataObject) -> None:
     rows = np.asarray(data.draw(st.lists(st.integers(-n, n - 1), max_size=50)), dtype=np.int64)
     np.testing.assert_array_equal(r[rows], ip[rows])
     np.testing.assert_array_equal(r[rows.astype(np.int32)], ip[rows])
-    mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    mask = np.random.default_rng(data.draw(st.integers(0, 2**16))).random(n) < 0.3
     np.testing.assert_array_equal(r[mask], ip[mask])
     start = data.draw(st.integers(0, n - 1))
     stop = data.draw(st.integers(start, min(n - 1, start + 1000)) | st.integers(start, n - 1))
@@ -129,6 +140,28 @@ def test_a_jump_on_a_blocks_last_row_is_held(mode: str, row: int, jump: int) -> 
         np.testing.assert_array_equal(r.lengths(row - 2, row + 2),
                                       lengths[row - 2 : row + 2])
         values = np.array([0, 1, jump // 2, jump - 70_000, jump - 1, jump, jump + 1])
+        for side in ("left", "right"):
+            np.testing.assert_array_equal(r.searchsorted(values, side=side),
+                                          np.searchsorted(ip, values, side=side))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_run_of_deep_rows_widens_only_its_blocks(mode: str) -> None:
+    """Eight rows of 20,000 entries among 131,072 of 300: their block's offsets are held
+    wide (int64), every other row's stay uint16, about 2 bytes a row in all."""
+    lengths = np.full(131_072, 300)
+    lengths[5_000:5_008] = 20_000
+    ip = _indptr(lengths.tolist())
+    with _mode(mode):
+        r = RowOffsets(ip)
+        assert r.nbytes <= 2.2 * len(ip), r
+        np.testing.assert_array_equal(np.asarray(r), ip)
+        np.testing.assert_array_equal(r[4_990:5_020], ip[4_990:5_020])
+        rows = np.arange(4_990, 5_020)
+        np.testing.assert_array_equal(r[rows], ip[rows])
+        assert [r[int(k)] for k in rows] == ip[rows].tolist()
+        np.testing.assert_array_equal(r.lengths(4_995, 5_010), lengths[4_995:5_010])
+        values = ip[4_990:5_020] + np.array([0, 1] * 15)
         for side in ("left", "right"):
             np.testing.assert_array_equal(r.searchsorted(values, side=side),
                                           np.searchsorted(ip, values, side=side))

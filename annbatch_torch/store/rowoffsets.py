@@ -4,9 +4,11 @@ Every process that reads a collection keeps each open shard's ``indptr`` in memo
 offset a row. As ``int64`` that is 8 bytes a cell, 800 MB per process at 10^8 cells (and
 a DataLoader runs one process per worker). :class:`RowOffsets` keeps the same values as
 an ``int64`` base every ``2**shift`` rows plus each row's offset from its block's base in
-the narrowest unsigned dtype that holds every such offset: ``uint16`` when the blocks are
-small enough for that (about 2 bytes a row), else ``uint32`` (about 4), else ``int64``.
-Reading any offset stays one gather and one add (``base[r >> shift] + off[r]``).
+the narrowest unsigned dtype that holds them: ``uint16`` (about 2 bytes a row), else
+``uint32`` (about 4), else ``int64``. A uint16 layout may hold a few blocks whose offsets
+pass 65,535 (a run of deep cells) in a side table of int64 offsets (``wide`` blocks), so
+that one such run does not widen every row of the shard. Reading any offset stays a gather
+and an add (``base[r >> shift] + off[r]``, from the side table in a wide block).
 
 Indexing follows numpy's ``int64`` array: an integer, a slice or an integer array gives
 the offsets at those places (``int64``), ``np.searchsorted`` and ``np.asarray`` work.
@@ -28,9 +30,16 @@ _MAX_SHIFT = 16
 _MIN_SHIFT_16 = 3
 
 
-def _expand_py(base, off, shift, a, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _expand_py(base, off, shift, a, out, wide, table):  # type: ignore[no-untyped-def]  # pragma: no cover
+    low = (1 << shift) - 1
+    has_wide = wide.shape[0] > 0
     for i in range(out.shape[0]):
-        out[i] = base[(a + i) >> shift] + off[a + i]
+        r = a + i
+        k = r >> shift
+        if has_wide and wide[k] >= 0:
+            out[i] = base[k] + table[(wide[k] << shift) + (r & low)]
+        else:
+            out[i] = base[k] + off[r]
 
 
 #: offsets ``[a, a + len(out))`` into ``out``: one compiled loop, without the GIL (a
@@ -43,28 +52,39 @@ _EXPAND_FROM_CALLS = 4096
 _slices = 0  # slices expanded with numpy so far (this process)
 
 
-def _max_offset(ip: np.ndarray, shift: int) -> int:
-    """The largest ``ip[r] - ip[(r >> shift) << shift]`` (``ip`` non-decreasing)."""
+def _block_spans(ip: np.ndarray, shift: int) -> np.ndarray:
+    """Each block's largest offset from its base: ``ip[last row] - ip[first row]``."""
     n = ip.shape[0]
     step = 1 << shift
     ends = np.minimum(np.arange(step - 1, n + step - 1, step), n - 1)
-    return int((ip[ends] - ip[::step]).max()) if n else 0
+    return ip[ends] - ip[::step]
 
 
-def _layout(ip: np.ndarray) -> tuple[int, type[np.unsignedinteger] | type[np.int64]]:
-    """The block shift and offset dtype that hold ``ip`` in the fewest bytes."""
+def _max_offset(ip: np.ndarray, shift: int) -> int:
+    """The largest ``ip[r] - ip[(r >> shift) << shift]`` (``ip`` non-decreasing)."""
+    return int(_block_spans(ip, shift).max()) if ip.shape[0] else 0
+
+
+def _layout(ip: np.ndarray) -> tuple[int, Any, np.ndarray | None]:
+    """The block shift, the offset dtype and the wide blocks (uint16 only; ``None``: none)
+    that hold ``ip`` in the fewest bytes."""
     n = max(ip.shape[0], 1)
-    best: tuple[float, int, Any] = (8.0, 62, np.int64)  # one base, offsets as they are
-    for dtype, limit in ((np.uint32, 1 << 32), (np.uint16, 1 << 16)):
-        shift = _MAX_SHIFT
-        while shift >= _MIN_SHIFT_16 and _max_offset(ip, shift) >= limit:
-            shift -= 1
-        if shift < _MIN_SHIFT_16:
-            continue
-        size = np.dtype(dtype).itemsize + 8 * (-(-n >> shift) if shift < 62 else 1) / n
-        if size < best[0]:
-            best = (size, shift, dtype)
-    return best[1], best[2]
+    best: tuple[float, int, Any, np.ndarray | None] = (8.0, 62, np.int64, None)
+    shift = _MAX_SHIFT  # uint32: the largest blocks whose offsets all fit
+    while shift >= _MIN_SHIFT_16 and _max_offset(ip, shift) >= 1 << 32:
+        shift -= 1
+    if shift >= _MIN_SHIFT_16:
+        best = min(best, (4 + 8 * -(-n >> shift) / n, shift, np.uint32, None),
+                   key=lambda b: b[0])
+    if ip.shape[0]:
+        for shift in range(_MIN_SHIFT_16, _MAX_SHIFT + 1):  # uint16, some blocks wide
+            wide = np.flatnonzero(_block_spans(ip, shift) >= 1 << 16)
+            nb = -(-n >> shift)
+            extra = 8 * nb + ((8 * wide.size) << shift) if wide.size else 0  # index, table
+            size = (2 * n + 8 * nb + extra) / n
+            if size < best[0]:
+                best = (size, shift, np.uint16, wide if wide.size else None)
+    return best[1], best[2], best[3]
 
 
 class RowOffsets:
@@ -78,14 +98,14 @@ class RowOffsets:
         in an unsigned layout); copied, not kept.
     """
 
-    __slots__ = ("_base", "_n", "_off", "_shift")
+    __slots__ = ("_base", "_n", "_off", "_shift", "_table", "_wide")
 
     def __init__(self, indptr: Any) -> None:
         ip = np.asarray(indptr, dtype=np.int64)
         if ip.ndim != 1:
             raise ValueError(f"row offsets must be 1-D, got shape {ip.shape}")
         self._n = int(ip.shape[0])
-        shift, dtype = _layout(ip)
+        shift, dtype, wide = _layout(ip)
         self._shift = shift
         step = 1 << shift if shift < 62 else max(self._n, 1)
         # a copy: a one-element view would keep the whole int64 array alive
@@ -97,7 +117,20 @@ class RowOffsets:
                     out=off[:whole].reshape(nb, step), casting="unsafe")
         if whole < self._n:
             np.subtract(ip[whole:], self._base[nb], out=off[whole:], casting="unsafe")
-        self._off = off
+        self._off = off  # (in a wide block: wrapped, never read)
+        #: per block, its row in the side table (-1: none; empty: no wide block at all)
+        self._wide = np.zeros(0, dtype=np.int64)
+        #: the wide blocks' offsets from their bases, ``2**shift`` a block
+        self._table = np.zeros(0, dtype=np.int64)
+        if wide is not None:
+            self._wide = np.full(len(self._base), -1, dtype=np.int64)
+            self._wide[wide] = np.arange(wide.size)
+            rows = (wide[:, None] << shift) + np.arange(step)
+            inside = rows < self._n
+            table = np.zeros(rows.shape, dtype=np.int64)
+            table[inside] = (ip[rows[inside]]
+                             - np.broadcast_to(self._base[wide][:, None], rows.shape)[inside])
+            self._table = table.ravel()
 
     # -- array-like surface ------------------------------------------------------------
     @property
@@ -118,8 +151,10 @@ class RowOffsets:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (bases and offsets), not the ``8 * len(self)`` of the values."""
-        return int(self._base.nbytes + self._off.nbytes)
+        """Bytes held (bases, offsets, wide blocks), not the ``8 * len(self)`` of the
+        values."""
+        return int(self._base.nbytes + self._off.nbytes + self._wide.nbytes
+                   + self._table.nbytes)
 
     def __len__(self) -> int:
         return self._n
@@ -131,7 +166,16 @@ class RowOffsets:
     def _at(self, rows: np.ndarray) -> np.ndarray:
         """Offsets at non-negative ``rows`` (int64 array; out of range raises)."""
         off = self._off[rows]  # raises IndexError past the end
-        return self._base[rows >> self._shift] + off
+        blocks = rows >> self._shift
+        out = self._base[blocks] + off
+        if self._wide.size:
+            w = self._wide[blocks]
+            hit = w >= 0
+            if hit.any():
+                low = (1 << self._shift) - 1
+                out[hit] = self._base[blocks[hit]] + self._table[(w[hit] << self._shift)
+                                                                 + (rows[hit] & low)]
+        return out
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, (bool, np.bool_)):
@@ -147,7 +191,12 @@ class RowOffsets:
                 k += self._n
             if not 0 <= k < self._n:
                 raise IndexError(f"index {int(key)} is out of bounds for {self._n} row offsets")
-            return self._base[k >> self._shift] + np.int64(self._off[k])
+            block = k >> self._shift
+            if self._wide.size and self._wide[block] >= 0:
+                low = (1 << self._shift) - 1
+                return self._base[block] + self._table[(self._wide[block] << self._shift)
+                                                       + (k & low)]
+            return self._base[block] + np.int64(self._off[k])
         if key is Ellipsis:
             return self._at(np.arange(self._n, dtype=np.int64))
         rows = np.asarray(key)
@@ -179,7 +228,7 @@ class RowOffsets:
             _slices += 1
             return self._at(np.arange(a, b, dtype=np.int64))
         out = np.empty(b - a, dtype=np.int64)
-        _expand(self._base, self._off, self._shift, a, out)
+        _expand(self._base, self._off, self._shift, a, out, self._wide, self._table)
         return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -210,6 +259,9 @@ class RowOffsets:
                 continue
             a = k * step
             block = self._off[a : min(a + step, self._n)]
+            if self._wide.size and self._wide[k] >= 0:
+                w = int(self._wide[k]) * step
+                block = self._table[w : w + len(block)]
             rel = x - int(self._base[k])  # >= 0: the block's base is at most x
             pos = (len(block) if rel > np.iinfo(block.dtype).max
                    else int(np.searchsorted(block, block.dtype.type(rel), side=side)))
