@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import tracemalloc
 from collections.abc import Iterator
+from pathlib import Path
 
 import numba
 import numpy as np
 import pytest
+from conftest import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +28,8 @@ MODES = ["numpy", "no_jit", "compiled"]
 
 @contextlib.contextmanager
 def _mode(mode: str) -> Iterator[None]:
-    saved = rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT
+    saved = (rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT,
+             rowoffsets.compiled_started)
     try:
         if mode == "compiled":
             rowoffsets._EXPAND_FROM_CALLS = 0
@@ -34,9 +37,11 @@ def _mode(mode: str) -> Iterator[None]:
             numba.config.DISABLE_JIT = True
         else:
             rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices = 10**12, 0
+            rowoffsets.compiled_started = lambda: False
         yield
     finally:
-        rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT = saved
+        (rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT,
+         rowoffsets.compiled_started) = saved
 
 
 def _indptr(lengths: list[int]) -> np.ndarray:
@@ -227,3 +232,29 @@ def test_offsets_past_four_billion_stay_exact() -> None:
     assert r[-1] == ip[-1]
     assert int(r[10]) == 9 * 2**31 + 1
     np.testing.assert_array_equal(r.lengths(0, len(lengths)), np.asarray(lengths))
+
+
+def test_the_compiled_slice_waits_for_numbas_start(tmp_path: Path) -> None:
+    """A fresh process expands slices with numpy (no compiled loop loaded: an h5ad read in
+    place pays no numba start for them) until a compiled loop has run or it has made
+    4,096 of them; then by the compiled loop."""
+    head = ("import numpy as np\n"
+            "from annbatch_torch.store import rowoffsets\n"
+            "from annbatch_torch.store.rowoffsets import RowOffsets\n"
+            "r = RowOffsets(np.arange(0, 3001, 3))\n"
+            "def check():\n"
+            "    assert r[5:60].tolist() == list(range(15, 180, 3))\n"
+            "    print(bool(rowoffsets._expand.overloads))\n")
+    out = run_python(head + (
+        "check()\n"
+        "from annbatch_torch.read.scatter import scatter_rows  # another compiled loop\n"
+        "scatter_rows(np.ones(4, np.float32), np.zeros(1, np.int64), np.full(1, 4, np.int64),"
+        " np.zeros(4, np.float32), np.zeros(1, np.int64))\n"
+        "check()\n"), tmp_path)
+    assert out.split() == ["False", "True"]
+    out = run_python(head + (
+        "for _ in range(rowoffsets._EXPAND_FROM_CALLS - 1):\n"
+        "    r[5:60]\n"
+        "check()\n"
+        "check()\n"), tmp_path)
+    assert out.split() == ["False", "True"]

@@ -30,16 +30,32 @@ import numpy as np
 from numba import types
 from numba.core.compiler_lock import global_compiler_lock
 
-__all__ = ["OutOfRange", "compiled", "pread_available", "pread_segments", "pread_widen"]
+__all__ = ["OutOfRange", "compiled", "compiled_started", "pread_available",
+           "pread_segments", "pread_widen"]
+
+_COMPILED: list[Any] = []  # every loop made by compiled()
+_started = False  # one of them was compiled or loaded in this process (or its parent)
 
 
 def compiled(fn: Callable[..., Any]) -> Any:
     """``fn`` compiled by numba (``nogil``), cached on disk where a cache folder is
     writable."""
     try:  # numba's cache (__pycache__ beside the module, else the user's cache folder)
-        return numba.njit(nogil=True, cache=True)(fn)
+        loop = numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # nowhere writable to cache it (a read-only install, no home):
-        return numba.njit(nogil=True)(fn)  # compiled in each process instead
+        loop = numba.njit(nogil=True)(fn)  # compiled in each process instead
+    _COMPILED.append(loop)
+    return loop
+
+
+def compiled_started() -> bool:
+    """Whether a loop of :func:`compiled` has been compiled or loaded in this process (a
+    forked child's parent counts): numba's start (~0.3 s) is paid, and another loop
+    costs only its own load from the cache."""
+    global _started
+    if not _started:
+        _started = any(getattr(loop, "overloads", None) for loop in _COMPILED)
+    return _started
 
 
 # numba compiles under one process-wide lock, taken by whichever thread meets a new pair of

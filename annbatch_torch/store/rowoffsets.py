@@ -20,7 +20,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .native import compiled
+from .native import compiled, compiled_started
 
 __all__ = ["RowOffsets"]
 
@@ -45,9 +45,9 @@ def _expand_py(base, off, shift, a, out, wide, table):  # type: ignore[no-untype
 #: offsets ``[a, a + len(out))`` into ``out``: one compiled loop, without the GIL (a
 #: piece's slice is read by several threads at once; numpy's few small steps each hold it)
 _expand = compiled(_expand_py)
-#: slices a process expands with numpy before it loads :data:`_expand` (unless loaded
-#: already): numba's start (~0.3 s in a process that ran no compiled loop yet, such as
-#: one reading an h5ad in place) is paid only by a reader that goes on for long
+#: slices a process expands with numpy before it loads :data:`_expand`, unless a compiled
+#: loop ran already: numba's start (~0.3 s in a process that ran none yet, such as one
+#: reading an h5ad in place) is paid only by a reader that goes on for long
 _EXPAND_FROM_CALLS = 4096
 _slices = 0  # slices expanded with numpy so far (this process)
 
@@ -224,7 +224,7 @@ class RowOffsets:
         if b <= a:
             return np.empty(0, dtype=np.int64)
         if numba.config.DISABLE_JIT or (_slices < _EXPAND_FROM_CALLS
-                                        and not getattr(_expand, "overloads", None)):
+                                        and not compiled_started()):
             _slices += 1
             return self._at(np.arange(a, b, dtype=np.int64))
         out = np.empty(b - a, dtype=np.int64)
