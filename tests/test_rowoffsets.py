@@ -60,7 +60,7 @@ def _deep_runs(seed: int, n: int, runs: int) -> list[int]:
     run of deep cells: uint16 offsets with a few blocks held wide)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 60, n)
-    for start in rng.integers(0, max(n - 12, 1), runs):
+    for start in rng.integers(0, n, runs):  # a run may reach the last row
         lengths[start : start + int(rng.integers(2, 13))] = rng.integers(10_000, 100_000)
     return lengths.tolist()
 
@@ -172,6 +172,26 @@ def test_a_run_of_deep_rows_widens_only_its_blocks(mode: str) -> None:
                                           np.searchsorted(ip, values, side=side))
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n_rows", [131_000, 131_071])  # the last block partial / full
+def test_a_deep_run_in_the_last_block_is_held(mode: str, n_rows: int) -> None:
+    lengths = np.full(n_rows, 300)
+    lengths[-6:] = 30_000
+    ip = _indptr(lengths.tolist())
+    with _mode(mode):
+        r = RowOffsets(ip)
+        assert r.nbytes <= 2.2 * len(ip), r
+        np.testing.assert_array_equal(np.asarray(r), ip)
+        np.testing.assert_array_equal(r[-200:], ip[-200:])
+        assert [r[k] for k in range(-10, 0)] == ip[-10:].tolist()
+        assert r[np.array(-1)] == ip[-1]
+        assert r[np.array(n_rows - 3)] == ip[-4]
+        values = np.concatenate([ip[-12:], ip[-12:] + 1, [ip[-1] + 1]])
+        for side in ("left", "right"):
+            np.testing.assert_array_equal(r.searchsorted(values, side=side),
+                                          np.searchsorted(ip, values, side=side))
+
+
 @pytest.mark.parametrize("lengths", [[1] * 60_000, [10_000] * 60_000, [2**30] * 5_000,
                                      [300] * 131_072])
 def test_nothing_but_the_layout_is_held(lengths: list[int]) -> None:
@@ -210,6 +230,11 @@ def test_out_of_range_reads_raise_as_numpy_does() -> None:
     with pytest.raises(ValueError, match="copy"):
         np.asarray(r, copy=False)
     assert r[[]].shape == (0,)
+    assert r[np.array(2)] == 3
+    values = [-0.5, 0.0, 2.5, 3.0, 3.5, 8.0, 8.5, np.inf, -np.inf, np.nan]
+    for side in ("left", "right"):
+        np.testing.assert_array_equal(r.searchsorted(values, side=side),
+                                      np.searchsorted(_indptr([3, 0, 5]), values, side=side))
 
 
 @pytest.mark.parametrize(("mean", "most"), [(4, 2.1), (250, 2.2), (20_000, 4.1)])
@@ -236,8 +261,9 @@ def test_offsets_past_four_billion_stay_exact() -> None:
 
 def test_the_compiled_slice_waits_for_numbas_start(tmp_path: Path) -> None:
     """A fresh process expands slices with numpy (no compiled loop loaded: an h5ad read in
-    place pays no numba start for them) until a compiled loop has run or it has made
-    4,096 of them; then by the compiled loop."""
+    place pays no numba start for them) until a compiled loop has run (and the slice's
+    own loop is in numba's disk cache) or it has made 4,096 of them; then by the compiled
+    loop."""
     head = ("import numpy as np\n"
             "from annbatch_torch.store import rowoffsets\n"
             "from annbatch_torch.store.rowoffsets import RowOffsets\n"
@@ -252,6 +278,13 @@ def test_the_compiled_slice_waits_for_numbas_start(tmp_path: Path) -> None:
         " np.zeros(4, np.float32), np.zeros(1, np.int64))\n"
         "check()\n"), tmp_path)
     assert out.split() == ["False", "True"]
+    out = run_python(head + (  # where _expand is compiled in each process (no cache)
+        "rowoffsets.is_cached = lambda loop: False\n"
+        "from annbatch_torch.read.scatter import scatter_rows\n"
+        "scatter_rows(np.ones(4, np.float32), np.zeros(1, np.int64), np.full(1, 4, np.int64),"
+        " np.zeros(4, np.float32), np.zeros(1, np.int64))\n"
+        "check()\n"), tmp_path)
+    assert out.split() == ["False"]
     out = run_python(head + (
         "for _ in range(rowoffsets._EXPAND_FROM_CALLS - 1):\n"
         "    r[5:60]\n"

@@ -30,10 +30,11 @@ import numpy as np
 from numba import types
 from numba.core.compiler_lock import global_compiler_lock
 
-__all__ = ["OutOfRange", "compiled", "compiled_started", "pread_available",
+__all__ = ["OutOfRange", "compiled", "compiled_started", "is_cached", "pread_available",
            "pread_segments", "pread_widen"]
 
 _COMPILED: list[Any] = []  # every loop made by compiled()
+_UNCACHED: list[Any] = []  # those compiled in each process (no cache folder writable)
 _started = False  # one of them was compiled or loaded in this process (or its parent)
 
 
@@ -44,8 +45,15 @@ def compiled(fn: Callable[..., Any]) -> Any:
         loop = numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # nowhere writable to cache it (a read-only install, no home):
         loop = numba.njit(nogil=True)(fn)  # compiled in each process instead
+        _UNCACHED.append(loop)
     _COMPILED.append(loop)
     return loop
+
+
+def is_cached(loop: Any) -> bool:
+    """Whether ``loop`` (made by :func:`compiled`) is loaded from numba's disk cache
+    rather than compiled in each process."""
+    return not any(loop is other for other in _UNCACHED)
 
 
 def compiled_started() -> bool:

@@ -15,12 +15,13 @@ the offsets at those places (``int64``), ``np.searchsorted`` and ``np.asarray`` 
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numba
 import numpy as np
 
-from .native import compiled, compiled_started
+from .native import compiled, compiled_started, is_cached
 
 __all__ = ["RowOffsets"]
 
@@ -46,8 +47,9 @@ def _expand_py(base, off, shift, a, out, wide, table):  # type: ignore[no-untype
 #: piece's slice is read by several threads at once; numpy's few small steps each hold it)
 _expand = compiled(_expand_py)
 #: slices a process expands with numpy before it loads :data:`_expand`, unless a compiled
-#: loop ran already: numba's start (~0.3 s in a process that ran none yet, such as one
-#: reading an h5ad in place) is paid only by a reader that goes on for long
+#: loop ran already and :data:`_expand` is in numba's disk cache: numba's start (~0.3 s in
+#: a process that ran none yet, such as one reading an h5ad in place) or a compile of it
+#: (~0.1 s where no cache can be written) is paid only by a reader that goes on for long
 _EXPAND_FROM_CALLS = 4096
 _slices = 0  # slices expanded with numpy so far (this process)
 
@@ -69,7 +71,7 @@ def _layout(ip: np.ndarray) -> tuple[int, Any, np.ndarray | None]:
     """The block shift, the offset dtype and the wide blocks (uint16 only; ``None``: none)
     that hold ``ip`` in the fewest bytes."""
     n = max(ip.shape[0], 1)
-    best: tuple[float, int, Any, np.ndarray | None] = (8.0, 62, np.int64, None)
+    best: tuple[float, int, Any, np.ndarray | None] = (8 + 8 / n, 62, np.int64, None)
     shift = _MAX_SHIFT  # uint32: the largest blocks whose offsets all fit
     while shift >= _MIN_SHIFT_16 and _max_offset(ip, shift) >= 1 << 32:
         shift -= 1
@@ -211,6 +213,8 @@ class RowOffsets:
             raise IndexError(f"row offsets are indexed by integers, not {rows.dtype}")
         elif rows.dtype.kind == "u" and int(rows.max()) >= self._n:
             raise IndexError(f"an index is out of bounds for {self._n} row offsets")
+        if rows.ndim == 0:
+            return self[int(rows)]
         rows = rows.astype(np.int64, copy=False)
         if rows.size and int(rows.min()) < 0:
             rows = np.where(rows < 0, rows + self._n, rows)
@@ -223,8 +227,8 @@ class RowOffsets:
         global _slices
         if b <= a:
             return np.empty(0, dtype=np.int64)
-        if numba.config.DISABLE_JIT or (_slices < _EXPAND_FROM_CALLS
-                                        and not compiled_started()):
+        if numba.config.DISABLE_JIT or (_slices < _EXPAND_FROM_CALLS and not (
+                compiled_started() and is_cached(_expand))):
             _slices += 1
             return self._at(np.arange(a, b, dtype=np.int64))
         out = np.empty(b - a, dtype=np.int64)
@@ -253,6 +257,11 @@ class RowOffsets:
         out = np.empty(values.shape, dtype=np.intp)
         step = 1 << self._shift if self._shift < 62 else max(self._n, 1)
         for i, x in enumerate(values.ravel().tolist()):
+            if isinstance(x, float):  # the integer that places like it: ceil on the left
+                if not math.isfinite(x):
+                    out.flat[i] = 0 if x == -math.inf else self._n  # NaN sorts last
+                    continue
+                x = math.ceil(x) if side == "left" else math.floor(x)
             k = int(np.searchsorted(self._base, x, side=side)) - 1  # last block before x
             if k < 0:
                 out.flat[i] = 0
