@@ -68,6 +68,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from page_cache_span import l3_cache  # noqa: E402  (a sibling script)
+
 SELECTOR = {"x": "X", "y": "obs/cell_type"}
 
 
@@ -491,9 +494,14 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
                 return {"error": f"{n:,} cells: {r.get('error') or r.get('skipped') or r}"}
             runs[n].append(r["cells_s"])
     ratios = [b / a for a, b in zip(runs[small], runs[large])]
+    # what decides whether a warm epoch reads from the CPU's cache or from memory
+    stores = {n: args.data_dir / _atlas_name(n, args) / "collection" for n in (small, large)}
+    mb = {n: sum(p.stat().st_size for p in stores[n].rglob("*") if p.is_file()) / 2**20
+          for n in (small, large)}
     return {"small_n_obs": small, "small_cells_s_runs": runs[small],
             "large_cells_s_runs": runs[large], "pairs": len(ratios),
-            "ratio_median": float(np.median(ratios))}
+            "ratio_median": float(np.median(ratios)),
+            "small_store_mib": mb[small], "large_store_mib": mb[large], "l3": l3_cache()}
 
 
 def _flat(res: dict[str, Any]) -> dict[str, float]:
@@ -527,7 +535,8 @@ def report(results: list[dict[str, Any]], out: Path) -> None:
                  for v in vals]
         lines.append(f"| {k} | " + " | ".join(cells) + f" | {exp} |")
     md = (f"# Atlas scale (benchmarks/scale.py)\n\n{time.strftime('%Y-%m-%d %H:%M')}, "
-          f"load {os.getloadavg()[0]:.2f} at the end. Exponent: slope of log(figure) on "
+          f"load {os.getloadavg()[0]:.2f} at the end, L3 cache {l3_cache()}. Exponent: "
+          f"slope of log(figure) on "
           f"log(n_obs) (1 = linear for totals; 0 = flat for rates and per-cell costs).\n\n"
           + "\n".join(lines) + "\n")
     out.with_suffix(".md").write_text(md)

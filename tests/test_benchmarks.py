@@ -196,6 +196,7 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
         assert pairs["small_n_obs"] == n
         [a], [b] = pairs["small_cells_s_runs"], pairs["large_cells_s_runs"]
         assert pairs["ratio_median"] == pytest.approx(b / a)
+        assert 0 < pairs["small_store_mib"] < pairs["large_store_mib"]
     [r] = _scale(tmp_path, tmp_path / "one", "3e3", "resume,obs_names_at,samplers")
     assert set(r) >= {"resume", "obs_names_at", "samplers"}
     assert "writer" not in r  # the kept collection was reused
