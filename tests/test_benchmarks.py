@@ -207,3 +207,8 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
     assert not (tmp_path / "data" / f"atlas_3000_genes{GENES}").exists()  # removed
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == [
         f"atlas_2000_genes{GENES}", f"atlas_6000_genes{GENES}"]  # kept by the pairs' --keep
+    # without --keep, pairs keep every atlas until they have run, then remove them all
+    _small, large = _scale(tmp_path, tmp_path / "pairs2", "2e3,6e3", "epoch_pairs",
+                           "--epoch-pairs", "1", "--epoch-batch-size", "512")
+    assert large["epoch_pairs"]["pairs"] == 1
+    assert not any((tmp_path / "data").iterdir())
