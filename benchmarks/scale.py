@@ -185,6 +185,11 @@ def task_first_batch(a: dict[str, Any]) -> dict[str, Any]:
     return {"first_batch_s": time.perf_counter() - t}
 
 
+def _store_bytes(store: Path) -> int:
+    """Bytes of every file of a collection."""
+    return sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+
+
 def task_epoch(a: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -194,7 +199,7 @@ def task_epoch(a: dict[str, Any]) -> dict[str, Any]:
     if a["cold"]:
         _drop_caches()
     else:
-        size = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+        size = _store_bytes(store)
         import psutil
 
         if size > psutil.virtual_memory().total / 2:
@@ -495,8 +500,7 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
             runs[n].append(r["cells_s"])
     ratios = [b / a for a, b in zip(runs[small], runs[large])]
     # what decides whether a warm epoch reads from the CPU's cache or from memory
-    stores = {n: args.data_dir / _atlas_name(n, args) / "collection" for n in (small, large)}
-    mb = {n: sum(p.stat().st_size for p in stores[n].rglob("*") if p.is_file()) / 2**20
+    mb = {n: _store_bytes(args.data_dir / _atlas_name(n, args) / "collection") / 2**20
           for n in (small, large)}
     return {"small_n_obs": small, "small_cells_s_runs": runs[small],
             "large_cells_s_runs": runs[large], "pairs": len(ratios),

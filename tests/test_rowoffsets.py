@@ -29,7 +29,7 @@ MODES = ["numpy", "no_jit", "compiled"]
 @contextlib.contextmanager
 def _mode(mode: str) -> Iterator[None]:
     saved = (rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT,
-             rowoffsets.compiled_started)
+             rowoffsets.load_now)
     try:
         if mode == "compiled":
             rowoffsets._EXPAND_FROM_CALLS = 0
@@ -37,11 +37,11 @@ def _mode(mode: str) -> Iterator[None]:
             numba.config.DISABLE_JIT = True
         else:
             rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices = 10**12, 0
-            rowoffsets.compiled_started = lambda: False
+            rowoffsets.load_now = lambda loop, done_without, limit: False
         yield
     finally:
         (rowoffsets._EXPAND_FROM_CALLS, rowoffsets._slices, numba.config.DISABLE_JIT,
-         rowoffsets.compiled_started) = saved
+         rowoffsets.load_now) = saved
 
 
 def _indptr(lengths: list[int]) -> np.ndarray:
@@ -279,7 +279,8 @@ def test_the_compiled_slice_waits_for_numbas_start(tmp_path: Path) -> None:
         "check()\n"), tmp_path)
     assert out.split() == ["False", "True"]
     out = run_python(head + (  # where _expand is compiled in each process (no cache)
-        "rowoffsets.is_cached = lambda loop: False\n"
+        "from annbatch_torch.store import native\n"
+        "native.is_cached = lambda loop: False\n"
         "from annbatch_torch.read.scatter import scatter_rows\n"
         "scatter_rows(np.ones(4, np.float32), np.zeros(1, np.int64), np.full(1, 4, np.int64),"
         " np.zeros(4, np.float32), np.zeros(1, np.int64))\n"

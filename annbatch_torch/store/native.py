@@ -30,8 +30,8 @@ import numpy as np
 from numba import types
 from numba.core.compiler_lock import global_compiler_lock
 
-__all__ = ["OutOfRange", "compiled", "compiled_started", "is_cached", "pread_available",
-           "pread_segments", "pread_widen"]
+__all__ = ["OutOfRange", "compiled", "compiled_started", "is_cached", "load_now",
+           "pread_available", "pread_segments", "pread_widen"]
 
 _COMPILED: list[Any] = []  # every loop made by compiled()
 _UNCACHED: list[Any] = []  # those compiled in each process (no cache folder writable)
@@ -51,9 +51,10 @@ def compiled(fn: Callable[..., Any]) -> Any:
 
 
 def is_cached(loop: Any) -> bool:
-    """Whether ``loop`` (made by :func:`compiled`) is loaded from numba's disk cache
+    """Whether ``loop`` was made by :func:`compiled` and is loaded from numba's disk cache
     rather than compiled in each process."""
-    return not any(loop is other for other in _UNCACHED)
+    return (any(loop is other for other in _COMPILED)
+            and not any(loop is other for other in _UNCACHED))
 
 
 def compiled_started() -> bool:
@@ -64,6 +65,15 @@ def compiled_started() -> bool:
     if not _started:
         _started = any(getattr(loop, "overloads", None) for loop in _COMPILED)
     return _started
+
+
+def load_now(loop: Any, done_without: int, limit: int) -> bool:
+    """Whether a caller with a slower path that needs no numba should use ``loop`` now:
+    it is loaded already, or loading it costs only its read from the disk cache (another
+    loop paid numba's start, ~0.3 s), or the caller took the slower path ``limit`` times
+    (``done_without``) and goes on for long enough to pay that start back."""
+    return (bool(getattr(loop, "overloads", None)) or done_without >= limit
+            or (compiled_started() and is_cached(loop)))
 
 
 # numba compiles under one process-wide lock, taken by whichever thread meets a new pair of

@@ -25,7 +25,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .native import compiled
+from .native import compiled, load_now
 from .rawzarr import ChunkError, chunk_key_layout
 
 __all__ = ["RawStringArray", "open_raw_strings"]
@@ -35,7 +35,8 @@ __all__ = ["RawStringArray", "open_raw_strings"]
 _WHOLE_SHARE = 0.5
 #: chunks this process decodes whole before it pays numba's start for the scan (~0.3 s
 #: where no compiled loop ran yet; a whole chunk of 65,536 names decodes in ~10 ms): a few
-#: names of a small collection never load it, many of a large one load it soon
+#: names of a small collection never load it, many of a large one load it soon (at once
+#: where another compiled loop ran: see native.load_now)
 _SCAN_FROM_CHUNKS = 16
 _unscanned = 0  # chunks decoded whole so far for want of the scan (this process)
 
@@ -161,8 +162,7 @@ class RawStringArray:
             return out
         # the chunk's items checked (both ways agree), unless it is decoded whole at once
         # for want of the scan (see _SCAN_FROM_CHUNKS)
-        scan = (chunk.bounds is not None or _unscanned >= _SCAN_FROM_CHUNKS
-                or getattr(_vlen_bounds, "overloads", None))
+        scan = chunk.bounds is not None or load_now(_vlen_bounds, _unscanned, _SCAN_FROM_CHUNKS)
         bounds = self._bounds(c, chunk) if scan else None
         if bounds is None:
             _unscanned += 1

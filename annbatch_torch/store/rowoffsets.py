@@ -21,7 +21,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from .native import compiled, compiled_started, is_cached
+from .native import compiled, load_now
 
 __all__ = ["RowOffsets"]
 
@@ -109,7 +109,7 @@ class RowOffsets:
         self._n = int(ip.shape[0])
         shift, dtype, wide = _layout(ip)
         self._shift = shift
-        step = 1 << shift if shift < 62 else max(self._n, 1)
+        step = self._step
         # a copy: a one-element view would keep the whole int64 array alive
         self._base = np.array(ip[::step]) if self._n else np.zeros(1, np.int64)
         off = np.empty(self._n, dtype=dtype)
@@ -161,9 +161,14 @@ class RowOffsets:
     def __len__(self) -> int:
         return self._n
 
+    @property
+    def _step(self) -> int:
+        """Rows a base serves (the int64 layout's one base serves them all)."""
+        return 1 << self._shift if self._shift < 62 else max(self._n, 1)
+
     def __repr__(self) -> str:
         return (f"RowOffsets({self._n} offsets, {self._off.dtype} a row, a base every "
-                f"{1 << self._shift if self._shift < 62 else self._n} rows)")
+                f"{self._step} rows)")
 
     def _at(self, rows: np.ndarray) -> np.ndarray:
         """Offsets at non-negative ``rows`` (int64 array; out of range raises)."""
@@ -195,9 +200,7 @@ class RowOffsets:
                 raise IndexError(f"index {int(key)} is out of bounds for {self._n} row offsets")
             block = k >> self._shift
             if self._wide.size and self._wide[block] >= 0:
-                low = (1 << self._shift) - 1
-                return self._base[block] + self._table[(self._wide[block] << self._shift)
-                                                       + (k & low)]
+                return self._at(np.array([k]))[0]
             return self._base[block] + np.int64(self._off[k])
         if key is Ellipsis:
             return self._at(np.arange(self._n, dtype=np.int64))
@@ -227,8 +230,7 @@ class RowOffsets:
         global _slices
         if b <= a:
             return np.empty(0, dtype=np.int64)
-        if numba.config.DISABLE_JIT or (_slices < _EXPAND_FROM_CALLS and not (
-                compiled_started() and is_cached(_expand))):
+        if numba.config.DISABLE_JIT or not load_now(_expand, _slices, _EXPAND_FROM_CALLS):
             _slices += 1
             return self._at(np.arange(a, b, dtype=np.int64))
         out = np.empty(b - a, dtype=np.int64)
@@ -255,7 +257,7 @@ class RowOffsets:
             raise ValueError(f"side must be 'left' or 'right', not {side!r}")
         values = np.asarray(v)
         out = np.empty(values.shape, dtype=np.intp)
-        step = 1 << self._shift if self._shift < 62 else max(self._n, 1)
+        step = self._step
         for i, x in enumerate(values.ravel().tolist()):
             if isinstance(x, float):  # the integer that places like it: ceil on the left
                 if not math.isfinite(x):
