@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 from conftest import IMBALANCED
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import annbatch_torch as abt
@@ -283,6 +283,8 @@ def test_the_datamodule_split_is_stratified_on_a_grouped_collection(
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 4), min_size=2, max_size=80), st.floats(0.05, 0.45),
        st.integers(0, 2**31))
+# a tie of Webster keys ((rank + 0.5) / count) gave the largest stratum one chunk too many
+@example([0, 0, 4, 0, 1, 2, 4, 4, 4, 4, 4, 4], 0.4375, 4)
 def test_stratified_chunks_take_each_stratum_in_proportion(labels: list[int], frac: float,
                                                            seed: int) -> None:
     strata = np.array(labels)

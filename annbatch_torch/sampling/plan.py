@@ -682,6 +682,23 @@ def split_chunks(
     return train, val
 
 
+def _apportion(counts: np.ndarray) -> np.ndarray:
+    """A sequence of ``counts.sum()`` stratum numbers, stratum ``k`` ``counts[k]`` times,
+    whose every prefix of length ``i`` holds each stratum's share ``i * counts[k] / n`` to
+    within one: each place goes to the stratum furthest behind its share (exact integer
+    arithmetic; ties to the lower number)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    n = int(counts.sum())
+    taken = np.zeros(counts.size, dtype=np.int64)
+    done = np.iinfo(np.int64).min
+    seq = np.empty(n, dtype=np.int64)
+    for i in range(1, n + 1):
+        k = int(np.argmax(np.where(taken < counts, i * counts - n * taken, done)))
+        taken[k] += 1
+        seq[i - 1] = k
+    return seq
+
+
 def split_chunks3(
     n_obs: int, chunk_size: int, val_fraction: float, test_fraction: float, seed: int,
     strata: np.ndarray | None = None,
@@ -697,9 +714,9 @@ def split_chunks3(
 
     ``strata`` (one label per chunk; a collection grouped by a class column, whose chunks
     are mostly of one class): the chunks are taken stratum by stratum in proportion (the
-    chunks in a random order, each stratum's interleaved by its share), so every held-out
-    part holds each stratum's share of the chunks to within one. ``None``: the chunks in
-    a random order.
+    chunks in a random order, each stratum's interleaved by its share), so the validation
+    part holds each stratum's share of the chunks to within one, the test part to within
+    two. ``None``: the chunks in a random order.
     """
     check_int("n_obs", n_obs, 0)
     check_int("chunk_size", chunk_size, 1)
@@ -725,11 +742,12 @@ def split_chunks3(
             raise ValueError(f"strata must hold one label per chunk ({n}), got shape "
                              f"{labels.shape}")
         _, inv, counts = np.unique(labels[perm], return_inverse=True, return_counts=True)
-        inv = inv.reshape(-1)
-        by = np.argsort(inv, kind="stable")  # each stratum's chunks, in the random order
-        rank = np.empty(n, dtype=np.int64)
-        rank[by] = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
-        perm = perm[np.argsort((rank + 0.5) / counts[inv], kind="stable")]
+        grouped = perm[np.argsort(inv.reshape(-1), kind="stable")]  # by stratum, random order
+        seq = _apportion(counts)  # which stratum each place of the order takes
+        nth = np.empty(n, dtype=np.int64)  # the how-manieth of its stratum each place is
+        nth[np.argsort(seq, kind="stable")] = np.arange(n) - np.repeat(
+            np.cumsum(counts) - counts, counts)
+        perm = grouped[(np.cumsum(counts) - counts)[seq] + nth]
     held = n_val + n_test
     return np.sort(perm[held:]), np.sort(perm[:n_val]), np.sort(perm[n_val:held])
 
