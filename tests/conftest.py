@@ -5,7 +5,9 @@ Both are session-scoped and shared by many test modules: treat them as read-only
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 
@@ -72,6 +74,36 @@ def run_python(code: str, cwd: Path, timeout: float = 120) -> str:
                          cwd=cwd, timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
+
+
+def run_ranks(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a multi-process command (``torchrun``, a Lightning DDP script that starts its
+    other ranks) in its own process group with ``faulthandler`` on, and return its result.
+
+    A rank that aborts prints every thread's Python stack before it dies. Past ``timeout``
+    every process of the group gets SIGABRT (so each prints its stacks: where a rank waited)
+    and the test fails with the end of that output: ``subprocess.run``'s timeout kills only
+    the first process, and a rank it started keeps the pipes open while it waits for the
+    dead one, so nothing of what happened would reach the report."""
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"{cmd[-1]} ran past {timeout} s; every process's stacks at SIGABRT:\n"
+                    f"{out[-3000:]}\n{err[-12000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a rank left behind by a dead one
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 #: the slowest test files and their seconds in a full run (``--durations``, 2 CPUs, loaded):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from annbatch_torch import sampling
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ddp_script
+from conftest import run_ranks
 
 WORLD = 2
 SIZES = [700, 450, 333]  # 1483 rows: 23 full pools of 64 rows and a ragged one of 11
@@ -133,7 +133,7 @@ def test_torchrun_script(h5ads: list[str], tmp_path: Path) -> None:
         str(Path(__file__).parent / "ddp_script.py"), "--out", str(tmp_path), *h5ads,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = run_ranks(cmd, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = _load(tmp_path)
     e0 = _check_drop_case(ranks, "e0")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import anndata as ad
 import numpy as np
 import pytest
 import torch
+from conftest import run_ranks
 
 import annbatch_torch as abt
 
@@ -137,9 +137,9 @@ def test_ddp_page_code_under_torchrun(tmp_path: Path) -> None:
         # one write per rank: the ranks share the pipe, unbuffered under torchrun, and
         # print's pieces of two ranks interleave ("rankrank  10  okok")
         + "import os\nos.write(1, f'rank {dist.get_rank()} ok {out}\\n'.encode())\n")
-    res = subprocess.run(
+    res = run_ranks(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+         "2", str(script)], cwd=tmp_path, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert res.stdout.count(" ok ") == 2, res.stdout

@@ -9,16 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_ranks
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run_example(name: str, *args: str, timeout: int = 300) -> str:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), "--small", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=EXAMPLES.parent,
-    )
+    proc = run_ranks([sys.executable, str(EXAMPLES / name), "--small", *args],
+                     timeout=timeout, env=env, cwd=EXAMPLES.parent)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 

@@ -21,6 +21,7 @@ import pytest
 import scipy.sparse as sp
 import scvi
 import torch
+from conftest import run_ranks
 
 import annbatch_torch as abt
 from annbatch_torch.integrations.scvi import SCVIDataModule
@@ -392,9 +393,9 @@ def test_pbmc68k_reduced_through_the_writer(pbmc68k_reduced: Path, tmp_path: Pat
 def test_ddp_two_ranks_train_disjoint_cells(small_collection: abt.Collection,
                                             tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    proc = run_ranks(
         [sys.executable, str(ROOT / "tests" / "scvi_ddp.py"), str(small_collection.path),
-         str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+         str(tmp_path)], timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [np.load(tmp_path / f"rank{r}.npy") for r in range(2)]
     steps = [int((tmp_path / f"done{r}").read_text()) for r in range(2)]
