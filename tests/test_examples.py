@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,14 @@ from conftest import run_ranks
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run_example(name: str, *args: str, timeout: int = 300) -> str:
+def run_example(name: str, *args: str, timeout: int = 300,
+                before_retry: Callable[[], None] | None = None) -> str:
+    """Run ``examples/name --small args`` (run again once after a crash where
+    ``before_retry`` is given: see :func:`conftest.run_ranks`) and return its stdout."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = run_ranks([sys.executable, str(EXAMPLES / name), "--small", *args],
-                     timeout=timeout, env=env, cwd=EXAMPLES.parent)
+                     timeout=timeout, env=env, cwd=EXAMPLES.parent,
+                     retry=before_retry is not None, before_retry=before_retry)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -79,7 +85,9 @@ def test_selectors_and_transforms() -> None:
 def test_lightning_ddp_two_ranks(tmp_path: Path) -> None:
     """``strategy="ddp"`` re-launches the script as rank 1; both ranks print their steps."""
     pytest.importorskip("lightning.pytorch")
-    first = run_example("lightning_ddp.py", "--devices", "2", "--workdir", str(tmp_path))
+    work = tmp_path / "work"
+    first = run_example("lightning_ddp.py", "--devices", "2", "--workdir", str(work),
+                        timeout=240, before_retry=lambda: shutil.rmtree(work))
     for e in range(2):
         steps = {int(r): int(s) for r, s in
                  re.findall(rf"rank (\d) epoch {e}: (\d+) steps", first)}
