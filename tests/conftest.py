@@ -118,7 +118,8 @@ def run_ranks(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = N
         finally:
             with contextlib.suppress(ProcessLookupError):  # a rank left behind by a dead one
                 os.killpg(proc.pid, signal.SIGKILL)
-        report = (f"{' '.join(map(str, cmd[1:]))} {'ran past ' + str(timeout) + ' s' if hung else 'crashed'} "
+        what = f"ran past {timeout} s" if hung else "crashed"
+        report = (f"{' '.join(map(str, cmd[1:]))} {what} "
                   f"(exit {proc.returncode}); its output, with each process's stacks:\n"
                   f"{out[-3000:]}\n{err[-12000:]}")
         crashed = hung or proc.returncode < 0 or "Fatal Python error" in err
