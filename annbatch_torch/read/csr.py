@@ -29,6 +29,7 @@ __all__ = ["csr_view", "row_slice", "densify_csr", "csr_tensor_to_dense"]
 
 
 _SPLIT_MIN = 1 << 22  # dense elements from which densifying is split over two threads
+_BLOCKS = 16  # blocks of rows the two threads share out
 _helper: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -64,11 +65,21 @@ def _todense_into(m: sp.csr_matrix | sp.csr_array, out: np.ndarray, split: bool,
     if not split or n < 2:
         _fill_todense(n, g, m.indptr, m.indices, m.data, out, zero)
         return
-    h = n // 2  # indptr keeps absolute offsets: each half reads its own rows' values
-    fut = _helper_thread().submit(_fill_todense, n - h, g, m.indptr[h:], m.indices, m.data,
-                                  out[h:], zero)
+    # blocks of rows taken in turn by both threads from one iterator (its next() is atomic
+    # under the GIL): a thread the scheduler holds back (beside DataLoader workers, say)
+    # does fewer blocks rather than leaving the other one waiting for its half
+    step = -(-n // _BLOCKS)
+    blocks = iter(range(0, n, step))
+
+    def work() -> None:
+        for lo in blocks:  # indptr keeps absolute offsets: a block reads its rows' values
+            hi = min(lo + step, n)
+            _fill_todense(hi - lo, g, m.indptr[lo : hi + 1], m.indices, m.data, out[lo:hi],
+                          zero)
+
+    fut = _helper_thread().submit(work)
     try:
-        _fill_todense(h, g, m.indptr[: h + 1], m.indices, m.data, out[:h], zero)
+        work()
     finally:
         fut.result()
 
