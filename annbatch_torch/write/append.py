@@ -333,9 +333,7 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     ``coll``: the collection appended to, when it is not the one at ``root`` (a remote
     one: the new shards and manifest are then written to the staging folder ``root``);
     ``dtypes``: its ``data_dtype`` and ``index_dtype`` (``None``: the collection's)."""
-    # new inputs' genes are mapped to the collection's order: in this process, unless a
-    # scheduler's worker processes write
-    warm = warm_remap() if scheduler in (None, "threads") else None
+    warm = None
     sources: list[InputSource] = []
     tmp: Path | None = None
     names_check: ThreadPoolExecutor | None = None
@@ -392,10 +390,13 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
-        if warm is not None and early is not None:
-            warm.join()  # before a local cluster's workers start; written in this process,
-            # the load goes on beside pass 1's first reads (its first remap waits for it on
-            # numba's compiler lock)
+        if scheduler is None:
+            # new inputs' genes are mapped to the collection's order, here by this
+            # process: numba's start (GIL-bound Python) is paid beside pass 1's first
+            # reads, much of them without the GIL (beside the set-up above, all Python,
+            # it only took turns with it); the first remap waits for it on numba's
+            # compiler lock
+            warm = warm_remap()
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
                                       first)

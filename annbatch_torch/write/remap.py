@@ -228,11 +228,12 @@ def load_remap() -> None:
 
 def warm_remap() -> threading.Thread | None:
     """Load the compiled loop in a thread of its own, started now: a process's first call of
-    a compiled function pays numba's start, which the caller's setup (opening inputs,
-    reading their names) then overlaps. A remap called meanwhile waits for it on numba's
-    compiler lock (which a fork waits for too, see ``store/native.py``); join it before the
-    caller returns, and before a local cluster starts its workers. ``None`` where no
-    thread could be had (the first remap loads it instead)."""
+    a compiled function pays numba's start, Python that holds the GIL, which the caller's
+    work meanwhile overlaps where that work runs without the GIL (reading and decoding
+    inputs). A remap called meanwhile waits for it on numba's compiler lock (which a fork
+    waits for too, see ``store/native.py``); join it before the caller returns, and before
+    it starts worker processes. ``None`` where no thread could be had (the first remap
+    loads it instead)."""
     t = threading.Thread(target=load_remap, name="annbatch-remap-warm", daemon=True)
     try:
         t.start()
