@@ -90,14 +90,18 @@ def run_ranks(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = N
     started keeps the pipes open while it waits for the dead one, so nothing of what
     happened would reach the report.
 
-    With ``retry``, a run that crashed (a process killed by a signal, or past ``timeout``)
-    is run once more, after ``before_retry`` (e.g. emptying the folder the first run
-    wrote), and the first run's output and stacks become a warning in the report. Twice in
-    seven full test runs on two loaded CPUs a two-rank gloo run crashed: a rank aborted
-    ("terminate called without an active exception", under ``torchrun``) or the Lightning
-    example hung with nothing printed; neither came back in 60 runs of those scripts
-    alone, under load and with numba's cache cold. A second crash is not retried: a hang
-    fails the test with both runs' stacks, an abort is left to the caller's assertion.
+    With ``retry``, a run that hung, or where a process aborted with "terminate called
+    without an active exception", is run once more after ``before_retry`` (e.g. emptying
+    the folder the first run wrote), and the first run's output and stacks become a
+    warning in the report. Twice in seven full test runs on two loaded CPUs a two-rank
+    gloo run crashed so: a rank aborted with that message (under ``torchrun``) or the
+    Lightning example hung with nothing printed; neither came back in 60 runs of those
+    scripts alone, under load and with numba's cache cold. Any other crash (a segfault,
+    a Python error) is not retried, nor is a second one: a second hang fails the test with
+    both runs' stacks, an abort is left to the caller's assertion.
+
+    Signals go to the process group and to every process the command started, found while
+    it runs: ``torchrun`` starts each rank in a session of its own.
     """
     env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
     first = ""
@@ -105,25 +109,19 @@ def run_ranks(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = N
         proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env, cwd=cwd, start_new_session=True)
         hung = False
+        started: list[Any] = []  # psutil.Process of each process the command started
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             hung = True
-            os.killpg(proc.pid, signal.SIGABRT)
-            try:
-                out, err = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
+            out, err = _stop_tree(proc, started)
         finally:
-            with contextlib.suppress(ProcessLookupError):  # a rank left behind by a dead one
-                os.killpg(proc.pid, signal.SIGKILL)
+            _signal_tree(proc.pid, signal.SIGKILL, started)  # a rank left behind
         what = f"ran past {timeout} s" if hung else "crashed"
         report = (f"{' '.join(map(str, cmd[1:]))} {what} "
                   f"(exit {proc.returncode}); its output, with each process's stacks:\n"
                   f"{out[-3000:]}\n{err[-12000:]}")
-        crashed = hung or proc.returncode < 0 or "Fatal Python error" in err
-        if not crashed:
+        if not (hung or "terminate called without an active exception" in err):
             break
         if attempt == 0 and retry:
             warnings.warn(f"run again after a crash: {report}", stacklevel=2)
@@ -133,6 +131,43 @@ def run_ranks(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = N
         elif hung:
             pytest.fail(report + (f"\n\nthe first run:\n{first}" if first else ""))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _signal_tree(root: int, sig: int, started: list[Any]) -> None:
+    """``sig`` to process group ``root`` and to every process ``root`` started (listed now
+    while ``root`` runs, added to ``started``; those listed before are signalled too)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        started.extend(p for p in psutil.Process(root).children(recursive=True)
+                       if p not in started)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(root, sig)
+    for p in started:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)  # (psutil refuses a pid reused since it was listed)
+
+
+def _stop_tree(proc: subprocess.Popen[str], started: list[Any]) -> tuple[str, str]:
+    """SIGABRT to every process of a hung command (faulthandler prints each one's stacks),
+    then SIGKILL; its output. A process out of reach that keeps the pipes open is given
+    up on after a minute."""
+    out = err = ""
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        _signal_tree(proc.pid, sig, started)
+        try:
+            return proc.communicate(timeout=30)  # all the output (none lost on a retry)
+        except subprocess.TimeoutExpired as e:
+            out, err = _text(e.stdout), _text(e.stderr)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    proc.wait(timeout=30)
+    return out, err + "\n(a process out of reach kept the output pipes open)"
+
+
+def _text(b: bytes | str | None) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 #: the slowest test files and their seconds in a full run (``--durations``, 2 CPUs, loaded):

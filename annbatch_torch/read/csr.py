@@ -10,6 +10,7 @@ a DataLoader worker).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -65,15 +66,20 @@ def _todense_into(m: sp.csr_matrix | sp.csr_array, out: np.ndarray, split: bool,
     if not split or n < 2:
         _fill_todense(n, g, m.indptr, m.indices, m.data, out, zero)
         return
-    # blocks of rows taken in turn by both threads from one iterator (its next() is atomic
-    # under the GIL): a thread the scheduler holds back (beside DataLoader workers, say)
-    # does fewer blocks rather than leaving the other one waiting for its half
+    # blocks of rows taken in turn by both threads from one iterator: a thread the
+    # scheduler holds back (beside DataLoader workers, say) does fewer rows rather than
+    # leaving the other one waiting for its half
     step = -(-n // _BLOCKS)
     blocks = iter(range(0, n, step))
+    taking = threading.Lock()  # (a free-threaded Python has no GIL to make next() atomic)
 
     def work() -> None:
-        for lo in blocks:  # indptr keeps absolute offsets: a block reads its rows' values
-            hi = min(lo + step, n)
+        while True:
+            with taking:
+                lo = next(blocks, None)
+            if lo is None:
+                return
+            hi = min(lo + step, n)  # indptr keeps absolute offsets: a block reads its rows
             _fill_todense(hi - lo, g, m.indptr[lo : hi + 1], m.indices, m.data, out[lo:hi],
                           zero)
 

@@ -390,13 +390,15 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
-        if scheduler is None:
-            # new inputs' genes are mapped to the collection's order, here by this
+        if scheduler in (None, "threads"):
+            # new inputs' genes are mapped to the collection's order, here in this
             # process: numba's start (GIL-bound Python) is paid beside pass 1's first
             # reads, much of them without the GIL (beside the set-up above, all Python,
             # it only took turns with it); the first remap waits for it on numba's
-            # compiler lock
+            # compiler lock. A local cluster's threads wait for it here instead
             warm = warm_remap()
+            if warm is not None and early is not None:
+                warm.join()
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
                                       first)
