@@ -64,7 +64,7 @@ from .grouping import check_group_by
 from .narrow import FIELD, check_dtype_options
 from .parallel import start_cluster
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
-from .remap import warm_remap
+from .remap import load_remap, warm_remap
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
 from .writer import DEFAULT_MAX_MEMORY, write_shards
@@ -390,15 +390,15 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
-        if scheduler in (None, "threads"):
-            # new inputs' genes are mapped to the collection's order, here in this
-            # process: numba's start (GIL-bound Python) is paid beside pass 1's first
-            # reads, much of them without the GIL (beside the set-up above, all Python,
-            # it only took turns with it); the first remap waits for it on numba's
-            # compiler lock. A local cluster's threads wait for it here instead
+        # new inputs' genes are mapped to the collection's order, here in this process
+        # unless worker processes write: numba's start (GIL-bound Python) is paid beside
+        # pass 1's first reads, much of them without the GIL (beside the set-up above, all
+        # Python, it only took turns with it); the first remap waits for it on numba's
+        # compiler lock. A local cluster's threads would all wait: loaded before they start
+        if scheduler is None:
             warm = warm_remap()
-            if warm is not None and early is not None:
-                warm.join()
+        elif scheduler == "threads":
+            load_remap()
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
                                       first)
