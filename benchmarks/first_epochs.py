@@ -76,11 +76,15 @@ print(json.dumps(out))
 
 
 def _run(store: str, dense: bool, epochs: int, tree: str | None) -> dict[str, Any]:
+    # the tree first on the path, and the child started outside any checkout: ``-c`` puts
+    # the working folder first on the path, which would win over PYTHONPATH from a checkout
     env = dict(os.environ)
-    if tree:
-        env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tree or str(Path(__file__).resolve().parents[1]),
+                    env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", CHILD, store, "1" if dense else "0",
-                           str(epochs)], env=env, capture_output=True, text=True, timeout=900)
+                           str(epochs)], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parent)
     if proc.returncode:
         raise SystemExit(f"run failed ({tree or 'this tree'}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -12,12 +12,14 @@ import re
 import signal
 import time
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from conftest import run_python
 from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
@@ -320,3 +322,28 @@ def test_a_slot_storage_from_a_worker_that_died_is_named_as_such() -> None:
     with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid 123\) exited "
                                            "unexpectedly"):
         handoff._received_storage(gone, (), 123)
+
+
+def test_forked_workers_inherit_numbas_start_from_the_process_that_made_the_dataset(
+        small_collection: Collection, tmp_path: Path) -> None:
+    """Making a dataset starts numba (its registries and runtime) in the background, so
+    forked workers begin with it loaded rather than each paying it before its first batch
+    (and again every epoch without persistent workers); their batches are still every row
+    once. In a fresh process: here another test may have started numba already."""
+    out = run_python(f"""
+import torch
+from numba.core.runtime import nrt
+from torch.utils.data import DataLoader
+import annbatch_torch as abt
+assert not nrt.rtsys._init, "importing the package started numba"
+ds = abt.AnnBatchDataset({str(small_collection.path)!r}, batch_size=64, chunk_size=64,
+                         preload_nchunks=4, return_index=True)
+seen = torch.zeros(2, dtype=torch.int64).share_memory_()
+def init(worker_id):
+    seen[worker_id] = 1 + int(nrt.rtsys._init)  # before the worker reads anything
+dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
+                worker_init_fn=init)
+rows = sorted(i for b in dl for i in b["index"].tolist())
+print(seen.tolist(), rows == list(range({small_collection.n_obs})))
+""", tmp_path)
+    assert out.split() == ["[2,", "2]", "True"], out
