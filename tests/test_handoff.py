@@ -326,7 +326,7 @@ def test_a_slot_storage_from_a_worker_that_died_is_named_as_such() -> None:
 
 def test_forked_workers_inherit_numbas_start_from_the_process_that_made_the_dataset(
         small_collection: Collection, tmp_path: Path) -> None:
-    """Making a dataset starts numba (its registries and runtime) in the background, so
+    """Making a dataset pays numba's start (its registries and runtime) then and there, so
     forked workers begin with it loaded rather than each paying it before its first batch
     (and again every epoch without persistent workers); their batches are still every row
     once. In a fresh process: here another test may have started numba already."""
@@ -338,6 +338,9 @@ import annbatch_torch as abt
 assert not nrt.rtsys._init, "importing the package started numba"
 ds = abt.AnnBatchDataset({str(small_collection.path)!r}, batch_size=64, chunk_size=64,
                          preload_nchunks=4, return_index=True)
+# paid by the constructor itself: a thread of its own, holding numba's compiler lock
+# across a fork, deadlocked one (see store/native.py::start_numba)
+assert nrt.rtsys._init, "the dataset did not start numba"
 seen = torch.zeros(2, dtype=torch.int64).share_memory_()
 def init(worker_id):
     seen[worker_id] = 1 + int(nrt.rtsys._init)  # before the worker reads anything

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +31,11 @@ from numba import types
 from numba.core.compiler_lock import global_compiler_lock
 
 __all__ = ["OutOfRange", "compiled", "compiled_started", "is_cached", "load_now",
-           "pread_available", "pread_segments", "pread_widen", "start_soon"]
+           "pread_available", "pread_segments", "pread_widen", "start_numba"]
 
 _COMPILED: list[Any] = []  # every loop made by compiled()
 _UNCACHED: list[Any] = []  # those compiled in each process (no cache folder writable)
 _started = False  # one of them was compiled or loaded in this process (or its parent)
-_starting: dict[str, Any] = {}  # start_soon's thread, by the pid that started it
 
 
 def compiled(fn: Callable[..., Any]) -> Any:
@@ -69,38 +67,28 @@ def compiled_started() -> bool:
     return _started
 
 
-def _start() -> None:
+def start_numba() -> None:
+    """Pay numba's start now (its registries and runtime, ~0.3 s of Python), once per
+    process, unless a compiled loop has already paid it here or in the parent.
+
+    A process that makes a dataset goes on to read, which needs the start, and a
+    DataLoader it hands the dataset to forks workers that inherit what it loaded: paid in
+    each worker instead, the start costs every worker its CPU before the first batch, and
+    again every epoch without persistent workers. Paid in the calling thread: a thread of
+    its own would hold numba's compiler lock, which a fork waits for (above), while running
+    Python whose garbage collection may need a lock that another library's fork handler
+    takes first (h5py's, freeing a file object): the fork would wait forever."""
     global _started
+    if numba.config.DISABLE_JIT or compiled_started():
+        return
     try:
         from numba.core.registry import cpu_target
 
         with global_compiler_lock:
-            cpu_target.target_context.refresh()  # registries and runtime: numba's start
-        _started = True
+            cpu_target.target_context.refresh()
     except Exception:  # a compiled loop's first call meets (and reports) the same trouble
-        pass
-
-
-def start_soon() -> None:
-    """Pay numba's start (its registries and runtime, ~0.3 s of Python that holds the GIL)
-    in a thread of its own, started now, once per process, unless a compiled loop has
-    already paid it here or in the parent.
-
-    A process that makes a dataset goes on to read, which needs the start, and a
-    DataLoader it hands the dataset to forks workers that inherit what it loaded: started
-    in each worker instead, the start costs every worker its CPU before the first batch,
-    again at every epoch without persistent workers. The thread holds numba's compiler
-    lock while it loads, and a fork waits for that lock (above): a worker forked meanwhile
-    starts after the load, with it. A compiled loop called meanwhile waits on the lock too,
-    then finds the start paid."""
-    if numba.config.DISABLE_JIT or compiled_started() or os.getpid() in _starting:
         return
-    t = threading.Thread(target=_start, name="annbatch-numba-start")
-    try:
-        t.start()  # not a daemon: the interpreter's exit waits for the load (bounded)
-    except RuntimeError:  # no thread to be had: the first compiled call starts numba
-        return
-    _starting[os.getpid()] = t
+    _started = True
 
 
 def load_now(loop: Any, done_without: int, limit: int) -> bool:
