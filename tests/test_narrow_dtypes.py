@@ -15,6 +15,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 import zarr
+from conftest import run_python
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -644,6 +645,40 @@ def test_a_child_forked_while_numba_compiles_does_not_hang() -> None:
     if child.exitcode is None:
         child.kill()
     assert child.exitcode == 0
+
+
+def test_a_fork_waits_for_numbas_lock_before_taking_h5pys(tmp_path: Path) -> None:
+    """A thread holding numba's compiler lock (loading a compiled loop) whose garbage
+    collection frees an h5py object, which takes h5py's lock, while another thread forks:
+    the fork must take numba's lock first (h5py's fork handler takes h5py's), else each
+    waits on the other. h5py imported after the package, as a writer's inputs bring it."""
+    out = run_python(f"""
+import os, threading, time
+import numpy as np
+from numba.core.compiler_lock import global_compiler_lock
+import annbatch_torch.store.native  # noqa: F401  (its fork handler)
+import h5py
+path = {str(tmp_path / "x.h5")!r}
+with h5py.File(path, "w") as f:
+    f["x"] = np.arange(3)
+held = threading.Event()
+def hold():
+    with global_compiler_lock:
+        held.set()
+        time.sleep(0.5)  # the fork's handlers start meanwhile
+        with h5py.File(path, "r") as f:  # h5py's lock, as a freed h5py object takes it
+            f["x"][:]
+t = threading.Thread(target=hold)
+t.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+t.join()
+print("forked")
+""", tmp_path, timeout=60)
+    assert out.strip() == "forked"
 
 
 def test_bool_matrices_keep_their_dtype_and_open(tmp_path: Path) -> None:

@@ -103,7 +103,13 @@ def load_now(loop: Any, done_without: int, limit: int) -> bool:
 # numba compiles under one process-wide lock, taken by whichever thread meets a new pair of
 # dtypes first (a pool reader's thread, say); a child forked while another thread held it
 # would wait on it forever. The forking thread takes it first (waiting for a compilation
-# to end) and both sides let go after the fork.
+# to end) and both sides let go after the fork. h5py's own fork handler takes h5py's lock,
+# and handlers run in the reverse order of their registration: h5py is imported first, so
+# that a fork takes numba's lock before h5py's. The other way round, a thread holding
+# numba's lock whose garbage collection frees an h5py object (which takes h5py's lock)
+# would wait on the fork, and the fork on it.
+import h5py  # noqa: E402, F401  (its fork handler registered before the one below)
+
 os.register_at_fork(before=global_compiler_lock.acquire,
                     after_in_parent=global_compiler_lock.release,
                     after_in_child=global_compiler_lock.release)
