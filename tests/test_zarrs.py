@@ -19,9 +19,11 @@ import pytest
 import scipy.sparse as sp
 import torch
 import zarr
+from conftest import run_python
 from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
+from annbatch_torch import Collection
 from annbatch_torch.convert import batch_dict_converter
 from annbatch_torch.store import zarrs as _zarrs
 from annbatch_torch.store.collection import open_collection
@@ -255,7 +257,6 @@ def test_opt_out(lz4_collection: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert _zarrs.ensure_codec_pipeline() is None
     coll = open_collection(lz4_collection)
     assert _pipeline_name(coll) == "BatchedCodecPipeline"
-    assert not isinstance(coll._open_shard(0), _zarrs.ReadGroup)
     abt.set_codec_pipeline("zarr")
     assert os.environ[_zarrs.ENV_VAR] == "0"
     assert _zarrs.ensure_codec_pipeline() is None
@@ -271,3 +272,20 @@ def test_opt_out(lz4_collection: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             abt.set_codec_pipeline("zarrs")
         abt.set_codec_pipeline("auto")
         assert _zarrs.ensure_codec_pipeline() is None
+
+
+def test_reading_a_raw_collection_imports_neither_zarr_nor_zarrs(
+        small_collection: Collection, tmp_path: Path) -> None:
+    """Raw arrays are read without zarr: the read pipeline is chosen only when zarr opens
+    an array, so a process (a DataLoader worker) reading a raw collection never imports
+    zarr or zarrs. In a fresh process: this one has imported both."""
+    out = run_python(f"""
+import sys
+import annbatch_torch as abt
+ds = abt.AnnBatchDataset({str(small_collection.path)!r}, batch_size=256, return_index=True,
+                         selector={{"x": "X", "y": "obs/cell_type", "c": "layers/counts"}})
+rows = sorted(i for b in ds for i in b["index"].tolist())
+print(rows == list(range({small_collection.n_obs})), "zarr" in sys.modules,
+      "zarrs" in sys.modules)
+""", tmp_path)
+    assert out.split() == ["True", "False", "False"], out

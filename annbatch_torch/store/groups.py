@@ -166,7 +166,26 @@ class FastGroup:
                 node = self._children.setdefault(key, node)  # the pipeline is bound then
         return node
 
-    def _open(self, key: str) -> Any:
+    def plain(self, key: str) -> FastGroup | RawZarrArray | None:
+        """``self[key]`` where zarr opens nothing for it: a subgroup or a raw array
+        (``key`` may be a path ``a/b``); ``None`` where zarr would open the array (a
+        compressed one, a layout the raw reader does not know). :class:`KeyError` where
+        there is no such node."""
+        node: Any = self
+        for part in key.split("/"):
+            if not isinstance(node, FastGroup):
+                return None
+            child = node._children.get(part)
+            if child is None:
+                child = node._open_plain(part)
+                if child is None:
+                    return None
+                child = node._children.setdefault(part, child)
+            node = child
+        return node if isinstance(node, FastGroup | RawZarrArray) else None
+
+    def _open_plain(self, key: str) -> FastGroup | RawZarrArray | None:
+        """Subgroup or raw array ``key`` (this group's child), else ``None``."""
         child = self.path / key
         try:
             meta = _read_meta(child, self.root)
@@ -177,7 +196,13 @@ class FastGroup:
         raw = open_raw(child, None if self.mirror is None else self.mirror.chunks())
         if raw is not None:
             raw.attrs = meta.get("attributes", {})
-            return raw
+        return raw
+
+    def _open(self, key: str) -> Any:
+        plain = self._open_plain(key)
+        if plain is not None:
+            return plain
+        child = self.path / key
         import zarr
 
         if self.mirror is not None:  # on a store: its chunk objects come through the cache
