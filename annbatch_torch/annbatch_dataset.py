@@ -45,7 +45,7 @@ from .sampling.mixing import MixSampler
 from .store.inputs.inplace import open_source
 from .store.inputs.mixture import SOURCE_COLUMN, Mixture
 from .store.manifest import RAW_X
-from .store.native import start_numba
+from .store.native import forks_by_default, start_numba
 from .store.source import Source
 from .torch_sampler import bind_sampler
 from .world import SharedEpoch, World, distributed_rank_world
@@ -366,9 +366,11 @@ class AnnBatchDataset(IterableDataset):
         # exact resume (torchdata Stateful): what this copy yielded of the current epoch
         self._resumer = Resumer()
         self._iterations = 0  # iter() calls on this copy: only the newest iterator runs
-        # reading needs numba's start: paid once here, so that workers forked later
-        # inherit it instead of each paying it before its first batch
-        start_numba()
+        # reading needs numba's start: paid once here where workers are forked, so that
+        # they inherit it instead of each paying it before its first batch (spawned ones
+        # pay their own; in-process reading pays it at its first read either way)
+        if forks_by_default():
+            start_numba()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in PLAN_SETTINGS and "_epoch_plan" in self.__dict__:

@@ -12,7 +12,8 @@ user's script runs:
 * ``first``: ``AnnBatchDataset(store, batch_size=4096)`` (sparse X; ``dense``:
   ``densify=True``) handed to ``torch.utils.data.DataLoader(ds, batch_size=None,
   num_workers=W)`` (fork): seconds to the first batch, and the CPU seconds (user +
-  system) its workers spent until then;
+  system) its workers spent until then (read when the first batch arrives: the other
+  workers' first reads count as far as they got);
 * ``epochs``: the same DataLoader (sparse, without ``persistent_workers``: torch forks
   fresh workers every epoch) iterated for ``--epochs`` whole epochs: seconds and cells/s.
 
@@ -73,8 +74,14 @@ def _run(tree: str | None, args: list[str]) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (tree or str(HERE.parent), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True,
-                         text=True, env=env, check=True, cwd=HERE)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                         text=True, env=env, cwd=HERE)
+    if out.returncode:
+        raise SystemExit(f"run failed ({tree or 'this tree'}):\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    want = Path(tree or HERE.parent).resolve() / "annbatch_torch" / "__init__.py"
+    if Path(r["package"]).resolve() != want:
+        raise SystemExit(f"the run imported {r['package']}, not {want}")
+    return r
 
 
 def main() -> None:

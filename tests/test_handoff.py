@@ -335,6 +335,7 @@ import torch
 from numba.core.runtime import nrt
 from torch.utils.data import DataLoader
 import annbatch_torch as abt
+from annbatch_torch.store import native
 assert not nrt.rtsys._init, "importing the package started numba"
 ds = abt.AnnBatchDataset({str(small_collection.path)!r}, batch_size=64, chunk_size=64,
                          preload_nchunks=4, return_index=True)
@@ -342,11 +343,28 @@ ds = abt.AnnBatchDataset({str(small_collection.path)!r}, batch_size=64, chunk_si
 # across a fork, deadlocked one (see store/native.py::start_numba)
 assert nrt.rtsys._init, "the dataset did not start numba"
 seen = torch.zeros(2, dtype=torch.int64).share_memory_()
-def init(worker_id):
-    seen[worker_id] = 1 + int(nrt.rtsys._init)  # before the worker reads anything
+def init(worker_id):  # before the worker reads anything
+    seen[worker_id] = 1 + int(nrt.rtsys._init and native.compiled_started())
 dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
                 worker_init_fn=init)
 rows = sorted(i for b in dl for i in b["index"].tolist())
 print(seen.tolist(), rows == list(range({small_collection.n_obs})))
 """, tmp_path)
     assert out.split() == ["[2,", "2]", "True"], out
+
+
+def test_forks_by_default_follows_the_start_method_without_fixing_it(tmp_path: Path) -> None:
+    """The dataset pays numba's start only where workers would be forked: the start
+    method set, else the platform's default, read without fixing the default (a later
+    ``set_start_method`` still works)."""
+    out = run_python("""
+import multiprocessing
+from annbatch_torch.store import native
+first = native.forks_by_default()
+multiprocessing.set_start_method("spawn")  # raises if the first call fixed the default
+spawn = native.forks_by_default()
+multiprocessing.set_start_method("fork", force=True)
+print(first == (multiprocessing.get_all_start_methods()[0] == "fork"), spawn,
+      native.forks_by_default())
+""", tmp_path)
+    assert out.split() == ["True", "False", "True"], out

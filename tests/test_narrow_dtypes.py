@@ -651,7 +651,8 @@ def test_a_fork_waits_for_numbas_lock_before_taking_h5pys(tmp_path: Path) -> Non
     """A thread holding numba's compiler lock (loading a compiled loop) whose garbage
     collection frees an h5py object, which takes h5py's lock, while another thread forks:
     the fork must take numba's lock first (h5py's fork handler takes h5py's), else each
-    waits on the other. h5py imported after the package, as a writer's inputs bring it."""
+    waits on the other; whatever the order a program imports the two in (here h5py
+    after the package, as a writer's inputs bring it). A hang ends in the timeout."""
     out = run_python(f"""
 import os, threading, time
 import numpy as np
@@ -665,7 +666,7 @@ held = threading.Event()
 def hold():
     with global_compiler_lock:
         held.set()
-        time.sleep(0.5)  # the fork's handlers start meanwhile
+        time.sleep(1.0)  # the fork's handlers start meanwhile
         with h5py.File(path, "r") as f:  # h5py's lock, as a freed h5py object takes it
             f["x"][:]
 t = threading.Thread(target=hold)
@@ -677,7 +678,7 @@ if pid == 0:
 os.waitpid(pid, 0)
 t.join()
 print("forked")
-""", tmp_path, timeout=60)
+""", tmp_path, timeout=30)
     assert out.strip() == "forked"
 
 

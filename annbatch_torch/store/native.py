@@ -31,11 +31,15 @@ from numba import types
 from numba.core.compiler_lock import global_compiler_lock
 
 __all__ = ["OutOfRange", "compiled", "compiled_started", "is_cached", "load_now",
-           "pread_available", "pread_segments", "pread_widen", "start_numba"]
+           "forks_by_default", "pread_available", "pread_segments", "pread_widen",
+           "start_numba"]
 
 _COMPILED: list[Any] = []  # every loop made by compiled()
 _UNCACHED: list[Any] = []  # those compiled in each process (no cache folder writable)
-_started = False  # one of them was compiled or loaded in this process (or its parent)
+#: numba's start is paid in this process (or its parent): one of them compiled or loaded,
+#: or start_numba ran
+_started = False
+_start_failed = False  # start_numba met an error: not tried again (a loop's call reports it)
 
 
 def compiled(fn: Callable[..., Any]) -> Any:
@@ -58,9 +62,9 @@ def is_cached(loop: Any) -> bool:
 
 
 def compiled_started() -> bool:
-    """Whether a loop of :func:`compiled` has been compiled or loaded in this process (a
-    forked child's parent counts): numba's start (~0.3 s) is paid, and another loop
-    costs only its own load from the cache."""
+    """Whether numba's start (~0.3 s) is paid in this process (a forked child's parent
+    counts): a loop of :func:`compiled` has been compiled or loaded, or
+    :func:`start_numba` ran. Another loop then costs only its own load from the cache."""
     global _started
     if not _started:
         _started = any(getattr(loop, "overloads", None) for loop in _COMPILED)
@@ -68,27 +72,41 @@ def compiled_started() -> bool:
 
 
 def start_numba() -> None:
-    """Pay numba's start now (its registries and runtime, ~0.3 s of Python), once per
-    process, unless a compiled loop has already paid it here or in the parent.
+    """Pay numba's start now (its registries and runtime, ~0.3 s of Python and ~50 MB),
+    once per process, unless it is paid here or in the parent already.
 
-    A process that makes a dataset goes on to read, which needs the start, and a
-    DataLoader it hands the dataset to forks workers that inherit what it loaded: paid in
-    each worker instead, the start costs every worker its CPU before the first batch, and
-    again every epoch without persistent workers. Paid in the calling thread: a thread of
-    its own would hold numba's compiler lock, which a fork waits for (above), while running
-    Python whose garbage collection may need a lock that another library's fork handler
-    takes first (h5py's, freeing a file object): the fork would wait forever."""
-    global _started
-    if numba.config.DISABLE_JIT or compiled_started():
+    For a process that forks readers: workers forked afterwards inherit what it loaded,
+    where paid in each worker the start costs every worker its CPU before its first batch,
+    and again every epoch without persistent workers. Once paid, callers with a slower
+    path that needs no numba take their compiled loops at once (:func:`load_now`). Paid in
+    the calling thread: a thread of its own would hold numba's compiler lock, which a fork
+    waits for (above), while running Python whose garbage collection may need a lock that
+    another library's fork handler takes first: the fork could wait forever. An error is
+    not raised here (a loop's first call meets and reports it) and not tried again."""
+    global _started, _start_failed
+    if numba.config.DISABLE_JIT or _start_failed or compiled_started():
         return
     try:
         from numba.core.registry import cpu_target
 
         with global_compiler_lock:
             cpu_target.target_context.refresh()
-    except Exception:  # a compiled loop's first call meets (and reports) the same trouble
+    except Exception:
+        _start_failed = True
         return
     _started = True
+
+
+def forks_by_default() -> bool:
+    """Whether new processes start by ``fork`` here unless a caller asks otherwise: the
+    start method set for :mod:`multiprocessing`, else this platform's default (``fork``
+    on Linux before Python 3.14), found without fixing the default."""
+    import multiprocessing
+
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method is None:
+        return sys.platform.startswith("linux") and sys.version_info < (3, 14)
+    return method == "fork"
 
 
 def load_now(loop: Any, done_without: int, limit: int) -> bool:
@@ -107,7 +125,8 @@ def load_now(loop: Any, done_without: int, limit: int) -> bool:
 # and handlers run in the reverse order of their registration: h5py is imported first, so
 # that a fork takes numba's lock before h5py's. The other way round, a thread holding
 # numba's lock whose garbage collection frees an h5py object (which takes h5py's lock)
-# would wait on the fork, and the fork on it.
+# would wait on the fork, and the fork on it. (This orders these two locks only: a fork
+# handler registered later that takes a lock such a thread needs is not covered.)
 import h5py  # noqa: E402, F401  (its fork handler registered before the one below)
 
 os.register_at_fork(before=global_compiler_lock.acquire,
