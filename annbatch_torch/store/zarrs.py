@@ -50,6 +50,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from .groups import FastGroup
+
 __all__ = [
     "ENV_VAR",
     "PIPELINE_PATH",
@@ -268,7 +270,7 @@ def read_group(group: Any) -> Any:
     open until zarr opens an array through it: its subgroups and raw arrays need no zarr,
     so a process reading a raw collection never imports zarr or zarrs (~0.4 s of CPU in
     each DataLoader worker)."""
-    if hasattr(group, "plain"):
+    if isinstance(group, FastGroup):
         return ReadGroup(group, _LATER)
     path = ensure_codec_pipeline()
     return group if path is None else ReadGroup(group, path)
