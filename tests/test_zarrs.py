@@ -274,6 +274,7 @@ def test_opt_out(lz4_collection: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert _zarrs.ensure_codec_pipeline() is None
 
 
+@needs_zarrs  # without it, the code before this change imported neither either
 def test_reading_a_raw_collection_imports_neither_zarr_nor_zarrs(
         small_collection: Collection, tmp_path: Path) -> None:
     """Raw arrays are read without zarr: the read pipeline is chosen only when zarr opens

@@ -84,6 +84,7 @@ class FastGroup:
         # subgroups and raw arrays handed out once: a flag a reader sets on an array
         # (``require_chunks``) holds for whoever asks for it next
         self._children: dict[str, Any] = {}
+        self._through_zarr: set[str] = set()  # children found to need zarr (see plain)
 
     def keys(self) -> list[str]:
         return sorted(p.name for p in self.path.iterdir() if (p / "zarr.json").is_file())
@@ -177,8 +178,11 @@ class FastGroup:
                 return None
             child = node._children.get(part)
             if child is None:
+                if part in node._through_zarr:
+                    return None
                 child = node._open_plain(part)
                 if child is None:
+                    node._through_zarr.add(part)
                     return None
                 child = node._children.setdefault(part, child)
             node = child
@@ -199,7 +203,7 @@ class FastGroup:
         return raw
 
     def _open(self, key: str) -> Any:
-        plain = self._open_plain(key)
+        plain = None if key in self._through_zarr else self._open_plain(key)
         if plain is not None:
             return plain
         child = self.path / key

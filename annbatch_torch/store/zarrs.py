@@ -197,8 +197,8 @@ class ReadGroup:
         self._path = path
 
     def __getitem__(self, key: str) -> Any:
-        plain = getattr(self._group, "plain", None)  # a FastGroup: no zarr for these
-        node = plain(key) if plain is not None else None
+        # a FastGroup's subgroups and raw arrays need no zarr
+        node = self._group.plain(key) if isinstance(self._group, FastGroup) else None
         if node is None:
             if self._path == _LATER:
                 self._path = ensure_codec_pipeline()
