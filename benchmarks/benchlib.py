@@ -17,13 +17,15 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "run_in_tree",
+    "warm_page_cache",
     "MB",
     "CpuClock",
     "close_iterator",
@@ -368,3 +370,37 @@ def random_batch_entropy(
     k = min(batch_size, len(all_labels))
     draws = (rng.choice(all_labels, size=k, replace=False) for _ in range(n_draws))
     return batch_entropy(draws, n_classes)
+
+
+def run_in_tree(code: str, args: Sequence[str], tree: str | None = None,
+                timeout: float | None = None) -> dict[str, Any]:
+    """Run ``python -c code *args`` with checkout ``tree`` (default: the one holding this
+    file) first on the path and return the JSON its last line of output holds; a failed
+    run ends the benchmark with its stderr. The child starts in this folder, outside any
+    checkout: ``-c`` puts the working folder first on the path, which would win over
+    ``PYTHONPATH`` when a benchmark is started from a checkout's root."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tree or str(here.parent), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, env=env, cwd=here, timeout=timeout)
+    if proc.returncode:
+        raise SystemExit(f"run failed ({tree or 'this tree'}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def warm_page_cache(folder: str | os.PathLike[str]) -> None:
+    """Read every file under ``folder`` once (16 MiB at a time), so that what follows
+    reads from the page cache."""
+    from pathlib import Path
+
+    for p in Path(folder).rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(1 << 24):
+                    pass

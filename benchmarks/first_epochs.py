@@ -26,10 +26,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from benchlib import run_in_tree, warm_page_cache
 
 CHILD = r"""
 import json, resource, sys, time
@@ -76,26 +76,9 @@ print(json.dumps(out))
 
 
 def _run(store: str, dense: bool, epochs: int, tree: str | None) -> dict[str, Any]:
-    # the tree first on the path, and the child started outside any checkout: ``-c`` puts
-    # the working folder first on the path, which would win over PYTHONPATH from a checkout
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (tree or str(Path(__file__).resolve().parents[1]),
-                    env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", CHILD, store, "1" if dense else "0",
-                           str(epochs)], env=env, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).resolve().parent)
-    if proc.returncode:
-        raise SystemExit(f"run failed ({tree or 'this tree'}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _warm(store: Path) -> None:
-    for p in store.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                while f.read(1 << 24):
-                    pass
+    # (the child starts in the benchmarks folder: the store's path made absolute)
+    return run_in_tree(CHILD, [str(Path(store).resolve()), "1" if dense else "0", str(epochs)],
+                       tree, timeout=900)
 
 
 def main() -> None:
@@ -107,7 +90,7 @@ def main() -> None:
     p.add_argument("--vs-tree", default=None, help="another checkout to compare against")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    _warm(args.store)
+    warm_page_cache(args.store)
     trees = {"this": None} | ({"vs": args.vs_tree} if args.vs_tree else {})
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")

@@ -29,11 +29,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchlib import run_in_tree, warm_page_cache
 
 HERE = Path(__file__).resolve().parent
 DEFAULT = (HERE / "data" / "grouped_100000x20000_seed0" /
@@ -68,16 +68,7 @@ else:
 
 
 def _run(tree: str | None, args: list[str]) -> dict[str, Any]:
-    # the tree first on the path, and the child started outside any checkout: ``-c`` puts
-    # the working folder first on the path, which would win over PYTHONPATH from a checkout
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (tree or str(HERE.parent), env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True,
-                         text=True, env=env, cwd=HERE)
-    if out.returncode:
-        raise SystemExit(f"run failed ({tree or 'this tree'}):\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_in_tree(CHILD, args, tree)
     want = Path(tree or HERE.parent).resolve() / "annbatch_torch" / "__init__.py"
     if Path(r["package"]).resolve() != want:
         raise SystemExit(f"the run imported {r['package']}, not {want}")
@@ -93,9 +84,8 @@ def main() -> None:
     p.add_argument("--vs-tree", default=None, help="another checkout to compare against")
     p.add_argument("--out", type=Path, default=HERE / "results" / "worker_start.md")
     args = p.parse_args()
-    for f in Path(args.store).rglob("*"):  # warm page cache: start-up, not the disk
-        if f.is_file():
-            f.read_bytes()
+    args.store = str(Path(args.store).resolve())  # the children start in benchmarks/
+    warm_page_cache(args.store)  # start-up, not the disk
     trees = {"this tree": None} | ({"other tree": args.vs_tree} if args.vs_tree else {})
     configs = [("first", w, d) for w in (int(x) for x in args.workers.split(","))
                for d in (False, True)] + [("epochs", 2, False)]
