@@ -186,7 +186,7 @@ class FastGroup:
                     return None
                 child = node._children.setdefault(part, child)
             node = child
-        return node if isinstance(node, FastGroup | RawZarrArray) else None
+        return node  # a FastGroup's children are subgroups and raw arrays only
 
     def _open_plain(self, key: str) -> FastGroup | RawZarrArray | None:
         """Subgroup or raw array ``key`` (this group's child), else ``None``."""
