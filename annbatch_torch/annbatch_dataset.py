@@ -39,6 +39,7 @@ from .read.device_pool import check_device
 from .read.genes import GeneSelection, MemberGenes
 from .read.pool_stream import PoolStream
 from .read.reader import PoolReader, default_read_threads
+from .read.send_order import SendOrder, Turn
 from .resume import MAX_EPOCH, Resumer
 from .sampling import ChunkPlan, EpochPlan, SamplePlan, Sampler, Segment
 from .sampling.mixing import MixSampler
@@ -366,6 +367,8 @@ class AnnBatchDataset(IterableDataset):
         # exact resume (torchdata Stateful): what this copy yielded of the current epoch
         self._resumer = Resumer()
         self._iterations = 0  # iter() calls on this copy: only the newest iterator runs
+        # a plain DataLoader's workers send batches densified on arrival in its order
+        self._send_order = SendOrder()
         # reading needs numba's start: paid once here where workers are forked, so that
         # they inherit it instead of each paying it before its first batch (spawned ones
         # pay their own; in-process reading pays it at its first read either way)
@@ -660,22 +663,30 @@ class AnnBatchDataset(IterableDataset):
         # closed on any exit: an exception kept by the caller must not keep the prefetch
         # thread and its pool alive, nor a pool read ahead for an epoch that failed
         assembler = self._assembler(world)
+        slotted = assembler.handoff_keys()
         # a worker whose CSR keys travel by reference reads its pools into shared memory
-        memory = handoff.pool_memory() if assembler.handoff_keys() else None
+        memory = handoff.pool_memory() if slotted else None
+        # and sends those densified on arrival in the loader's order (read/send_order.py)
+        turn = self._send_order.turn(iteration) if any(slotted.values()) else None
         pools = self._pool_stream().pools(items, prefetch=prefetch, shared=world.in_worker,
                                           upcoming=upcoming, memory=memory)
         try:
             with contextlib.closing(pools):
                 for item, pool in pools:
                     # a generator of its own: its last batch is let go before the next pool
-                    yield from self._counted(assembler.batches(item, pool), iteration)
+                    yield from self._counted(assembler.batches(item, pool), iteration, turn)
         except Exception:
             if self._stream is not None:
                 self._stream.drop_read_ahead(wait=True)
             raise
+        finally:
+            if turn is not None:  # the other workers wait for no more of this one
+                turn.end()
 
-    def _counted(self, batches: Iterator[Any], iteration: int) -> Iterator[Any]:
-        """``batches``, each counted into this copy's progress as it is yielded."""
+    def _counted(self, batches: Iterator[Any], iteration: int,
+                 turn: Turn | None = None) -> Iterator[Any]:
+        """``batches``, each counted into this copy's progress as it is yielded (and sent
+        in its loader's order with a ``turn``)."""
         for out in batches:
             if self._iterations != iteration:  # never counted into the newer one's progress
                 raise RuntimeError(
@@ -683,6 +694,8 @@ class AnnBatchDataset(IterableDataset):
                     "same dataset, which now owns its epoch and resume progress; use the "
                     "newest iterator, or iterate a copy.deepcopy(dataset) for a second, "
                     "independent stream.")
+            if turn is not None:
+                handoff.mark_position(out, turn.wait())
             self._resumer.count()  # before yield: state_dict() follows the fetch
             yield out
 

@@ -67,6 +67,20 @@ def drain(loader: Iterable[Any]) -> list[Any]:
             stop()
 
 
+def dense_rows(collection: Collection) -> Any:
+    """The collection's X, dense float32, in global row order (read in-process), to check
+    batches against."""
+    import numpy as np
+
+    import annbatch_torch as abt
+
+    out = np.zeros((collection.n_obs, collection.n_vars), dtype=np.float32)
+    for b in abt.AnnBatchDataset(collection, batch_size=512, shuffle=False, densify=True,
+                                 return_index=True):
+        out[b["index"].numpy()] = b["X"].numpy()
+    return out
+
+
 def run_python(code: str, cwd: Path, timeout: float = 120) -> str:
     """Run ``code`` in a fresh Python (this interpreter), fail on a non-zero exit with the
     end of its stderr, and return its stdout: for what only a new process shows (which

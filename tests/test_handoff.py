@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from conftest import run_python
+from conftest import dense_rows, run_python
 from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
@@ -44,15 +44,6 @@ def _send(x: handoff.InSlot) -> bytes:
 
 def _as_dense(x: torch.Tensor) -> torch.Tensor:
     return x.to_dense() if x.layout == torch.sparse_csr else x
-
-
-def _source(collection: Collection) -> np.ndarray:
-    """The collection's X, dense, in global row order (read in-process)."""
-    out = np.zeros((collection.n_obs, collection.n_vars), dtype=np.float32)
-    for b in abt.AnnBatchDataset(collection, batch_size=512, shuffle=False, densify=True,
-                                 return_index=True):
-        out[b["index"].numpy()] = b["X"].numpy()
-    return out
 
 
 def test_values_outside_pool_memory_travel_as_torch_sends_them() -> None:
@@ -113,7 +104,7 @@ def test_batches_kept_while_reading_on_stay_intact(
     ds = abt.AnnBatchDataset(small_collection, densify=densify, seed=3, **SMALL_POOLS)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
                         multiprocessing_context=context)
-    source = _source(small_collection)
+    source = dense_rows(small_collection)
     kept = list(loader)
     for e in (1, 2):
         ds.set_epoch(e)
@@ -169,7 +160,7 @@ def test_a_loop_holding_its_last_k_batches_gets_them_intact_and_memory_reused(
     handoff.release()
     ds = abt.AnnBatchDataset(small_collection, densify=densify, seed=4, **SMALL_POOLS)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
-    source = _source(small_collection)
+    source = dense_rows(small_collection)
     window: collections.deque[dict[str, torch.Tensor]] = collections.deque()
     for_good, n = [], 0
     for e in range(3):
@@ -229,7 +220,7 @@ def test_a_worker_killed_mid_epoch_is_an_error_and_kept_batches_stay_whole(
         time.sleep(0.5)
     except RuntimeError:
         pass
-    source = _source(small_collection)
+    source = dense_rows(small_collection)
     for b in kept:
         np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
     del kept, b
@@ -247,7 +238,7 @@ def test_a_loop_holding_every_batch_makes_the_workers_read_elsewhere(
     first = list(loader)
     ds.set_epoch(1)
     second = list(loader)
-    source = _source(small_collection)
+    source = dense_rows(small_collection)
     for b in first + second:
         np.testing.assert_array_equal(b["X"].to_dense().numpy(), source[b["index"]])
     (w,) = handoff._WORKERS.values()
@@ -287,7 +278,7 @@ def test_workers_of_a_dataset_iterated_here_first_still_send_by_reference(
     """The same dataset object iterated in the main process first (its reader's buffers
     made here), then by forked workers: they still read into their pool memory and send
     by reference; once they exited, a new iteration here unmaps their memory."""
-    source = _source(small_collection)
+    source = dense_rows(small_collection)
     handoff.release()
     ds = abt.AnnBatchDataset(small_collection, seed=2, **SMALL_POOLS)
     next(iter(ds))

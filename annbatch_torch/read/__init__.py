@@ -7,5 +7,6 @@ densifying), ``genes`` (a gene subset or a reference gene order, cut out of the 
 (a pool on the host or on a CUDA device, ``batch(lo, hi)``), ``gpu_backends`` (the device
 pool's per-field storage on cupy or torch), ``densify`` (where sparse fields become dense),
 ``handoff`` (CSR keys from a DataLoader worker to the main process by reference to the
-worker's shared pool memory). May import torch; never the writer or the face.
+worker's shared pool memory), ``send_order`` (a plain DataLoader's workers send batches
+densified on arrival in the loader's order). May import torch; never the writer or the face.
 """

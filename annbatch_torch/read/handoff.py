@@ -47,10 +47,11 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from . import send_order
 from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "forget_exited",
+__all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "forget_exited", "mark_position",
            "plain_worker_sends_csr", "pool_memory", "release"]
 
 logger = logging.getLogger(__name__)
@@ -198,10 +199,14 @@ class InSlot:
         The batch's keys sent this way (the main process keeps dense arrays per key).
     """
 
-    __slots__ = ("csr", "dense", "n_keys")
+    __slots__ = ("counts", "csr", "dense", "n_keys", "position")
 
     def __init__(self, csr: torch.Tensor, dense: bool = False, n_keys: int = 1) -> None:
         self.csr, self.dense, self.n_keys = csr, dense, n_keys
+        #: the batch's place in its loader's order (``read/send_order.py``), and whether
+        #: this key counts the batch as received (its first dense key)
+        self.position: tuple[str, int, int] | None = None
+        self.counts = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         t = self.csr
@@ -210,8 +215,9 @@ class InSlot:
         parts = (t.col_indices(), t.values())
         memory = _this_memory()
         found = None if memory is None else [memory.locate(p) for p in parts]
+        order = (self.position, self.counts)
         if memory is None or found is None or None in found:  # as torch sends them
-            return (arrive, (crow, list(parts), shape, self.dense, self.n_keys, None))
+            return (arrive, (crow, list(parts), shape, self.dense, self.n_keys, None, order))
         c = memory._c
         refs: list[Any] = []
         with memory.lock:  # counted before the main process can see the batch
@@ -224,7 +230,18 @@ class InSlot:
             counters = memory.counters if c[_KNOWN, 0] == 0 else None
         info = get_worker_info()
         who = (memory.id, memory.pid, counters, info.num_workers if info is not None else 1)
-        return (arrive, (crow, refs, shape, self.dense, self.n_keys, who))
+        return (arrive, (crow, refs, shape, self.dense, self.n_keys, who, order))
+
+
+def mark_position(batch: Any, position: tuple[str, int, int]) -> None:
+    """Give ``batch``'s dense :class:`InSlot` keys their place in the loader's order (the
+    first of them counts the batch as received); nothing for a batch without one."""
+    if not isinstance(batch, dict):
+        return
+    first = True
+    for value in batch.values():
+        if isinstance(value, InSlot) and value.dense:
+            value.position, value.counts, first = position, first, False
 
 
 class _Storage:
@@ -345,14 +362,20 @@ def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
 
 
 def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bool,
-           n_keys: int, who: tuple[str, int, torch.Tensor | None, int] | None
-           ) -> torch.Tensor:
+           n_keys: int, who: tuple[str, int, torch.Tensor | None, int] | None,
+           order: tuple[tuple[str, int, int] | None, bool] = (None, False)) -> torch.Tensor:
     """Unpickling an :class:`InSlot` in the main process: a CSR tensor viewing the worker's
     slots, or densified from them (scipy's layout, in the values' dtype) into an array
     the training loop let go of. ``parts``: the column indices and values as tensors
     (sent as torch sends them) or as references ``(slot, generation, storage or None,
     byte offset, numel, dtype)`` into the pool memory of worker ``who`` (its id, pid,
-    counters (sent until this process knows them) and the loader's worker count)."""
+    counters (sent until this process knows them) and the loader's worker count);
+    ``order``: the batch's place in its loader's order and whether this key counts it as
+    received (``read/send_order.py``), first, so that the worker sending the next batch
+    sends it while this one is densified."""
+    position, counts = order
+    if position is not None and counts:
+        send_order.arrived(position)
     if who is not None:
         with _LOCK:
             w = _worker(who)
@@ -384,8 +407,9 @@ def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bo
     parts.clear()
     if dense:
         # the batch in use, one the loop may hold on to, and those the DataLoader keeps
-        # while it puts batches from several workers back in order (prefetch 2 each)
-        workers = 1 if who is None else who[3]
+        # while it puts batches from several workers back in order (prefetch 2 each;
+        # none where the workers send in the loader's order)
+        workers = 1 if who is None or position is not None else who[3]
         ARRIVED.keep = max(ARRIVED.keep, min(2 + 2 * workers, MAX_ARRIVED) * n_keys)
         out = csr_tensor_to_dense(out, ARRIVED)
     if who is not None:
