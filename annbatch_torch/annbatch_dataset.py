@@ -695,7 +695,7 @@ class AnnBatchDataset(IterableDataset):
                     "newest iterator, or iterate a copy.deepcopy(dataset) for a second, "
                     "independent stream.")
             if turn is not None:
-                handoff.mark_position(out, turn.wait())
+                handoff.mark_position(out, turn.wait(handoff.dense_nbytes(out)))
             self._resumer.count()  # before yield: state_dict() follows the fetch
             yield out
 

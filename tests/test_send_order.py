@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import logging
 import pickle
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -36,12 +35,20 @@ def arrivals(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     got: list[int] = []
     real = send_order.arrived
 
-    def record(position: tuple[str, int, int]) -> None:
-        got.append(position[2])
+    def record(position: tuple[str, int, int, int]) -> None:
+        got.append(position[3])
         real(position)
 
     monkeypatch.setattr(send_order, "arrived", record)
     return got
+
+
+def _ordered(collection: Collection, seed: int) -> abt.AnnBatchDataset:
+    """A dense dataset of small batches whose workers send every batch in order (the
+    threshold for big batches set to 0; it travels to the workers with the dataset)."""
+    ds = abt.AnnBatchDataset(collection, densify=True, seed=seed, **SMALL_POOLS)
+    ds._send_order.min_bytes = 0
+    return ds
 
 
 def _loader_order(workers: list[int]) -> list[int]:
@@ -86,7 +93,7 @@ def test_dense_batches_arrive_in_the_loaders_order_though_a_worker_starts_late(
     in the order the DataLoader hands them on (workers in turn, uneven shares at the end),
     each epoch covers every row once with the source's values."""
     handoff.release()
-    ds = abt.AnnBatchDataset(small_collection, densify=True, seed=3, **SMALL_POOLS)
+    ds = _ordered(small_collection, 3)
     loader = DataLoader(ds, batch_size=None, num_workers=3, worker_init_fn=_late_worker_0,
                         multiprocessing_context="fork")
     for got in _epochs_in_order(ds, loader, small_collection, arrivals):
@@ -96,14 +103,16 @@ def test_dense_batches_arrive_in_the_loaders_order_though_a_worker_starts_late(
     handoff.release()
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawned_persistent_workers_send_in_order_every_epoch(
-        small_collection: Collection, arrivals: list[int]) -> None:
-    """Spawned workers (the table reaches them through torch's pickler), persistent over
-    two epochs: in order each epoch, every row once, values equal."""
+        small_collection: Collection, arrivals: list[int], context: str) -> None:
+    """Workers spawned or started by a fork server (the table and its lock travel with
+    the dataset as they start), persistent over two epochs: in order each epoch, every
+    row once, values equal."""
     handoff.release()
-    ds = abt.AnnBatchDataset(small_collection, densify=True, seed=5, **SMALL_POOLS)
+    ds = _ordered(small_collection, 5)
     loader = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=_late_worker_0,
-                        persistent_workers=True, multiprocessing_context="spawn")
+                        persistent_workers=True, multiprocessing_context=context)
     _epochs_in_order(ds, loader, small_collection, arrivals)
     del loader
     handoff.release()
@@ -117,7 +126,7 @@ def test_workers_waiting_for_their_turn_exit_when_the_loop_breaks_off(
     as a shutdown that long (not a speed figure: a shutdown takes ~0.1 s here)."""
     from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
-    ds = abt.AnnBatchDataset(small_collection, densify=True, seed=3, **SMALL_POOLS)
+    ds = _ordered(small_collection, 3)
     loader = DataLoader(ds, batch_size=None, num_workers=3, multiprocessing_context="fork")
     it = iter(loader)
     next(it), next(it)
@@ -130,6 +139,54 @@ def test_workers_waiting_for_their_turn_exit_when_the_loop_breaks_off(
     handoff.release()
 
 
+def test_two_loaders_over_one_dataset_at_once_each_keep_their_order(
+        small_collection: Collection, arrivals: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two plain DataLoaders over the same dataset object, iterated side by side, with
+    generators whose seeds give both tokens the same remainder by LANES (0 and 61): each
+    gets every row once with the source's values, and no worker waits for the other
+    loader's batches (it would stall until STALL_S, set here far above the ~2 s the
+    epoch takes: not a speed figure)."""
+    monkeypatch.setattr(send_order, "STALL_S", 8.0)  # forked workers inherit it
+    handoff.release()
+    start = time.monotonic()
+    ds = _ordered(small_collection, 3)
+    loaders = [DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
+                          generator=torch.Generator().manual_seed(seed)) for seed in (0, 61)]
+    source = dense_rows(small_collection)
+    got: list[list[dict[str, torch.Tensor]]] = [[], []]
+    for a, b in zip(*loaders, strict=True):
+        got[0].append(a)
+        got[1].append(b)
+    for batches in got:
+        _check_epoch(batches, small_collection, source)
+    assert len(arrivals) == 2 * len(got[0])
+    assert time.monotonic() - start < send_order.STALL_S
+    del got, loaders
+    handoff.release()
+
+
+def test_a_loader_made_anew_with_the_same_seeded_generator_keeps_the_order(
+        small_collection: Collection, arrivals: list[int]) -> None:
+    """A DataLoader made anew each epoch with a generator seeded alike repeats torch's base
+    seed, and so the iteration's token: the second epoch still comes in order (the first
+    epoch's counts do not let its batches through early)."""
+    handoff.release()
+    ds = _ordered(small_collection, 3)
+    source = dense_rows(small_collection)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
+                            worker_init_fn=_late_worker_0,
+                            generator=torch.Generator().manual_seed(0))
+        arrivals.clear()
+        batches = list(loader)
+        _check_epoch(batches, small_collection, source)
+        assert arrivals == _loader_order(arrivals)
+    del batches, loader
+    handoff.release()
+
+
 def test_a_worker_stops_waiting_after_a_stall_and_every_batch_still_arrives(
         small_collection: Collection, arrivals: list[int],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,7 +195,7 @@ def test_a_worker_stops_waiting_after_a_stall_and_every_batch_still_arrives(
     still covers every row once with the source's values."""
     monkeypatch.setattr(send_order, "STALL_S", 0.3)  # forked workers inherit it
     handoff.release()
-    ds = abt.AnnBatchDataset(small_collection, densify=True, seed=3, **SMALL_POOLS)
+    ds = _ordered(small_collection, 3)
     loader = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=_late_worker_0,
                         multiprocessing_context="fork")
     batches = list(loader)
@@ -153,19 +210,19 @@ def test_sparse_batches_and_in_process_iteration_take_no_turn(
     """Only batches densified on arrival are ordered: CSR batches (the main process keeps
     views, not dense arrays) and a dataset iterated in-process count nothing."""
     ds = abt.AnnBatchDataset(small_collection, densify=False, seed=3, **SMALL_POOLS)
+    ds._send_order.min_bytes = 0
     n = sum(1 for _ in DataLoader(ds, batch_size=None, num_workers=2))
-    dense = abt.AnnBatchDataset(small_collection, densify=True, seed=3, **SMALL_POOLS)
-    n += sum(1 for _ in dense)
+    n += sum(1 for _ in _ordered(small_collection, 3))
     assert n > 0
     assert arrivals == []
     handoff.release()
 
 
 def test_a_copy_of_a_dataset_gets_a_table_of_its_own() -> None:
-    """copy.copy shares the table (same process); deepcopy, a plain pickle and torch's
-    pickler loaded in a process that is not a worker of the owner make a table of their
-    own (another process's loaders must never write into it)."""
+    """copy.copy shares the table (same process); deepcopy and a pickle not made to start
+    a process make a table of their own (with the same threshold)."""
     order = send_order.SendOrder()
+    order.min_bytes = 7
     assert copy.copy(order) is order
     for other in (copy.deepcopy(order), pickle.loads(pickle.dumps(order)),
                   pickle.loads(ForkingPickler.dumps(order))):
@@ -173,50 +230,66 @@ def test_a_copy_of_a_dataset_gets_a_table_of_its_own() -> None:
         assert other._t.data_ptr() != order._t.data_ptr()
         assert other._t.is_shared()
         assert send_order._TABLES[other.id] is other
+        assert other.min_bytes == 7
     assert order.turn(1) is None  # not in a DataLoader worker
 
 
-def test_a_main_process_counts_only_into_tables_it_owns(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Counting: a batch from worker 1 of an iteration counts in its lane; a position of
-    an unknown table is ignored."""
-    order = send_order.SendOrder()
-    token = 12345
-    lane = order._c[token % send_order.LANES]
-    for _ in range(3):
-        send_order.arrived((order.id, token, 1))
-    assert int(lane[1, send_order.ARRIVED]) == (token << 32) | 3
-    send_order.arrived((order.id, token + send_order.LANES, 1))  # another iteration, same lane
-    assert int(lane[1, send_order.ARRIVED]) == ((token + send_order.LANES) << 32) | 1
-    with caplog.at_level(logging.WARNING):
-        send_order.arrived(("no such table", token, 0))
-    assert not caplog.records
-
-
 def _turn(order: send_order.SendOrder, token: int, worker: int, n: int) -> Any:
-    return send_order.Turn(order.id, order._c[token % send_order.LANES], token, worker, n,
-                           None)
+    return send_order.Turn(order, token, worker, n, None)
+
+
+def test_iterations_at_once_take_lanes_of_their_own() -> None:
+    """Two iterations of one dataset at once count into lanes of their own: batches of
+    one never count for the other (whatever their tokens)."""
+    order = send_order.SendOrder()
+    a, b = _turn(order, 5, 1, 2), _turn(order, 5 + send_order.LANES, 1, 2)
+    assert a._k != b._k
+    send_order.arrived((order.id, 5 + send_order.LANES, 2, 0))  # b's worker 0
+    assert a._ready()[0] is False
+    assert b._ready()[0] is True
+    send_order.arrived((order.id, 5, 2, 0))
+    assert a._ready()[0] is True
+
+
+def test_a_token_used_again_after_its_iteration_ended_starts_from_zero() -> None:
+    """A loader re-made with the same seeded generator repeats the token of the iteration
+    before: once that one's workers all ended, the new one's counts start from zero (the
+    old counts would let every batch through)."""
+    order = send_order.SendOrder()
+    w0, w1 = _turn(order, 9, 0, 2), _turn(order, 9, 1, 2)
+    send_order.arrived((order.id, 9, 2, 0))
+    assert w1._ready()[0] is True
+    w0.sent, w1.sent = 1, 1
+    w0.end(), w1.end()
+    again = _turn(order, 9, 1, 2)  # the next iteration's worker 1 joins first
+    assert again._ready()[0] is False
 
 
 def test_a_turn_waits_for_every_batch_before_it_and_for_no_more_of_a_worker_that_ended(
         ) -> None:
-    """The rule itself, on a table written by hand: worker 1 of 3 sends its j-th batch
-    once j+1 batches of worker 0 and j of worker 2 were received; an ended worker is
-    waited for up to the batches it sent."""
+    """The rule itself: worker 1 of 3 sends its j-th batch once j+1 batches of worker 0
+    and j of worker 2 were received; an ended worker is waited for up to the batches it
+    sent; a batch under the threshold is sent at once."""
     order, token = send_order.SendOrder(), 777
     t = _turn(order, token, 1, 3)
-    assert t._missing()[0] is False  # worker 0's first batch not received yet
-    send_order.arrived((order.id, token, 0))
-    assert t._missing()[0] is True
+    assert t._ready()[0] is False  # worker 0's first batch not received yet
+    send_order.arrived((order.id, token, 3, 0))
+    assert t._ready()[0] is True
     t.sent = 1  # its second batch: needs two of worker 0 and one of worker 2
-    send_order.arrived((order.id, token, 2))
-    assert t._missing()[0] is False
-    send_order.arrived((order.id, token, 0))
-    assert t._missing()[0] is True
+    send_order.arrived((order.id, token, 3, 2))
+    assert t._ready()[0] is False
+    send_order.arrived((order.id, token, 3, 0))
+    assert t._ready()[0] is True
     t.sent = 3  # worker 2 ended after one batch: it is waited for no more
-    send_order.arrived((order.id, token, 0)), send_order.arrived((order.id, token, 0))
-    assert t._missing()[0] is False
+    send_order.arrived((order.id, token, 3, 0))
+    send_order.arrived((order.id, token, 3, 0))
+    assert t._ready()[0] is False
     w2 = _turn(order, token, 2, 3)
     w2.sent = 1
     w2.end()
-    assert t._missing()[0] is True
+    assert t._ready()[0] is True
+    t.sent = 4
+    start = time.monotonic()
+    assert t.wait(order.min_bytes - 1)[3] == 1  # small: not waited for
+    assert time.monotonic() - start < 1
+    assert t.sent == 5

@@ -51,8 +51,8 @@ from . import send_order
 from .buffers import DenseBuffers
 from .csr import csr_tensor_to_dense
 
-__all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "forget_exited", "mark_position",
-           "plain_worker_sends_csr", "pool_memory", "release"]
+__all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "dense_nbytes", "forget_exited",
+           "mark_position", "plain_worker_sends_csr", "pool_memory", "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class InSlot:
         self.csr, self.dense, self.n_keys = csr, dense, n_keys
         #: the batch's place in its loader's order (``read/send_order.py``), and whether
         #: this key counts the batch as received (its first dense key)
-        self.position: tuple[str, int, int] | None = None
+        self.position: tuple[str, int, int, int] | None = None
         self.counts = False
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -233,7 +233,15 @@ class InSlot:
         return (arrive, (crow, refs, shape, self.dense, self.n_keys, who, order))
 
 
-def mark_position(batch: Any, position: tuple[str, int, int]) -> None:
+def dense_nbytes(batch: Any) -> int:
+    """The bytes of ``batch``'s :class:`InSlot` keys to be densified on arrival."""
+    if not isinstance(batch, dict):
+        return 0
+    return sum(int(v.csr.shape[0]) * int(v.csr.shape[1]) * v.csr.values().element_size()
+               for v in batch.values() if isinstance(v, InSlot) and v.dense)
+
+
+def mark_position(batch: Any, position: tuple[str, int, int, int]) -> None:
     """Give ``batch``'s dense :class:`InSlot` keys their place in the loader's order (the
     first of them counts the batch as received); nothing for a batch without one."""
     if not isinstance(batch, dict):
@@ -363,7 +371,7 @@ def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
 
 def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bool,
            n_keys: int, who: tuple[str, int, torch.Tensor | None, int] | None,
-           order: tuple[tuple[str, int, int] | None, bool] = (None, False)) -> torch.Tensor:
+           order: tuple[tuple[str, int, int, int] | None, bool] = (None, False)) -> torch.Tensor:
     """Unpickling an :class:`InSlot` in the main process: a CSR tensor viewing the worker's
     slots, or densified from them (scipy's layout, in the values' dtype) into an array
     the training loop let go of. ``parts``: the column indices and values as tensors

@@ -1,16 +1,16 @@
 """Workers of a plain ``DataLoader`` send batches densified on arrival in the loader's order.
 
 A plain ``DataLoader`` hands batches to the training loop in task order (worker 0's first,
-worker 1's first, ..., worker 0's second, ...: torch deals tasks to the workers in turn),
-and keeps a batch that arrives before its turn until the batches before it have come. Where
-a batch's CSR keys are densified as the main process unpickles it (``read/handoff.py``,
-the ``"pool"`` policy), each batch kept so is a dense array alive in the main process: at
-the start of an epoch the workers race through their first pool reads, and one that
-finishes first sends its batches ahead of the others; later a worker reading its next pool
-lets the others run ahead. With ``W`` workers and ``prefetch_factor`` 2 up to ``2W - 1``
-dense batches wait (4 x 20,000 genes x 4,096 cells is 1.3 GB beside the one in use).
+worker 1's first, ..., worker 0's second, ...: torch deals tasks to the workers in turn,
+from worker 0 each epoch), and keeps a batch that arrives before its turn until the batches
+before it have come. Where a batch's CSR keys are densified as the main process unpickles
+it (``read/handoff.py``, the ``"pool"`` policy), each batch kept so is a dense array alive
+in the main process: at the start of an epoch the workers race through their first pool
+reads, and one that finishes first sends its batches ahead of the others; later a worker
+reading its next pool lets the others run ahead. With ``W`` workers and ``prefetch_factor``
+2 up to ``2W - 1`` dense batches wait (491 MB each at 4,096 cells x 30,000 genes).
 
-Here each worker sends a dense batch only once every batch before it in the loader's order
+Here each worker sends such a batch only once every batch before it in the loader's order
 has reached the main process: worker ``w``'s ``j``-th batch waits until the main process has
 begun receiving ``j + 1`` batches of each worker before ``w`` and ``j`` of each worker after
 it (fewer of a worker whose iterator ended first: it says how many it sent). The main
@@ -19,33 +19,42 @@ the batch, before densifying it) in a small table of shared memory the dataset m
 its workers started (:class:`SendOrder`); the waiting worker reads it. The worker's batch
 is ready meanwhile (its pools are read by threads of their own), so the wait costs the
 training loop nothing: batch ``g`` is sent while the main process densifies batch ``g - 1``.
+Batches smaller than :data:`ORDER_BYTES` dense (``SendOrder.min_bytes``) are sent as torch
+asks (counted all the same): a few of them waiting cost little memory, and a wait would
+cost them time.
 
-A table is shared by the main process that made it and the DataLoader workers it starts
-(forked: the mapping is inherited; spawned: torch's pickler sends the memory). Each loader
-iteration writes a lane of its own, chosen by a token its workers share (torch's base seed
-of the iteration and the dataset's iteration count); a wait also ends when the loader shuts
-its workers down, when the main process is gone, and after :data:`STALL_S` seconds without a
-batch received from the workers waited for (a training step that long, or two iterations of
-one dataset at once that drew the same lane): the worker then sends the rest of its
-iteration as torch asks, as without this table.
+The table is shared by the process that made it and the processes it starts: DataLoader
+workers (forked: the mapping is inherited; spawned or from a fork server: the memory and
+its lock travel with the dataset as the process starts), and DDP ranks started the same
+way. Each loader iteration takes a lane of its own under the table's lock (found by a
+token its workers share: torch's base seed of the iteration and the dataset copy's
+iteration count); a lane whose workers all ended is taken anew, so an iteration that
+repeats the token of an ended one (a loader re-made with the same seeded generator) starts
+from zero. A wait also ends when the loader shuts its workers down, when the main process
+is gone, and after :data:`STALL_S` seconds without a batch received from the workers waited
+for (a pause of the training loop that long, or a loader that deals tasks otherwise:
+``DataLoader(in_order=False)``, which keeps no early batches and gains nothing here, or a
+resumed ``StatefulDataLoader``, which starts dealing at another worker): the worker then
+sends the rest of its iteration as torch asks, as without this table.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import secrets
 import sys
-import threading
 import time
 import weakref
+from multiprocessing import context as mp_context
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-__all__ = ["STALL_S", "SendOrder", "Turn", "arrived"]
+__all__ = ["ORDER_BYTES", "STALL_S", "SendOrder", "Turn", "arrived"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,67 +64,130 @@ LANES = 64
 MAX_WORKERS = 64
 #: seconds a worker waits without a batch received from the workers it waits for before it
 #: stops waiting for the rest of its iteration
-STALL_S = 30.0
-#: a cell: the token of the iteration that wrote it (31 bits) above a count (32 bits)
-_SHIFT = 32
-_LOW = (1 << _SHIFT) - 1
-ARRIVED, ENDED = 0, 1  # per worker: batches received (main process); sent in all + 1 (worker)
+STALL_S = 60.0
+#: dense bytes from which a batch is sent in order (smaller ones as torch asks)
+ORDER_BYTES = 32 << 20
+# a lane's header: the iteration's token, its worker count, when it was last used (ns)
+TOKEN, WORKERS, USED = range(3)
+# a worker's row: batches received (by the main process), batches sent + 1 once its
+# iterator ended (by the worker; 0 before)
+ARRIVED, ENDED = 0, 1
 
 _TABLES: weakref.WeakValueDictionary[str, SendOrder] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
+
+
+def _context(method: str | None) -> Any:
+    """The multiprocessing context of ``method`` (``None``: fork where there is one)."""
+    try:
+        return multiprocessing.get_context(method or "fork")
+    except ValueError:  # no fork (Windows)
+        return multiprocessing.get_context()
 
 
 class SendOrder:
     """A dataset's table of batches received per DataLoader worker (see the module's text).
 
-    Made in the process that owns the dataset; its forked and spawned DataLoader workers
-    share it. A copy (``copy.deepcopy``, or a pickle that does not carry shared memory)
-    makes a table of its own, owned by the process that made the copy."""
+    Made in the process that owns the dataset; the processes it starts with the dataset
+    share it. A copy made otherwise (``copy.deepcopy``, a pickle not made to start a
+    process) makes a table of its own."""
 
     def __init__(self) -> None:
         self._make()
 
-    def _make(self) -> None:
+    def _make(self, min_bytes: int = ORDER_BYTES) -> None:
         self.id = secrets.token_hex(8)
-        self.owner = os.getpid()
-        self._t = torch.zeros((LANES, MAX_WORKERS, 2), dtype=torch.int64).share_memory_()
-        self._c = self._t.numpy()
+        #: dense bytes from which a batch is sent in order
+        self.min_bytes = min_bytes
+        n = LANES * 3 + LANES * MAX_WORKERS * 2
+        self._t = torch.zeros(n, dtype=torch.int64).share_memory_()
+        # forked processes inherit it (and a fork context's lock starts no resource
+        # tracker); one of the spawn context replaces it when a process is spawned
+        self._lock = _context(None).Lock()
+        self._bind()
+
+    def _bind(self) -> None:
+        a = self._t.numpy()
+        self._head = a[: LANES * 3].reshape(LANES, 3)
+        self._rows = a[LANES * 3 :].reshape(LANES, MAX_WORKERS, 2)
         _TABLES[self.id] = self
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"id": self.id, "owner": self.owner, "t": self._t}
+        popen = mp_context.get_spawning_popen()
+        if popen is None:  # not starting a process: a copy
+            return {"min_bytes": self.min_bytes}
+        if getattr(self._lock, "_is_fork_ctx", False):  # a fork context's cannot travel
+            self._lock = _context("spawn").Lock()
+        return {"id": self.id, "t": self._t, "lock": self._lock, "min_bytes": self.min_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        t = state["t"]
-        if not t.is_shared() or os.getppid() != state["owner"]:
-            # a private copy of the memory (a plain pickle), or a process that is not a
-            # worker of the owner (a rank the owner spawned, a pickle loaded elsewhere):
-            # never the owner's table
-            self._make()
+        t = state.get("t")
+        if t is None or not t.is_shared():
+            self._make(state["min_bytes"])
             return
-        self.id, self.owner, self._t = state["id"], state["owner"], t
-        self._c = t.numpy()
+        self.id, self._t, self._lock = state["id"], t, state["lock"]
+        self.min_bytes = state["min_bytes"]
+        self._bind()
 
     def __copy__(self) -> SendOrder:
         return self  # the same process: the same table
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SendOrder:
-        return SendOrder()
+        new = SendOrder()
+        new.min_bytes = self.min_bytes
+        return new
+
+    def lane(self, token: int, workers: int, join: bool = False) -> int:
+        """The lane of the iteration ``token`` of ``workers`` workers, taken if none has it:
+        the lane used longest ago, one whose workers all ended first. ``join`` (a worker
+        starting its iteration): a lane of ``token`` whose workers all ended is taken
+        anew (the token of an ended iteration used again)."""
+        with self._lock:
+            return self._lane(token, workers, join)
+
+    def _ended(self) -> np.ndarray:
+        """Per lane: whether it is unused or every worker of its iteration ended."""
+        workers = self._head[:, WORKERS]
+        counted = np.arange(MAX_WORKERS) < workers[:, None]
+        return np.all((self._rows[:, :, ENDED] > 0) | ~counted, axis=1)
+
+    def _lane(self, token: int, workers: int, join: bool = False) -> int:
+        head, rows = self._head, self._rows
+        found = np.flatnonzero(head[:, TOKEN] == token)
+        if found.size and not (join and self._ended()[found[0]]):
+            k = int(found[0])
+        else:  # a lane unused or ended, the one used longest ago; else the oldest
+            free = found if found.size else np.flatnonzero(self._ended())
+            pool = free if free.size else np.arange(LANES)
+            k = int(pool[np.argmin(head[pool, USED])])
+            rows[k] = 0
+            head[k, TOKEN], head[k, WORKERS] = token, workers
+        head[k, USED] = time.monotonic_ns()
+        return k
+    def count(self, token: int, workers: int, worker: int) -> None:
+        """The main process received a batch of ``worker`` of iteration ``token``."""
+        with self._lock:
+            k = self._lane(token, workers)
+            self._rows[k, worker, ARRIVED] += 1
+
+    def end(self, token: int, workers: int, worker: int, sent: int) -> None:
+        """``worker``'s iterator of iteration ``token`` ended after ``sent`` batches."""
+        with self._lock:
+            k = self._lane(token, workers)
+            self._rows[k, worker, ENDED] = sent + 1
 
     def turn(self, iteration: int) -> Turn | None:
         """The sending order of this DataLoader worker's ``iteration`` (its dataset copy's
-        ``iter()`` count), ``None`` outside a worker of the table's owner or beyond
-        :data:`MAX_WORKERS` workers."""
+        ``iter()`` count); ``None`` outside a worker, or beyond :data:`MAX_WORKERS`
+        workers."""
         info = get_worker_info()
-        if info is None or info.num_workers > MAX_WORKERS or os.getppid() != self.owner:
+        if info is None or info.num_workers > MAX_WORKERS:
             return None
         base = int(info.seed) - int(info.id)  # the same in every worker of the iteration
-        token = hash((base, int(iteration))) & 0x7FFFFFFF or 1
-        return Turn(self.id, self._c[token % LANES], token, int(info.id),
-                    int(info.num_workers), _stop_event())
+        token = hash((base, int(iteration))) & 0x7FFFFFFFFFFFFFFF or 1
+        return Turn(self, token, int(info.id), int(info.num_workers), _stop_event())
 
     def __repr__(self) -> str:
-        return f"SendOrder(id={self.id!r}, owner={self.owner})"
+        return f"SendOrder(id={self.id!r})"
 
 
 def _stop_event() -> Any:
@@ -131,62 +203,62 @@ def _stop_event() -> Any:
 
 class Turn:
     """One DataLoader worker's place in its loader's order for one iteration: :meth:`wait`
-    before each dense batch it sends, :meth:`end` when its iterator ends.
+    before each batch it sends, :meth:`end` when its iterator ends.
 
     Parameters
     ----------
-    table_id
-        The :class:`SendOrder` the main process counts into.
-    lane
-        The iteration's lane of the table, ``(MAX_WORKERS, 2)`` int64.
+    order
+        The dataset's table.
     token
-        The iteration's token (31 bits, not 0).
+        The iteration's token (not 0).
     worker, num_workers
         This worker and the loader's worker count.
     stop
         The worker loop's ``done_event``, or ``None``.
     """
 
-    def __init__(self, table_id: str, lane: np.ndarray, token: int, worker: int,
-                 num_workers: int, stop: Any) -> None:
-        self.table_id, self.lane, self.token = table_id, lane, token
+    def __init__(self, order: SendOrder, token: int, worker: int, num_workers: int,
+                 stop: Any) -> None:
+        self.order, self.token = order, token
         self.worker, self.num_workers, self.stop = worker, num_workers, stop
         self.sent = 0  # batches sent this iteration
         self.waiting = num_workers > 1
         self._parent = os.getppid()
-        others = np.arange(num_workers) != worker
-        self._others = np.flatnonzero(others)
-        self._before = (np.arange(num_workers) < worker)[others].astype(np.int64)
+        self._others = np.flatnonzero(np.arange(num_workers) != worker)
+        self._before = (self._others < worker).astype(np.int64)
+        self._k = order.lane(token, num_workers, join=True)  # this iteration's lane
 
-    def _missing(self) -> tuple[bool, int]:
+    def _ready(self) -> tuple[bool, int]:
         """``(ready, progress)``: whether every batch before the next one has been received
         and the count received from the others so far."""
-        rows = self.lane[self._others]
-        arrived, ended = rows[:, ARRIVED], rows[:, ENDED]
-        mine = (arrived >> _SHIFT) == self.token
-        got = np.where(mine, arrived & _LOW, 0)
+        head = self.order._head
+        k = self._k
+        rows = self.order._rows[k, self._others]  # a copy (fancy index)
+        if head[k, TOKEN] != self.token:  # taken by another iteration: take one again
+            self._k = self.order.lane(self.token, self.num_workers)
+            return False, -1
+        got, ended = rows[:, ARRIVED], rows[:, ENDED]
         need = self.sent + self._before
-        done = ((ended >> _SHIFT) == self.token) & ((ended & _LOW) > 0)
-        need = np.where(done, np.minimum(need, (ended & _LOW) - 1), need)
+        need = np.where(ended > 0, np.minimum(need, ended - 1), need)
         return bool(np.all(got >= need)), int(got.sum())
 
-    def wait(self) -> tuple[str, int, int]:
-        """Wait for this worker's turn to send its next batch; its position, for
-        :func:`arrived` in the main process."""
-        if self.waiting:
+    def wait(self, nbytes: int) -> tuple[str, int, int, int]:
+        """Wait for this worker's turn to send its next batch (``nbytes`` dense: a small one
+        is sent at once); its position, for :func:`arrived` in the main process."""
+        if self.waiting and nbytes >= self.order.min_bytes:
             self._wait()
         self.sent += 1
-        return self.table_id, self.token, self.worker
+        return self.order.id, self.token, self.num_workers, self.worker
 
     def _wait(self) -> None:
-        ready, progress = self._missing()
+        ready, progress = self._ready()
         if ready:
             return
-        nap, since, last_look = 0.0002, time.monotonic(), 0.0
+        nap, since, last_look = 0.0001, time.monotonic(), 0.0
         while True:
             time.sleep(nap)
-            nap = min(nap * 2, 0.002)
-            ready, now_progress = self._missing()
+            nap = min(nap * 2, 0.001)
+            ready, now_progress = self._ready()
             if ready:
                 return
             now = time.monotonic()
@@ -194,10 +266,11 @@ class Turn:
                 progress, since = now_progress, now
             elif now - since > STALL_S:
                 logger.warning(
-                    "DataLoader worker %d: no batch of the other workers reached the main "
-                    "process for %.0f s; sending the rest of this epoch's dense batches as "
-                    "torch asks for them (batches that arrive early wait densified in the "
-                    "main process).", self.worker, STALL_S)
+                    "DataLoader worker %d: the main process received no batch of the other "
+                    "workers for %.0f s (a pause of the training loop, or a loader dealing "
+                    "tasks out of turn); this worker sends the rest of this epoch's dense "
+                    "batches as torch asks for them (batches that arrive early wait "
+                    "densified in the main process).", self.worker, STALL_S)
                 self.waiting = False
                 return
             if now - last_look > 0.05:
@@ -210,18 +283,14 @@ class Turn:
     def end(self) -> None:
         """This worker's iterator ended after :attr:`sent` batches: the others stop waiting
         for more of it."""
-        self.lane[self.worker, ENDED] = (self.token << _SHIFT) | (self.sent + 1)
+        self.order.end(self.token, self.num_workers, self.worker, self.sent)
 
 
-def arrived(position: tuple[str, int, int]) -> None:
+def arrived(position: tuple[str, int, int, int]) -> None:
     """Count a batch received by this process from the worker at ``position`` (see
-    :meth:`Turn.wait`); nothing for a table this process does not own."""
-    table_id, token, worker = position
+    :meth:`Turn.wait`); nothing for a table this process does not know."""
+    table_id, token, workers, worker = position
     order = _TABLES.get(table_id)
-    if order is None or order.owner != os.getpid():
-        return
-    with _LOCK:
-        cell = order._c[token % LANES, worker]
-        v = int(cell[ARRIVED])
-        cell[ARRIVED] = v + 1 if (v >> _SHIFT) == token else (token << _SHIFT) | 1
+    if order is not None:
+        order.count(token, workers, worker)
 
