@@ -147,7 +147,7 @@ def test_two_loaders_over_one_dataset_at_once_each_keep_their_order(
     gets every row once with the source's values, and no worker waits for the other
     loader's batches (it would stall until STALL_S, set here far above the ~2 s the
     epoch takes: not a speed figure)."""
-    monkeypatch.setattr(send_order, "STALL_S", 8.0)  # forked workers inherit it
+    monkeypatch.setattr(send_order, "STALL_S", 30.0)  # forked workers inherit it
     handoff.release()
     start = time.monotonic()
     ds = _ordered(small_collection, 3)
