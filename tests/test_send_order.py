@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import copy
+import logging
+import multiprocessing
+import os
 import pickle
+import signal
 import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -293,3 +297,28 @@ def test_a_turn_waits_for_every_batch_before_it_and_for_no_more_of_a_worker_that
     assert t.wait(order.min_bytes - 1)[3] == 1  # small: not waited for
     assert time.monotonic() - start < 1
     assert t.sent == 5
+
+
+def _die_holding(order: send_order.SendOrder) -> None:
+    order._lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_process_killed_holding_the_lock_stops_the_ordering_not_the_loop(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker killed while it held the table's lock never lets it go: the main process
+    counting a batch waits LOCK_S for it, then stops using the table with a warning
+    (its later batches are counted at once: nothing waits for them), instead of hanging
+    inside the unpickling of a batch."""
+    monkeypatch.setattr(send_order, "LOCK_S", 0.5)
+    order = send_order.SendOrder()
+    p = multiprocessing.get_context("fork").Process(target=_die_holding, args=(order,))
+    p.start()
+    p.join()
+    assert p.exitcode == -signal.SIGKILL
+    with caplog.at_level(logging.WARNING):
+        send_order.arrived((order.id, 5, 2, 0))
+    assert order.broken
+    assert "was not released" in caplog.text
+    assert order.lane(5, 2) is None
+    assert _turn(order, 5, 1, 2).waiting is False  # a worker that cannot join sends freely

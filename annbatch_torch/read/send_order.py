@@ -67,6 +67,9 @@ MAX_WORKERS = 64
 STALL_S = 60.0
 #: dense bytes from which a batch is sent in order (smaller ones as torch asks)
 ORDER_BYTES = 32 << 20
+#: seconds a process waits for the table's lock before it stops using the table (a
+#: process killed while it held the lock never lets it go)
+LOCK_S = 10.0
 # a lane's header: the iteration's token, its worker count, when it was last used (ns)
 TOKEN, WORKERS, USED = range(3)
 # a worker's row: batches received (by the main process), batches sent + 1 once its
@@ -106,6 +109,7 @@ class SendOrder:
         self._bind()
 
     def _bind(self) -> None:
+        self.broken = False  # this process gave up the lock (see _acquire)
         a = self._t.numpy()
         self._head = a[: LANES * 3].reshape(LANES, 3)
         self._rows = a[LANES * 3 :].reshape(LANES, MAX_WORKERS, 2)
@@ -136,13 +140,32 @@ class SendOrder:
         new.min_bytes = self.min_bytes
         return new
 
-    def lane(self, token: int, workers: int, join: bool = False) -> int:
+    def _acquire(self) -> bool:
+        """Take the table's lock; ``False`` (and this process stops using the table, with
+        a warning) when it is not had within :data:`LOCK_S` seconds."""
+        if self.broken:
+            return False
+        if self._lock.acquire(timeout=LOCK_S):
+            return True
+        self.broken = True
+        logger.warning(
+            "annbatch_torch: the lock of a dataset's send-order table was not released "
+            "within %.0f s (a DataLoader worker killed while it held it?); process %d no "
+            "longer orders the dense batches of that dataset's loaders.", LOCK_S,
+            os.getpid())
+        return False
+
+    def lane(self, token: int, workers: int, join: bool = False) -> int | None:
         """The lane of the iteration ``token`` of ``workers`` workers, taken if none has it:
         the lane used longest ago, one whose workers all ended first. ``join`` (a worker
         starting its iteration): a lane of ``token`` whose workers all ended is taken
-        anew (the token of an ended iteration used again)."""
-        with self._lock:
+        anew (the token of an ended iteration used again). ``None`` without the lock."""
+        if not self._acquire():
+            return None
+        try:
             return self._lane(token, workers, join)
+        finally:
+            self._lock.release()
 
     def _ended(self) -> np.ndarray:
         """Per lane: whether it is unused or every worker of its iteration ended."""
@@ -165,15 +188,19 @@ class SendOrder:
         return k
     def count(self, token: int, workers: int, worker: int) -> None:
         """The main process received a batch of ``worker`` of iteration ``token``."""
-        with self._lock:
-            k = self._lane(token, workers)
-            self._rows[k, worker, ARRIVED] += 1
+        if self._acquire():
+            try:
+                self._rows[self._lane(token, workers), worker, ARRIVED] += 1
+            finally:
+                self._lock.release()
 
     def end(self, token: int, workers: int, worker: int, sent: int) -> None:
         """``worker``'s iterator of iteration ``token`` ended after ``sent`` batches."""
-        with self._lock:
-            k = self._lane(token, workers)
-            self._rows[k, worker, ENDED] = sent + 1
+        if self._acquire():
+            try:
+                self._rows[self._lane(token, workers), worker, ENDED] = sent + 1
+            finally:
+                self._lock.release()
 
     def turn(self, iteration: int) -> Turn | None:
         """The sending order of this DataLoader worker's ``iteration`` (its dataset copy's
@@ -223,10 +250,13 @@ class Turn:
         self.worker, self.num_workers, self.stop = worker, num_workers, stop
         self.sent = 0  # batches sent this iteration
         self.waiting = num_workers > 1
-        self._parent = os.getppid()
+        self._parent = multiprocessing.parent_process()  # (the main process)
         self._others = np.flatnonzero(np.arange(num_workers) != worker)
         self._before = (self._others < worker).astype(np.int64)
-        self._k = order.lane(token, num_workers, join=True)  # this iteration's lane
+        k = order.lane(token, num_workers, join=True)  # this iteration's lane
+        self._k = 0 if k is None else k
+        if k is None:
+            self.waiting = False
 
     def _ready(self) -> tuple[bool, int]:
         """``(ready, progress)``: whether every batch before the next one has been received
@@ -235,7 +265,11 @@ class Turn:
         k = self._k
         rows = self.order._rows[k, self._others]  # a copy (fancy index)
         if head[k, TOKEN] != self.token:  # taken by another iteration: take one again
-            self._k = self.order.lane(self.token, self.num_workers)
+            lane = self.order.lane(self.token, self.num_workers)
+            if lane is None:  # no lock: send as torch asks
+                self.waiting = False
+                return True, -1
+            self._k = lane
             return False, -1
         got, ended = rows[:, ARRIVED], rows[:, ENDED]
         need = self.sent + self._before
@@ -275,8 +309,8 @@ class Turn:
                 return
             if now - last_look > 0.05:
                 last_look = now
-                if os.getppid() != self._parent or (self.stop is not None
-                                                    and self.stop.is_set()):
+                gone = self._parent is not None and not self._parent.is_alive()
+                if gone or (self.stop is not None and self.stop.is_set()):
                     self.waiting = False  # the loader is shutting down: nothing to order
                     return
 
