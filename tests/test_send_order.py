@@ -33,14 +33,32 @@ def _late_worker_0(worker_id: int) -> None:
         time.sleep(1.5)
 
 
+class Arrivals(list):
+    """The worker of each batch received by this process, in the order received, and the
+    token of its loader iteration (``tokens``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[int] = []
+
+    def clear(self) -> None:
+        super().clear()
+        self.tokens.clear()
+
+    def of(self, token: int) -> list[int]:
+        """The workers of the batches of iteration ``token``."""
+        return [w for w, t in zip(self, self.tokens, strict=True) if t == token]
+
+
 @pytest.fixture
-def arrivals(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The worker of each batch received by this process, in the order received."""
-    got: list[int] = []
+def arrivals(monkeypatch: pytest.MonkeyPatch) -> Arrivals:
+    """Every batch received by this process (see :class:`Arrivals`)."""
+    got = Arrivals()
     real = send_order.arrived
 
     def record(position: tuple[str, int, int, int]) -> None:
         got.append(position[3])
+        got.tokens.append(position[1])
         real(position)
 
     monkeypatch.setattr(send_order, "arrived", record)
@@ -76,7 +94,7 @@ def _check_epoch(batches: list[dict[str, torch.Tensor]], collection: Collection,
 
 
 def _epochs_in_order(ds: abt.AnnBatchDataset, loader: DataLoader, collection: Collection,
-                     arrivals: list[int], epochs: int = 2) -> list[list[int]]:
+                     arrivals: Arrivals, epochs: int = 2) -> list[list[int]]:
     """Iterate ``epochs`` epochs: each received in the loader's order, covering every row
     once with the source's values; the workers of each epoch's batches."""
     source, out = dense_rows(collection), []
@@ -92,7 +110,7 @@ def _epochs_in_order(ds: abt.AnnBatchDataset, loader: DataLoader, collection: Co
 
 
 def test_dense_batches_arrive_in_the_loaders_order_though_a_worker_starts_late(
-        small_collection: Collection, arrivals: list[int]) -> None:
+        small_collection: Collection, arrivals: Arrivals) -> None:
     """Three forked workers, worker 0 late: the main process receives every dense batch
     in the order the DataLoader hands them on (workers in turn, uneven shares at the end),
     each epoch covers every row once with the source's values."""
@@ -109,7 +127,7 @@ def test_dense_batches_arrive_in_the_loaders_order_though_a_worker_starts_late(
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
 def test_spawned_persistent_workers_send_in_order_every_epoch(
-        small_collection: Collection, arrivals: list[int], context: str) -> None:
+        small_collection: Collection, arrivals: Arrivals, context: str) -> None:
     """Workers spawned or started by a fork server (the table and its lock travel with
     the dataset as they start), persistent over two epochs: in order each epoch, every
     row once, values equal."""
@@ -144,19 +162,20 @@ def test_workers_waiting_for_their_turn_exit_when_the_loop_breaks_off(
 
 
 def test_two_loaders_over_one_dataset_at_once_each_keep_their_order(
-        small_collection: Collection, arrivals: list[int],
+        small_collection: Collection, arrivals: Arrivals,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two plain DataLoaders over the same dataset object, iterated side by side, with
-    generators whose seeds give both tokens the same remainder by LANES (0 and 61): each
-    gets every row once with the source's values, and no worker waits for the other
-    loader's batches (it would stall until STALL_S, set here far above the ~2 s the
-    epoch takes: not a speed figure)."""
+    generators seeded alike (the same base seed: as DDP ranks seeded alike get): each
+    counts in a lane of its own, so each comes in its own order with every row once and
+    the source's values, and no worker waits for the other loader's batches (it would
+    stall until STALL_S, set here far above the ~2 s the epoch takes: not a speed
+    figure)."""
     monkeypatch.setattr(send_order, "STALL_S", 30.0)  # forked workers inherit it
     handoff.release()
     start = time.monotonic()
     ds = _ordered(small_collection, 3)
     loaders = [DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
-                          generator=torch.Generator().manual_seed(seed)) for seed in (0, 61)]
+                          generator=torch.Generator().manual_seed(0)) for _ in range(2)]
     source = dense_rows(small_collection)
     got: list[list[dict[str, torch.Tensor]]] = [[], []]
     for a, b in zip(*loaders, strict=True):
@@ -165,13 +184,17 @@ def test_two_loaders_over_one_dataset_at_once_each_keep_their_order(
     for batches in got:
         _check_epoch(batches, small_collection, source)
     assert len(arrivals) == 2 * len(got[0])
+    tokens = sorted(set(arrivals.tokens))
+    assert len(tokens) == 2
+    for token in tokens:
+        assert arrivals.of(token) == _loader_order(arrivals.of(token))
     assert time.monotonic() - start < send_order.STALL_S
     del got, loaders
     handoff.release()
 
 
 def test_a_loader_made_anew_with_the_same_seeded_generator_keeps_the_order(
-        small_collection: Collection, arrivals: list[int]) -> None:
+        small_collection: Collection, arrivals: Arrivals) -> None:
     """A DataLoader made anew each epoch with a generator seeded alike repeats torch's base
     seed, and so the iteration's token: the second epoch still comes in order (the first
     epoch's counts do not let its batches through early)."""
@@ -191,8 +214,30 @@ def test_a_loader_made_anew_with_the_same_seeded_generator_keeps_the_order(
     handoff.release()
 
 
+def test_a_pause_of_the_loop_longer_than_a_stall_keeps_the_order(
+        small_collection: Collection, arrivals: Arrivals,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training loop that pauses (validation, a checkpoint) longer than STALL_S while
+    the workers have batches waiting in the queue: they keep waiting their turn (the
+    main process has not received what was sent: a pause, not a loader dealing out of
+    turn), and the whole epoch comes in order."""
+    monkeypatch.setattr(send_order, "STALL_S", 0.5)  # forked workers inherit it
+    handoff.release()
+    ds = _ordered(small_collection, 3)
+    loader = DataLoader(ds, batch_size=None, num_workers=3, multiprocessing_context="fork")
+    batches = []
+    for i, b in enumerate(loader):
+        batches.append(b)
+        if i == 4:
+            time.sleep(2.0)
+    _check_epoch(batches, small_collection, dense_rows(small_collection))
+    assert arrivals == _loader_order(arrivals)
+    del batches, loader
+    handoff.release()
+
+
 def test_a_worker_stops_waiting_after_a_stall_and_every_batch_still_arrives(
-        small_collection: Collection, arrivals: list[int],
+        small_collection: Collection, arrivals: Arrivals,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing received for longer than STALL_S (worker 0 starting late, the limit set
     low): the others send as torch asks (their batches arrive first), and the epoch
@@ -210,7 +255,7 @@ def test_a_worker_stops_waiting_after_a_stall_and_every_batch_still_arrives(
 
 
 def test_sparse_batches_and_in_process_iteration_take_no_turn(
-        small_collection: Collection, arrivals: list[int]) -> None:
+        small_collection: Collection, arrivals: Arrivals) -> None:
     """Only batches densified on arrival are ordered: CSR batches (the main process keeps
     views, not dense arrays) and a dataset iterated in-process count nothing."""
     ds = abt.AnnBatchDataset(small_collection, densify=False, seed=3, **SMALL_POOLS)
@@ -244,11 +289,11 @@ def _turn(order: send_order.SendOrder, token: int, worker: int, n: int) -> Any:
 
 def test_iterations_at_once_take_lanes_of_their_own() -> None:
     """Two iterations of one dataset at once count into lanes of their own: batches of
-    one never count for the other (whatever their tokens)."""
+    one never count for the other."""
     order = send_order.SendOrder()
-    a, b = _turn(order, 5, 1, 2), _turn(order, 5 + send_order.LANES, 1, 2)
+    a, b = _turn(order, 5, 1, 2), _turn(order, 6, 1, 2)
     assert a._k != b._k
-    send_order.arrived((order.id, 5 + send_order.LANES, 2, 0))  # b's worker 0
+    send_order.arrived((order.id, 6, 2, 0))  # b's worker 0
     assert a._ready()[0] is False
     assert b._ready()[0] is True
     send_order.arrived((order.id, 5, 2, 0))
@@ -294,7 +339,9 @@ def test_a_turn_waits_for_every_batch_before_it_and_for_no_more_of_a_worker_that
     assert t._ready()[0] is True
     t.sent = 4
     start = time.monotonic()
-    assert t.wait(order.min_bytes - 1)[3] == 1  # small: not waited for
+    position, ordered = t.wait(order.min_bytes - 1)  # small: not waited for
+    assert position[3] == 1
+    assert ordered is False
     assert time.monotonic() - start < 1
     assert t.sent == 5
 

@@ -199,14 +199,15 @@ class InSlot:
         The batch's keys sent this way (the main process keeps dense arrays per key).
     """
 
-    __slots__ = ("counts", "csr", "dense", "n_keys", "position")
+    __slots__ = ("counts", "csr", "dense", "n_keys", "ordered", "position")
 
     def __init__(self, csr: torch.Tensor, dense: bool = False, n_keys: int = 1) -> None:
         self.csr, self.dense, self.n_keys = csr, dense, n_keys
-        #: the batch's place in its loader's order (``read/send_order.py``), and whether
-        #: this key counts the batch as received (its first dense key)
+        #: the batch's place in its loader's order (``read/send_order.py``), whether this
+        #: key counts the batch as received (its first dense key), whether the batch was
+        #: sent in that order
         self.position: tuple[str, int, int, int] | None = None
-        self.counts = False
+        self.counts = self.ordered = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         t = self.csr
@@ -215,7 +216,7 @@ class InSlot:
         parts = (t.col_indices(), t.values())
         memory = _this_memory()
         found = None if memory is None else [memory.locate(p) for p in parts]
-        order = (self.position, self.counts)
+        order = (self.position, self.counts, self.ordered)
         if memory is None or found is None or None in found:  # as torch sends them
             return (arrive, (crow, list(parts), shape, self.dense, self.n_keys, None, order))
         c = memory._c
@@ -241,15 +242,18 @@ def dense_nbytes(batch: Any) -> int:
                for v in batch.values() if isinstance(v, InSlot) and v.dense)
 
 
-def mark_position(batch: Any, position: tuple[str, int, int, int]) -> None:
-    """Give ``batch``'s dense :class:`InSlot` keys their place in the loader's order (the
-    first of them counts the batch as received); nothing for a batch without one."""
+def mark_position(batch: Any, place: tuple[tuple[str, int, int, int], bool]) -> None:
+    """Give ``batch``'s dense :class:`InSlot` keys their place in the loader's order and
+    whether it was sent in that order (``Turn.wait``'s answer; the first of them counts
+    the batch as received); nothing for a batch without one."""
     if not isinstance(batch, dict):
         return
+    position, ordered = place
     first = True
     for value in batch.values():
         if isinstance(value, InSlot) and value.dense:
-            value.position, value.counts, first = position, first, False
+            value.position, value.ordered, value.counts = position, ordered, first
+            first = False
 
 
 class _Storage:
@@ -371,17 +375,18 @@ def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
 
 def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bool,
            n_keys: int, who: tuple[str, int, torch.Tensor | None, int] | None,
-           order: tuple[tuple[str, int, int, int] | None, bool] = (None, False)) -> torch.Tensor:
+           order: tuple[tuple[str, int, int, int] | None, bool, bool] = (None, False, False)
+           ) -> torch.Tensor:
     """Unpickling an :class:`InSlot` in the main process: a CSR tensor viewing the worker's
     slots, or densified from them (scipy's layout, in the values' dtype) into an array
     the training loop let go of. ``parts``: the column indices and values as tensors
     (sent as torch sends them) or as references ``(slot, generation, storage or None,
     byte offset, numel, dtype)`` into the pool memory of worker ``who`` (its id, pid,
     counters (sent until this process knows them) and the loader's worker count);
-    ``order``: the batch's place in its loader's order and whether this key counts it as
-    received (``read/send_order.py``), first, so that the worker sending the next batch
-    sends it while this one is densified."""
-    position, counts = order
+    ``order``: the batch's place in its loader's order, whether this key counts it as
+    received (``read/send_order.py``; first, so that the worker sending the next batch
+    sends it while this one is densified) and whether it was sent in that order."""
+    position, counts, ordered = order
     if position is not None and counts:
         send_order.arrived(position)
     if who is not None:
@@ -417,7 +422,7 @@ def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bo
         # the batch in use, one the loop may hold on to, and those the DataLoader keeps
         # while it puts batches from several workers back in order (prefetch 2 each;
         # none where the workers send in the loader's order)
-        workers = 1 if who is None or position is not None else who[3]
+        workers = 1 if who is None or ordered else who[3]
         ARRIVED.keep = max(ARRIVED.keep, min(2 + 2 * workers, MAX_ARRIVED) * n_keys)
         out = csr_tensor_to_dense(out, ARRIVED)
     if who is not None:

@@ -27,19 +27,22 @@ The table is shared by the process that made it and the processes it starts: Dat
 workers (forked: the mapping is inherited; spawned or from a fork server: the memory and
 its lock travel with the dataset as the process starts), and DDP ranks started the same
 way. Each loader iteration takes a lane of its own under the table's lock (found by a
-token its workers share: torch's base seed of the iteration and the dataset copy's
+token its workers share and no other iteration under way has: torch's base seed of the
+iteration, the main process, the loader iterator's shutdown event, the dataset copy's
 iteration count); a lane whose workers all ended is taken anew, so an iteration that
-repeats the token of an ended one (a loader re-made with the same seeded generator) starts
-from zero. A wait also ends when the loader shuts its workers down, when the main process
-is gone, and after :data:`STALL_S` seconds without a batch received from the workers waited
-for (a pause of the training loop that long, or a loader that deals tasks otherwise:
-``DataLoader(in_order=False)``, which keeps no early batches and gains nothing here, or a
-resumed ``StatefulDataLoader``, which starts dealing at another worker): the worker then
-sends the rest of its iteration as torch asks, as without this table.
+repeats the token of an ended one starts from zero. A wait also ends when the loader shuts
+its workers down and when the main process is gone. Without a batch received for
+:data:`STALL_S` seconds while the main process has received every batch sent (it waits for
+one nobody sends: a loader dealing tasks otherwise, e.g. a resumed ``StatefulDataLoader``
+starting at another worker), or for :data:`PAUSE_S` while batches sent wait in the queue (a
+training loop that stopped asking), the worker sends the rest of its iteration as torch
+asks, as without this table. ``DataLoader(in_order=False)`` keeps no early batches: the
+order gains nothing there, and costs a late worker's first batch its wait.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -62,9 +65,13 @@ logger = logging.getLogger(__name__)
 LANES = 64
 #: workers a lane has a row for (a loader with more workers sends as torch asks)
 MAX_WORKERS = 64
-#: seconds a worker waits without a batch received from the workers it waits for before it
+#: seconds a worker waits without a batch received from the workers it waits for, while the
+#: main process has received every batch sent (it waits for one nobody sends), before it
 #: stops waiting for the rest of its iteration
 STALL_S = 60.0
+#: the same while batches sent wait in the queue (the training loop pauses: validation, a
+#: checkpoint)
+PAUSE_S = 600.0
 #: dense bytes from which a batch is sent in order (smaller ones as torch asks)
 ORDER_BYTES = 32 << 20
 #: seconds a process waits for the table's lock before it stops using the table (a
@@ -73,8 +80,8 @@ LOCK_S = 10.0
 # a lane's header: the iteration's token, its worker count, when it was last used (ns)
 TOKEN, WORKERS, USED = range(3)
 # a worker's row: batches received (by the main process), batches sent + 1 once its
-# iterator ended (by the worker; 0 before)
-ARRIVED, ENDED = 0, 1
+# iterator ended (by the worker; 0 before), batches sent so far (by the worker)
+ARRIVED, ENDED, SENT = 0, 1, 2
 
 _TABLES: weakref.WeakValueDictionary[str, SendOrder] = weakref.WeakValueDictionary()
 
@@ -101,7 +108,7 @@ class SendOrder:
         self.id = secrets.token_hex(8)
         #: dense bytes from which a batch is sent in order
         self.min_bytes = min_bytes
-        n = LANES * 3 + LANES * MAX_WORKERS * 2
+        n = LANES * 3 + LANES * MAX_WORKERS * 3
         self._t = torch.zeros(n, dtype=torch.int64).share_memory_()
         # forked processes inherit it (and a fork context's lock starts no resource
         # tracker); one of the spawn context replaces it when a process is spawned
@@ -112,7 +119,7 @@ class SendOrder:
         self.broken = False  # this process gave up the lock (see _acquire)
         a = self._t.numpy()
         self._head = a[: LANES * 3].reshape(LANES, 3)
-        self._rows = a[LANES * 3 :].reshape(LANES, MAX_WORKERS, 2)
+        self._rows = a[LANES * 3 :].reshape(LANES, MAX_WORKERS, 3)
         _TABLES[self.id] = self
 
     def __getstate__(self) -> dict[str, Any]:
@@ -121,7 +128,8 @@ class SendOrder:
             return {"min_bytes": self.min_bytes}
         if getattr(self._lock, "_is_fork_ctx", False):  # a fork context's cannot travel
             self._lock = _context("spawn").Lock()
-        return {"id": self.id, "t": self._t, "lock": self._lock, "min_bytes": self.min_bytes}
+        return {"id": self.id, "t": self._t, "lock": self._lock, "min_bytes": self.min_bytes,
+                "broken": self.broken}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         t = state.get("t")
@@ -131,6 +139,7 @@ class SendOrder:
         self.id, self._t, self._lock = state["id"], t, state["lock"]
         self.min_bytes = state["min_bytes"]
         self._bind()
+        self.broken = state["broken"]  # (a lock lost for good is not waited for again)
 
     def __copy__(self) -> SendOrder:
         return self  # the same process: the same table
@@ -209,12 +218,30 @@ class SendOrder:
         info = get_worker_info()
         if info is None or info.num_workers > MAX_WORKERS:
             return None
-        base = int(info.seed) - int(info.id)  # the same in every worker of the iteration
-        token = hash((base, int(iteration))) & 0x7FFFFFFFFFFFFFFF or 1
-        return Turn(self, token, int(info.id), int(info.num_workers), _stop_event())
+        # the same in every worker of the iteration, and apart from any other iteration
+        # under way: torch's base seed (alike where ranks or loaders seed alike), the
+        # main process, the loader iterator's shutdown event, the copy's iter() count
+        base = int(info.seed) - int(info.id)
+        stop = _stop_event()
+        parent = multiprocessing.parent_process()
+        key = repr((base, int(iteration), parent.pid if parent is not None else 0,
+                    _event_id(stop))).encode()
+        # (a stable digest: str hashes differ between spawned processes)
+        token = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        token = token & 0x7FFFFFFFFFFFFFFF or 1
+        return Turn(self, token, int(info.id), int(info.num_workers), stop)
 
     def __repr__(self) -> str:
         return f"SendOrder(id={self.id!r})"
+
+
+def _event_id(event: Any) -> Any:
+    """What tells a multiprocessing ``Event`` apart from the others alive in its process
+    tree: its semaphore's name (spawn, fork server), else its address (fork: inherited)."""
+    semlock = getattr(getattr(event, "_flag", None), "_semlock", None)
+    if semlock is None:
+        return None
+    return semlock.name or semlock.handle
 
 
 def _stop_event() -> Any:
@@ -251,6 +278,7 @@ class Turn:
         self.sent = 0  # batches sent this iteration
         self.waiting = num_workers > 1
         self._parent = multiprocessing.parent_process()  # (the main process)
+        self._ppid = os.getppid()  # (a fork's parent: its exit is seen at once)
         self._others = np.flatnonzero(np.arange(num_workers) != worker)
         self._before = (self._others < worker).astype(np.int64)
         k = order.lane(token, num_workers, join=True)  # this iteration's lane
@@ -258,58 +286,66 @@ class Turn:
         if k is None:
             self.waiting = False
 
-    def _ready(self) -> tuple[bool, int]:
-        """``(ready, progress)``: whether every batch before the next one has been received
-        and the count received from the others so far."""
+    def _ready(self) -> tuple[bool, tuple[int, int], bool]:
+        """``(ready, progress, starved)``: whether every batch before the next one has been
+        received, the batches received and sent so far (of every worker), and whether the
+        main process has received every batch sent."""
         head = self.order._head
         k = self._k
-        rows = self.order._rows[k, self._others]  # a copy (fancy index)
+        lane = self.order._rows[k, : self.num_workers].copy()
         if head[k, TOKEN] != self.token:  # taken by another iteration: take one again
-            lane = self.order.lane(self.token, self.num_workers)
-            if lane is None:  # no lock: send as torch asks
+            again = self.order.lane(self.token, self.num_workers)
+            if again is None:  # no lock: send as torch asks
                 self.waiting = False
-                return True, -1
-            self._k = lane
-            return False, -1
+                return True, (-1, -1), False
+            self._k = again
+            return False, (-1, -1), False
+        rows = lane[self._others]
         got, ended = rows[:, ARRIVED], rows[:, ENDED]
         need = self.sent + self._before
         need = np.where(ended > 0, np.minimum(need, ended - 1), need)
-        return bool(np.all(got >= need)), int(got.sum())
+        received, sent = int(lane[:, ARRIVED].sum()), int(lane[:, SENT].sum())
+        return bool(np.all(got >= need)), (received, sent), sent <= received
 
-    def wait(self, nbytes: int) -> tuple[str, int, int, int]:
+    def wait(self, nbytes: int) -> tuple[tuple[str, int, int, int], bool]:
         """Wait for this worker's turn to send its next batch (``nbytes`` dense: a small one
-        is sent at once); its position, for :func:`arrived` in the main process."""
-        if self.waiting and nbytes >= self.order.min_bytes:
+        is sent at once); its position, for :func:`arrived` in the main process, and
+        whether it was sent in order."""
+        ordered = self.waiting and nbytes >= self.order.min_bytes
+        if ordered:
             self._wait()
         self.sent += 1
-        return self.order.id, self.token, self.num_workers, self.worker
+        self.order._rows[self._k, self.worker, SENT] = self.sent
+        return (self.order.id, self.token, self.num_workers, self.worker), ordered
 
     def _wait(self) -> None:
-        ready, progress = self._ready()
+        ready, progress, _ = self._ready()
         if ready:
             return
         nap, since, last_look = 0.0001, time.monotonic(), 0.0
         while True:
             time.sleep(nap)
             nap = min(nap * 2, 0.001)
-            ready, now_progress = self._ready()
+            ready, now_progress, starved = self._ready()
             if ready:
                 return
             now = time.monotonic()
             if now_progress != progress:
                 progress, since = now_progress, now
-            elif now - since > STALL_S:
+            elif now - since > (STALL_S if starved else PAUSE_S):
                 logger.warning(
                     "DataLoader worker %d: the main process received no batch of the other "
-                    "workers for %.0f s (a pause of the training loop, or a loader dealing "
-                    "tasks out of turn); this worker sends the rest of this epoch's dense "
-                    "batches as torch asks for them (batches that arrive early wait "
-                    "densified in the main process).", self.worker, STALL_S)
+                    "workers for %.0f s (%s); this worker sends the rest of this epoch's "
+                    "dense batches as torch asks for them (batches that arrive early wait "
+                    "densified in the main process).", self.worker, now - since,
+                    "it waits for a batch nobody sends: a loader dealing tasks out of turn"
+                    if starved else "the training loop does not ask for batches")
                 self.waiting = False
                 return
             if now - last_look > 0.05:
                 last_look = now
-                gone = self._parent is not None and not self._parent.is_alive()
+                gone = os.getppid() != self._ppid or (
+                    self._parent is not None and not self._parent.is_alive())
                 if gone or (self.stop is not None and self.stop.is_set()):
                     self.waiting = False  # the loader is shutting down: nothing to order
                     return
