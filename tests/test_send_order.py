@@ -33,6 +33,12 @@ def _late_worker_0(worker_id: int) -> None:
         time.sleep(1.5)
 
 
+def _very_late_worker_0(worker_id: int) -> None:
+    """Worker 0 starts later than a short stall limit plus a loaded CPU's first pool read."""
+    if worker_id == 0:
+        time.sleep(4.0)
+
+
 class Arrivals(list):
     """The worker of each batch received by this process, in the order received, and the
     token of its loader iteration (``tokens``)."""
@@ -221,7 +227,7 @@ def test_a_pause_of_the_loop_longer_than_a_stall_keeps_the_order(
     the workers have batches waiting in the queue: they keep waiting their turn (the
     main process has not received what was sent: a pause, not a loader dealing out of
     turn), and the whole epoch comes in order."""
-    monkeypatch.setattr(send_order, "STALL_S", 0.5)  # forked workers inherit it
+    monkeypatch.setattr(send_order, "STALL_S", 1.0)  # forked workers inherit it
     handoff.release()
     ds = _ordered(small_collection, 3)
     loader = DataLoader(ds, batch_size=None, num_workers=3, multiprocessing_context="fork")
@@ -229,7 +235,7 @@ def test_a_pause_of_the_loop_longer_than_a_stall_keeps_the_order(
     for i, b in enumerate(loader):
         batches.append(b)
         if i == 4:
-            time.sleep(2.0)
+            time.sleep(3.0)
     _check_epoch(batches, small_collection, dense_rows(small_collection))
     assert arrivals == _loader_order(arrivals)
     del batches, loader
@@ -245,7 +251,7 @@ def test_a_worker_stops_waiting_after_a_stall_and_every_batch_still_arrives(
     monkeypatch.setattr(send_order, "STALL_S", 0.3)  # forked workers inherit it
     handoff.release()
     ds = _ordered(small_collection, 3)
-    loader = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=_late_worker_0,
+    loader = DataLoader(ds, batch_size=None, num_workers=2, worker_init_fn=_very_late_worker_0,
                         multiprocessing_context="fork")
     batches = list(loader)
     _check_epoch(batches, small_collection, dense_rows(small_collection))
