@@ -42,6 +42,7 @@ order gains nothing there, and costs a late worker's first batch its wait.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import multiprocessing
@@ -50,6 +51,7 @@ import secrets
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing import context as mp_context
 from typing import Any
 
@@ -116,15 +118,14 @@ class SendOrder:
         self._bind()
 
     def _bind(self) -> None:
-        self.broken = False  # this process gave up the lock (see _acquire)
+        self.broken = False  # this process gave up the lock (see _locked)
         a = self._t.numpy()
         self._head = a[: LANES * 3].reshape(LANES, 3)
         self._rows = a[LANES * 3 :].reshape(LANES, MAX_WORKERS, 3)
         _TABLES[self.id] = self
 
     def __getstate__(self) -> dict[str, Any]:
-        popen = mp_context.get_spawning_popen()
-        if popen is None:  # not starting a process: a copy
+        if mp_context.get_spawning_popen() is None:  # not starting a process: a copy
             return {"min_bytes": self.min_bytes}
         if getattr(self._lock, "_is_fork_ctx", False):  # a fork context's cannot travel
             self._lock = _context("spawn").Lock()
@@ -149,32 +150,31 @@ class SendOrder:
         new.min_bytes = self.min_bytes
         return new
 
-    def _acquire(self) -> bool:
-        """Take the table's lock; ``False`` (and this process stops using the table, with
-        a warning) when it is not had within :data:`LOCK_S` seconds."""
-        if self.broken:
-            return False
-        if self._lock.acquire(timeout=LOCK_S):
-            return True
-        self.broken = True
-        logger.warning(
-            "annbatch_torch: the lock of a dataset's send-order table was not released "
-            "within %.0f s (a DataLoader worker killed while it held it?); process %d no "
-            "longer orders the dense batches of that dataset's loaders.", LOCK_S,
-            os.getpid())
-        return False
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[bool]:
+        """The table's lock held for the block; ``False`` (and this process stops using
+        the table, with a warning) when it is not had within :data:`LOCK_S` seconds."""
+        got = not self.broken and self._lock.acquire(timeout=LOCK_S)
+        if not got and not self.broken:
+            self.broken = True
+            logger.warning(
+                "annbatch_torch: the lock of a dataset's send-order table was not released "
+                "within %.0f s (a DataLoader worker killed while it held it?); process %d "
+                "no longer orders the dense batches of that dataset's loaders.", LOCK_S,
+                os.getpid())
+        try:
+            yield got
+        finally:
+            if got:
+                self._lock.release()
 
     def lane(self, token: int, workers: int, join: bool = False) -> int | None:
         """The lane of the iteration ``token`` of ``workers`` workers, taken if none has it:
         the lane used longest ago, one whose workers all ended first. ``join`` (a worker
         starting its iteration): a lane of ``token`` whose workers all ended is taken
         anew (the token of an ended iteration used again). ``None`` without the lock."""
-        if not self._acquire():
-            return None
-        try:
-            return self._lane(token, workers, join)
-        finally:
-            self._lock.release()
+        with self._locked() as got:
+            return self._lane(token, workers, join) if got else None
 
     def _ended(self) -> np.ndarray:
         """Per lane: whether it is unused or every worker of its iteration ended."""
@@ -195,21 +195,18 @@ class SendOrder:
             head[k, TOKEN], head[k, WORKERS] = token, workers
         head[k, USED] = time.monotonic_ns()
         return k
+
     def count(self, token: int, workers: int, worker: int) -> None:
         """The main process received a batch of ``worker`` of iteration ``token``."""
-        if self._acquire():
-            try:
+        with self._locked() as got:
+            if got:
                 self._rows[self._lane(token, workers), worker, ARRIVED] += 1
-            finally:
-                self._lock.release()
 
     def end(self, token: int, workers: int, worker: int, sent: int) -> None:
         """``worker``'s iterator of iteration ``token`` ended after ``sent`` batches."""
-        if self._acquire():
-            try:
+        with self._locked() as got:
+            if got:
                 self._rows[self._lane(token, workers), worker, ENDED] = sent + 1
-            finally:
-                self._lock.release()
 
     def turn(self, iteration: int) -> Turn | None:
         """The sending order of this DataLoader worker's ``iteration`` (its dataset copy's
@@ -282,9 +279,9 @@ class Turn:
         self._others = np.flatnonzero(np.arange(num_workers) != worker)
         self._before = (self._others < worker).astype(np.int64)
         k = order.lane(token, num_workers, join=True)  # this iteration's lane
-        self._k = 0 if k is None else k
-        if k is None:
-            self.waiting = False
+        if k is None:  # no lock: send as torch asks
+            k, self.waiting = 0, False
+        self._k = k
 
     def _ready(self) -> tuple[bool, tuple[int, int], bool]:
         """``(ready, progress, starved)``: whether every batch before the next one has been
