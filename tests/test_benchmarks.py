@@ -196,6 +196,10 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
         assert pairs["small_n_obs"] == n
         [a], [b] = pairs["small_cells_s_runs"], pairs["large_cells_s_runs"]
         assert pairs["ratio_median"] == pytest.approx(b / a)
+        [a0] = pairs["small_cells_s_runs_starts_excluded"]
+        assert pairs["ratio_median_starts_excluded"] > 0
+        assert a0 > 0
+        assert a0 != a  # the small side's epochs timed two ways
         assert 0 < pairs["small_store_mib"] < pairs["large_store_mib"]
     [r] = _scale(tmp_path, tmp_path / "one", "3e3", "resume,obs_names_at,samplers")
     assert set(r) >= {"resume", "obs_names_at", "samplers"}
