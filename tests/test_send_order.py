@@ -352,6 +352,40 @@ def test_a_turn_waits_for_every_batch_before_it_and_for_no_more_of_a_worker_that
     assert t.sent == 5
 
 
+def _count_in_spawned(order: send_order.SendOrder, q: Any) -> None:
+    order.count(4242, 1, 0)  # under the lock it was given
+    q.put((order.id, order._lock._semlock.name))
+
+
+def test_spawned_processes_share_a_twin_table_and_the_forked_keep_theirs() -> None:
+    """A table made with a fork context's lock (which cannot travel) gives the processes it
+    spawns a twin table with a spawn context's lock, made once; its own lock is never
+    swapped, so workers forked before go on sharing one lock with the main process while
+    spawned ones (another loader's) share another: a batch counted in a spawned process is
+    in the twin's memory here, and ``arrived`` of its position counts there too."""
+    order = send_order.SendOrder()
+    fork_lock = order._lock
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    ids = []
+    for _ in range(2):
+        p = ctx.Process(target=_count_in_spawned, args=(order, q))
+        p.start()
+        ids.append(q.get(timeout=60))
+        p.join(60)
+        assert p.exitcode == 0
+    assert order._lock is fork_lock  # the forked workers' lock stays this table's
+    twin = order._twin
+    assert twin is not None
+    assert [i for i, _ in ids] == [twin.id, twin.id]  # one twin for every spawn
+    assert twin.id != order.id
+    assert {n for _, n in ids} == {twin._lock._semlock.name}
+    assert twin._rows[twin.lane(4242, 1), 0, send_order.ARRIVED] == 2
+    send_order.arrived((twin.id, 4242, 1, 0))
+    assert twin._rows[twin.lane(4242, 1), 0, send_order.ARRIVED] == 3
+    assert not order._rows[..., send_order.ARRIVED].any()
+
+
 def _die_holding(order: send_order.SendOrder) -> None:
     order._lock.acquire()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -24,20 +24,21 @@ asks (counted all the same): a few of them waiting cost little memory, and a wai
 cost them time.
 
 The table is shared by the process that made it and the processes it starts: DataLoader
-workers (forked: the mapping is inherited; spawned or from a fork server: the memory and
-its lock travel with the dataset as the process starts), and DDP ranks started the same
-way. Each loader iteration takes a lane of its own under the table's lock (found by a
-token its workers share and no other iteration under way has: torch's base seed of the
-iteration, the main process, the loader iterator's shutdown event, the dataset copy's
-iteration count); a lane whose workers all ended is taken anew, so an iteration that
-repeats the token of an ended one starts from zero. A wait also ends when the loader shuts
-its workers down and when the main process is gone. Without a batch received for
-:data:`STALL_S` seconds while the main process has received every batch sent (it waits for
-one nobody sends: a loader dealing tasks otherwise, e.g. a resumed ``StatefulDataLoader``
-starting at another worker), or for :data:`PAUSE_S` while batches sent wait in the queue (a
-training loop that stopped asking), the worker sends the rest of its iteration as torch
-asks, as without this table. ``DataLoader(in_order=False)`` keeps no early batches: the
-order gains nothing there, and costs a late worker's first batch its wait.
+workers (forked: the mapping and the lock are inherited; spawned or from a fork server: a
+twin table, made at the first such start, and its lock travel with the dataset as the
+process starts), and DDP ranks started the same way. Each loader iteration takes a lane of
+its own under the table's lock (found by a token its workers share and no other iteration
+under way has: torch's base seed of the iteration, the main process, the loader iterator's
+shutdown event, the dataset copy's iteration count); a lane whose workers all ended is
+taken anew, so an iteration that repeats the token of an ended one starts from zero. A wait
+also ends when the loader shuts its workers down and when the main process is gone. Without
+a batch received for :data:`STALL_S` seconds while the main process has received every
+batch sent (it waits for one nobody sends: a loader dealing tasks otherwise, e.g. a resumed
+``StatefulDataLoader`` starting at another worker), or for :data:`PAUSE_S` while batches
+sent wait in the queue (a training loop that stopped asking), the worker sends the rest of
+its iteration as torch asks, as without this table. ``DataLoader(in_order=False)`` keeps no
+early batches: the order gains nothing there, and costs a late worker's first batch its
+wait.
 """
 
 from __future__ import annotations
@@ -106,15 +107,16 @@ class SendOrder:
     def __init__(self) -> None:
         self._make()
 
-    def _make(self, min_bytes: int = ORDER_BYTES) -> None:
+    def _make(self, min_bytes: int = ORDER_BYTES, method: str | None = None) -> None:
         self.id = secrets.token_hex(8)
         #: dense bytes from which a batch is sent in order
         self.min_bytes = min_bytes
         n = LANES * 3 + LANES * MAX_WORKERS * 3
         self._t = torch.zeros(n, dtype=torch.int64).share_memory_()
         # forked processes inherit it (and a fork context's lock starts no resource
-        # tracker); one of the spawn context replaces it when a process is spawned
-        self._lock = _context(None).Lock()
+        # tracker); spawned ones get a twin table whose lock can travel (_for_spawned)
+        self._lock = _context(method).Lock()
+        self._twin: SendOrder | None = None
         self._bind()
 
     def _bind(self) -> None:
@@ -127,10 +129,24 @@ class SendOrder:
     def __getstate__(self) -> dict[str, Any]:
         if mp_context.get_spawning_popen() is None:  # not starting a process: a copy
             return {"min_bytes": self.min_bytes}
-        if getattr(self._lock, "_is_fork_ctx", False):  # a fork context's cannot travel
-            self._lock = _context("spawn").Lock()
-        return {"id": self.id, "t": self._t, "lock": self._lock, "min_bytes": self.min_bytes,
-                "broken": self.broken}
+        twin = self._for_spawned()
+        return {"id": twin.id, "t": twin._t, "lock": twin._lock, "min_bytes": self.min_bytes,
+                "broken": twin.broken}
+
+    def _for_spawned(self) -> SendOrder:
+        """The table of the processes this one spawns (or starts from a fork server): this
+        one where its lock can travel to them; else a twin with a lock of the spawn
+        context, made at the first such start and kept. A fork context's lock cannot
+        travel, and it is not swapped: workers forked before and still running would go on
+        with the old lock while spawned ones took the new, each holding "the" lock at once.
+        A loader's workers all start one way, so each loader's lane lies in one table."""
+        if not getattr(self._lock, "_is_fork_ctx", False):
+            return self
+        if self._twin is None:
+            twin = SendOrder.__new__(SendOrder)
+            twin._make(self.min_bytes, "spawn")
+            self._twin = twin
+        return self._twin
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         t = state.get("t")
@@ -139,6 +155,7 @@ class SendOrder:
             return
         self.id, self._t, self._lock = state["id"], t, state["lock"]
         self.min_bytes = state["min_bytes"]
+        self._twin = None
         self._bind()
         self.broken = state["broken"]  # (a lock lost for good is not waited for again)
 
