@@ -278,6 +278,40 @@ def test_duplicate_obs_names_within_an_input_are_warned(tmp_path: Path,
     assert not [m for m in _warnings(caplog) if "obs_names" in m]
 
 
+@pytest.mark.parametrize("reorder", [False, True])
+def test_genes_in_the_collections_order_are_appended_without_the_compiled_remap(
+        tmp_path: Path, reorder: bool) -> None:
+    """An input whose genes keep the collection's order (every other gene of an outer
+    collection, in order) is renumbered by a numpy gather: the append, in a fresh process,
+    loads no compiled gene remap (numba's start spared); in another order (reversed) the
+    compiled loop sorts its rows. Either way the collection holds the input's values,
+    zeros for the genes it lacks."""
+    import subprocess
+    import sys
+
+    base = _adata("base", 30, pd.Categorical(["x"] * 30))
+    coll = abt.create_anndata_collection([_write(base, tmp_path / "base.h5ad")],
+                                         tmp_path / "coll", var_join="outer", progress=False)
+    genes = [f"g{g}" for g in range(0, N_GENES, 2)]
+    new = _adata("n", 40, pd.Categorical(["y"] * 40), seed=3)[:, genes[::-1] if reorder
+                                                               else genes].copy()
+    path = _write(new, tmp_path / "new.h5ad")
+    code = ("import annbatch_torch as abt\n"
+            "from annbatch_torch.write import remap\n"
+            f"abt.append_to_collection({str(coll.path)!r}, [{str(path)!r}], progress=False)\n"
+            "print(len(remap._remap.signatures))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (int(done.stdout.split()[-1]) > 0) == reorder
+    every = [f"g{g}" for g in range(N_GENES)]
+    want = {n: row for n, row in zip(base.obs_names, base.X.toarray())}
+    dense = pd.DataFrame(new.X.toarray(), index=new.obs_names, columns=new.var_names)
+    want |= {n: row.to_numpy(np.float32) for n, row in
+             dense.reindex(columns=every, fill_value=0.0).iterrows()}
+    _rows_equal(abt.open_collection(coll.path), A.X, want)
+
+
 # -- inputs without cells among the new ones -----------------------------------------------
 @pytest.mark.parametrize("scheduler", [None, "threads"])
 def test_append_with_an_empty_input_first_keeps_each_inputs_genes(tmp_path: Path,
@@ -306,12 +340,13 @@ def test_append_with_an_empty_input_first_keeps_each_inputs_genes(tmp_path: Path
 def test_a_refused_append_leaves_no_thread_in_the_compiler(
         small_collection: Any, synthetic_h5ads: list[Path], tmp_path: Path,
         refusal: str) -> None:
-    """An append loads the compiled gene remap in a thread as its shards' first pass
-    starts; when it is refused (an input that does not exist, or one the collection holds
-    already: before that thread starts; a value the stored dtype cannot hold: in the first
-    pass, with the thread running) the error comes only once no such thread runs, so a
-    caller forking next (DataLoader workers) forks no thread holding numba's compiler lock.
-    In a fresh process, where loading the compiled loop takes a while."""
+    """An append whose genes change order (here reversed) loads the compiled gene remap in a
+    thread as its shards' first pass starts; when it is refused (an input that does not
+    exist, or one the collection holds already: before that thread starts; a value the
+    stored dtype cannot hold: in the first pass, with the thread running) the error
+    comes only once no such thread runs, so a caller forking next (DataLoader workers)
+    forks no thread holding numba's compiler lock. In a fresh process, where loading the
+    compiled loop takes a while."""
     import subprocess
     import sys
 
@@ -319,6 +354,7 @@ def test_a_refused_append_leaves_no_thread_in_the_compiler(
             "input already there": synthetic_h5ads[0]}.get(refusal)
     if path is None:
         a = ad.read_h5ad(synthetic_h5ads[0])
+        a = a[:, a.var_names[::-1]].copy()  # genes reordered: the compiled remap sorts
         a.obs_names = [f"new{i}" for i in range(a.n_obs)]
         a.X = a.X.astype(np.float64)
         a.X.data[0] = 1e39  # beyond float32 and any narrower stored dtype

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from annbatch_torch.write import remap as remap_module
 from annbatch_torch.write.passes import _remap
-from annbatch_torch.write.remap import remap_rows
+from annbatch_torch.write.remap import needs_compiled_remap, remap_rows, rows_increase
 
 
 def _reference(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtype,
@@ -79,6 +79,41 @@ def test_remap_rows_equals_scipy(block: tuple, threads: int) -> None:
     np.testing.assert_array_equal(got.indptr, want.indptr)
     np.testing.assert_array_equal(got.indices, want.indices)
     np.testing.assert_array_equal(got.data, want.data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_blocks())
+def test_pass_ones_remap_equals_scipy_on_either_path(block: tuple) -> None:
+    """``_remap`` as pass 1 calls it: the compiled loop where the genes change order, some
+    are dropped or a row is not sorted, else (genes renumbered in order) a numpy gather and
+    scipy's row index; scipy's rows either way."""
+    m, col_map, n_out, dtype, order = block
+    kept = col_map[col_map >= 0]
+    is_sorted = bool(np.all(kept[1:] > kept[:-1]))
+    got = _remap(m, col_map, is_sorted, n_out, dtype, order)
+    want = _reference(m, col_map, n_out, dtype, order)
+    assert got.shape == want.shape
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.data, want.data)
+    assert remap_module.rows_increase(got)
+
+
+def test_which_maps_need_the_compiled_loop_and_which_rows_increase() -> None:
+    assert not needs_compiled_remap(None, True)
+    assert not needs_compiled_remap(np.array([0, 2, 5]), True)  # renumbered in order
+    assert needs_compiled_remap(np.array([0, -1, 5]), True)  # a gene dropped
+    assert needs_compiled_remap(np.array([2, 0, 5]), False)  # another order
+    rows = sp.csr_matrix((np.ones(6, np.float32), np.array([0, 2, 1, 3, 0, 0]),
+                          np.array([0, 2, 2, 4, 6])), shape=(4, 4))
+    rows.has_sorted_indices = True  # a lie: the last row holds column 0 twice
+    assert not rows_increase(rows)
+    rows.indices[5] = 3
+    assert rows_increase(rows)  # a row may start below the row before's last column
+    rows.indices[3] = 1
+    assert not rows_increase(rows)
+    assert rows_increase(sp.csr_matrix((3, 3), dtype=np.float32))
 
 
 def test_a_column_twice_in_a_row_is_left_to_scipy_which_keeps_both() -> None:

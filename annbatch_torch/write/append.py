@@ -64,7 +64,7 @@ from .grouping import check_group_by
 from .narrow import FIELD, check_dtype_options
 from .parallel import start_cluster
 from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
-from .remap import load_remap, warm_remap
+from .remap import load_remap, needs_compiled_remap, warm_remap
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
 from .writer import DEFAULT_MAX_MEMORY, write_shards
@@ -395,9 +395,13 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         # pass 1's first reads, much of them without the GIL (beside the set-up above, all
         # Python, it only took turns with it); the first remap waits for it on numba's
         # compiler lock. A local cluster's threads would all wait: loaded before they start
-        if scheduler is None:
+        # (none where every new input's genes keep the collection's order: no compiled loop)
+        compiled = any(needs_compiled_remap(schema.axis(f.key).maps[s.index],
+                                            schema.axis(f.key).sorted[s.index])
+                       for f in schema.fields if f.kind == "csr" for s in with_cells)
+        if compiled and scheduler is None:
             warm = warm_remap()
-        elif scheduler == "threads":
+        elif compiled and scheduler == "threads":
             load_remap()
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,

@@ -32,7 +32,7 @@ from .buckets import (
 )
 from .budget import release_memory
 from .grouping import global_codes
-from .remap import remap_rows
+from .remap import needs_compiled_remap, remap_rows, rows_increase
 
 if TYPE_CHECKING:
     from ..store.inputs.view import InputSource
@@ -47,7 +47,10 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
     """Block rows ``order`` (``None``: all, in order) in the collection's var order and
     dtype (sparse in, sparse out); ``threads``: see :func:`remap_rows`."""
     compiled = False
-    if col_map is not None and sp.issparse(m) and m.format == "csr":
+    # (a map that renumbers the genes in order, of rows that are sorted: a numpy gather
+    # below, as fast, and numba's start spared where no other block needs the loop)
+    if col_map is not None and sp.issparse(m) and m.format == "csr" and (
+            needs_compiled_remap(col_map, is_sorted) or not rows_increase(m)):
         out = remap_rows(m, col_map, n_out, dtype, order, threads)  # one compiled pass
         if out is not None:
             return out

@@ -10,6 +10,10 @@ cache), which costs a row of ~250 genes less than a bitmap of the panel's 30,000
 back word by word. Compiled by numba; it releases the GIL, so the Dask writer's threads
 remap in parallel. Where the input's genes keep the collection's order (some perhaps
 dropped) and its rows are sorted, the mapped rows are sorted as they are copied: no sort.
+Where they keep it and none is dropped, the block needs no compiled loop at all
+(:func:`needs_compiled_remap`): a numpy gather of the column indices and scipy's row index
+are as fast, and a process that runs no other compiled loop is spared numba's start (its
+runtime and the loop's cached machine code, loaded on a process's first compiled call).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import scipy.sparse as sp
 
 from ..store.native import compiled
 
-__all__ = ["load_remap", "remap_rows", "warm_remap"]
+__all__ = ["load_remap", "needs_compiled_remap", "remap_rows", "rows_increase", "warm_remap"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,27 @@ def _radix_digits(n_out: int) -> tuple[int, int]:
     width = max(int(n_out - 1).bit_length(), 1)
     digits = -(-width // 8)
     return digits, -(-width // digits)
+
+
+def needs_compiled_remap(col_map: np.ndarray | None, is_sorted: bool) -> bool:
+    """Whether blocks of sorted CSR rows mapped by ``col_map`` (``is_sorted``: it keeps the
+    order of the columns it keeps) are remapped by :func:`remap_rows`: their genes change
+    order, or some are dropped (which numpy does in more passes than the compiled loop's
+    one). A map that only renumbers every column in order is a numpy gather as fast."""
+    return col_map is not None and (not is_sorted or bool(np.any(col_map < 0)))
+
+
+def rows_increase(m: sp.csr_matrix) -> bool:
+    """Whether each row of ``m`` has strictly increasing column indices, read from its
+    arrays (whatever its ``has_sorted_indices`` flag says)."""
+    indptr, indices = np.asarray(m.indptr), np.asarray(m.indices)
+    if indices.size < 2:
+        return True
+    down = indices[1:] <= indices[:-1]
+    starts = indptr[1:-1]
+    starts = starts[(starts > 0) & (starts < indices.size)]
+    down[starts - 1] = False  # (a row's first column against the row before's last)
+    return not bool(down.any())
 
 
 def _keeps_order(m: sp.csr_matrix, col_map: np.ndarray) -> bool:
