@@ -146,6 +146,11 @@ def test_bad_order_or_col_map_is_refused_before_the_compiled_loop() -> None:
         remap_rows(m, np.array([0, 1, 3]), 3, np.dtype(np.float32))
     with pytest.raises(ValueError, match="col_map"):
         remap_rows(m, np.array([0, 1]), 3, np.dtype(np.float32))
+    # pass 1's numpy path for genes renumbered in order checks the map alike
+    with pytest.raises(ValueError, match="col_map"):
+        _remap(m, np.array([0, 1, 3]), True, 3, np.dtype(np.float32), None)
+    with pytest.raises(ValueError, match="col_map"):
+        _remap(m, np.array([0, 1]), True, 3, np.dtype(np.float32), None)
 
 
 def test_rows_flagged_sorted_that_are_not_are_left_to_scipy() -> None:

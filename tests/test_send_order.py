@@ -386,6 +386,31 @@ def test_spawned_processes_share_a_twin_table_and_the_forked_keep_theirs() -> No
     assert not order._rows[..., send_order.ARRIVED].any()
 
 
+def test_loaders_spawning_from_two_threads_at_once_share_one_twin() -> None:
+    """Two threads starting spawned workers over one dataset at once get the same twin
+    (a second one would replace the first, whose table the main process then no longer
+    finds: its loader's batches would never be counted)."""
+    import threading
+
+    for _ in range(20):
+        order = send_order.SendOrder()
+        start = threading.Barrier(2)
+        got: list[send_order.SendOrder] = []
+
+        def take(order: send_order.SendOrder = order, start: Any = start,
+                 got: list = got) -> None:
+            start.wait()
+            got.append(order._for_spawned())
+
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got[0] is got[1] is order._twin
+        assert send_order._TABLES[got[0].id] is got[0]
+
+
 def _die_holding(order: send_order.SendOrder) -> None:
     order._lock.acquire()
     os.kill(os.getpid(), signal.SIGKILL)

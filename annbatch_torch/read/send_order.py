@@ -50,6 +50,7 @@ import multiprocessing
 import os
 import secrets
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -87,6 +88,8 @@ TOKEN, WORKERS, USED = range(3)
 ARRIVED, ENDED, SENT = 0, 1, 2
 
 _TABLES: weakref.WeakValueDictionary[str, SendOrder] = weakref.WeakValueDictionary()
+#: held while a table's twin is made (:meth:`SendOrder._for_spawned`)
+_TWINS = threading.Lock()
 
 
 def _context(method: str | None) -> Any:
@@ -142,11 +145,12 @@ class SendOrder:
         A loader's workers all start one way, so each loader's lane lies in one table."""
         if not getattr(self._lock, "_is_fork_ctx", False):
             return self
-        if self._twin is None:
-            twin = SendOrder.__new__(SendOrder)
-            twin._make(self.min_bytes, "spawn")
-            self._twin = twin
-        return self._twin
+        with _TWINS:  # (loaders started by two threads at once: one twin, never two)
+            if self._twin is None:
+                twin = SendOrder.__new__(SendOrder)
+                twin._make(self.min_bytes, "spawn")
+                self._twin = twin
+            return self._twin
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         t = state.get("t")

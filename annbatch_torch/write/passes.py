@@ -32,7 +32,7 @@ from .buckets import (
 )
 from .budget import release_memory
 from .grouping import global_codes
-from .remap import needs_compiled_remap, remap_rows, rows_increase
+from .remap import check_col_map, needs_compiled_remap, remap_rows, rows_increase
 
 if TYPE_CHECKING:
     from ..store.inputs.view import InputSource
@@ -66,6 +66,7 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
     data = np.array(m.data, dtype=dtype) if sort else np.asarray(m.data, dtype=dtype)
     indices, indptr = m.indices, m.indptr
     if col_map is not None:
+        check_col_map(col_map, m.shape[1], n_out)  # (as the compiled loop does)
         indices = col_map[indices]
         keep = indices >= 0
         if not keep.all():

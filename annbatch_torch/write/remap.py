@@ -29,7 +29,8 @@ import scipy.sparse as sp
 
 from ..store.native import compiled
 
-__all__ = ["load_remap", "needs_compiled_remap", "remap_rows", "rows_increase", "warm_remap"]
+__all__ = ["check_col_map", "load_remap", "needs_compiled_remap", "remap_rows", "rows_increase",
+           "warm_remap"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,14 @@ def needs_compiled_remap(col_map: np.ndarray | None, is_sorted: bool) -> bool:
     order, or some are dropped (which numpy does in more passes than the compiled loop's
     one). A map that only renumbers every column in order is a numpy gather as fast."""
     return col_map is not None and (not is_sorted or bool(np.any(col_map < 0)))
+
+
+def check_col_map(col_map: np.ndarray, n_in: int, n_out: int) -> None:
+    """Refuse a map that does not send each of ``n_in`` columns into ``[-1, n_out)``."""
+    if col_map.shape != (n_in,) or (col_map.size and (
+            int(col_map.min()) < -1 or int(col_map.max()) >= n_out)):
+        raise ValueError(f"remap_rows: col_map must map each of the {n_in} columns "
+                         f"into [-1, {n_out})")
 
 
 def rows_increase(m: sp.csr_matrix) -> bool:
@@ -171,10 +180,7 @@ def remap_rows(m: sp.csr_matrix, col_map: np.ndarray, n_out: int, dtype: np.dtyp
         return None
     if rows.ndim != 1 or (rows.size and (int(rows.min()) < 0 or int(rows.max()) >= n_rows)):
         raise ValueError(f"remap_rows: order must hold row numbers of the {n_rows} rows")
-    if col_map.shape != (m.shape[1],) or (col_map.size and (
-            int(col_map.min()) < -1 or int(col_map.max()) >= n_out)):
-        raise ValueError(f"remap_rows: col_map must map each of the {m.shape[1]} columns "
-                         f"into [-1, {n_out})")
+    check_col_map(col_map, m.shape[1], n_out)
     indices = np.asarray(m.indices)
     if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= m.shape[1]):
         raise ValueError(f"remap_rows: column indices outside [0, {m.shape[1]})")
