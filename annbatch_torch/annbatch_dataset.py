@@ -675,6 +675,8 @@ class AnnBatchDataset(IterableDataset):
                 for item, pool in pools:
                     # a generator of its own: its last batch is let go before the next pool
                     yield from self._counted(assembler.batches(item, pool), iteration, turn)
+            if world.worker == 0:
+                self._epoch.finish(epoch)
         except Exception:
             if self._stream is not None:
                 self._stream.drop_read_ahead(wait=True)

@@ -55,11 +55,11 @@ class World:
 
 
 class SharedEpoch:
-    """The epoch a dataset iterates next, and the last epoch that started iterating, in
-    shared memory (2 int64)."""
+    """The epoch a dataset iterates next, the last epoch that started iterating and
+    whether that iteration ran to its end, in shared memory (3 int64)."""
 
     def __init__(self) -> None:
-        self._t = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._t = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._t[1] = -1
 
     @property
@@ -71,14 +71,22 @@ class SharedEpoch:
 
     def start(self, epoch: int, *, warn_repeat: bool) -> None:
         """Record that ``epoch`` starts iterating (called by worker 0 of a rank); with
-        ``warn_repeat``, warn when it is the epoch that started last time (a forgotten
-        ``set_epoch``: the same order again)."""
-        if warn_repeat and int(self._t[1]) == epoch:
+        ``warn_repeat``, warn when it is the epoch whose iteration last started and ran to
+        its end (a forgotten ``set_epoch``: the same order again; not after a look at its
+        first batches, ``next(iter(loader))``, nor a loop broken off)."""
+        if warn_repeat and int(self._t[1]) == epoch and int(self._t[2]):
             logger.warning(
                 "AnnBatchDataset: epoch %d is iterated again with the same order; call "
                 "dataset.set_epoch(epoch) before each epoch.", epoch
             )
         self._t[1] = epoch
+        self._t[2] = 0
+
+    def finish(self, epoch: int) -> None:
+        """The iteration of ``epoch`` that started last ran to its end (worker 0 of a
+        rank)."""
+        if int(self._t[1]) == epoch:
+            self._t[2] = 1
 
     def forget_start(self) -> None:
         """Iterating the current epoch again is intended (a resumed epoch)."""

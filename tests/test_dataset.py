@@ -150,6 +150,45 @@ def test_epochs_differ_and_match_fresh_loader_with_persistent_workers(
             np.testing.assert_array_equal(a, b)
 
 
+def _repeat_warnings(caplog: pytest.LogCaptureFixture) -> int:
+    n = sum("is iterated again with the same order" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    return n
+
+
+def test_an_epoch_run_to_its_end_and_iterated_again_warns_a_look_at_it_does_not(
+    inputs: tuple[list[Path], ad.AnnData], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A forgotten ``set_epoch`` (an epoch run to its end, then iterated again) warns; a
+    look at an epoch's first batch (``next(iter(...))``) or a loop broken off, then the
+    epoch's loop, does not. With DataLoader workers worker 0 records the end in the
+    dataset's shared state (seen here), the same rule then applies."""
+    paths, _ = inputs
+    ds = AnnBatchDataset(paths, selector={"x": A.X}, batch_size=40, chunk_size=8,
+                         preload_nchunks=4)
+    with caplog.at_level("WARNING", logger="annbatch_torch"):
+        next(iter(ds))  # a look
+        assert len(list(ds)) > 1
+        assert _repeat_warnings(caplog) == 0
+        list(ds)  # the same epoch again, run to its end before
+        assert _repeat_warnings(caplog) == 1
+        ds.set_epoch(1)
+        for i, _ in enumerate(ds):  # broken off
+            if i == 1:
+                break
+        list(ds)
+        assert _repeat_warnings(caplog) == 0
+        list(ds)
+        assert _repeat_warnings(caplog) == 1
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    ds.set_epoch(2)
+    next(iter(loader))
+    assert int(ds._epoch._t[1]) == 2
+    assert int(ds._epoch._t[2]) == 0  # not run to its end: a later loop does not warn
+    assert len(list(loader)) > 1
+    assert int(ds._epoch._t[2]) == 1  # worker 0's share ran to its end: a repeat warns
+
+
 def test_pickles_after_iteration_without_open_handles(
     inputs: tuple[list[Path], ad.AnnData],
 ) -> None:
