@@ -497,7 +497,7 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
     runs: dict[int, list[float]] = {small: [], large: []}
     excl: dict[int, list[float]] = {small: [], large: []}
     # an epoch of the small atlas is a few batches (23 of 4096 at 10^5: 0.2 s, whose rate
-    # swings by 30% run to run): epochs of it are timed until they make PAIRED_BATCHES
+    # swings by 30% run to run): epochs of it are timed until they make --paired-batches
     per_epoch = {n: max(1, min(n // args.epoch_batch_size - 2,
                                args.max_batches or n)) for n in (small, large)}
     for _ in range(args.epoch_pairs):
@@ -507,7 +507,7 @@ def paired_epochs(small: int, large: int, args: argparse.Namespace,
             r = _child("epoch", {"n_obs": n, "store": str(store), "cold": False,
                                  "dense": False, "workers": 0,
                                  "max_batches": args.max_batches,
-                                 "epochs": -(-PAIRED_BATCHES // per_epoch[n]),
+                                 "epochs": -(-args.paired_batches // per_epoch[n]),
                                  "batch_size": args.epoch_batch_size}, 7200)
             log(f"  {n:,} epoch_pairs: {json.dumps(r)} ({time.perf_counter() - t:.0f} s)")
             if not r.get("cells_s"):  # (none timed: under 3 batches)
@@ -608,6 +608,8 @@ def main() -> None:
     p.add_argument("--epoch-pairs", type=int, default=3,
                    help="rounds of warm sparse epochs alternating the smallest and the "
                         "largest size (0: none)")
+    p.add_argument("--paired-batches", type=int, default=PAIRED_BATCHES,
+                   help="batches timed at least on each side of a pair (fewer for smoke runs)")
     p.add_argument("--epoch-batch-size", type=int, default=4096,
                    help="batch size of the paired epochs (smaller for smoke runs)")
     p.add_argument("--max-memory", default=None, help="also write with this max_memory")

@@ -186,7 +186,8 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
     # size (here the largest comes first: it is kept until then), on the kept atlases
     # (batches of 512: the epoch times those after the first 2)
     large, small, mid = _scale(tmp_path, tmp_path / "pairs", "6e3,2e3,3e3", "epoch_pairs",
-                               "--epoch-pairs", "1", "--epoch-batch-size", "512", "--keep")
+                               "--epoch-pairs", "1", "--epoch-batch-size", "512", "--keep",
+                               "--paired-batches", "8")
     assert "epoch_pairs" not in small
     assert "epoch_pairs" not in mid
     assert "writer" not in mid  # the kept collections were reused
@@ -213,6 +214,7 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
         f"atlas_2000_genes{GENES}", f"atlas_6000_genes{GENES}"]  # kept by the pairs' --keep
     # without --keep, pairs keep every atlas until they have run, then remove them all
     _small, large = _scale(tmp_path, tmp_path / "pairs2", "2e3,6e3", "epoch_pairs",
-                           "--epoch-pairs", "1", "--epoch-batch-size", "512")
+                           "--epoch-pairs", "1", "--epoch-batch-size", "512",
+                           "--paired-batches", "8")
     assert large["epoch_pairs"]["pairs"] == 1
     assert not any((tmp_path / "data").iterdir())
