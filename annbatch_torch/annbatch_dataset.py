@@ -367,8 +367,10 @@ class AnnBatchDataset(IterableDataset):
         # exact resume (torchdata Stateful): what this copy yielded of the current epoch
         self._resumer = Resumer()
         self._iterations = 0  # iter() calls on this copy: only the newest iterator runs
-        # a plain DataLoader's workers send batches densified on arrival in its order
-        self._send_order = SendOrder()
+        # a plain DataLoader's workers send batches densified on arrival in its order (a
+        # table only where pools densify: each holds shared memory and an open file)
+        self._send_order: SendOrder | None = (
+            SendOrder() if self.densify_policy.where == "pool" else None)
         # reading needs numba's start: paid once here where workers are forked, so that
         # they inherit it instead of each paying it before its first batch (spawned ones
         # pay their own; in-process reading pays it at its first read either way)
@@ -667,7 +669,8 @@ class AnnBatchDataset(IterableDataset):
         # a worker whose CSR keys travel by reference reads its pools into shared memory
         memory = handoff.pool_memory() if slotted else None
         # and sends those densified on arrival in the loader's order (read/send_order.py)
-        turn = self._send_order.turn(iteration) if any(slotted.values()) else None
+        turn = (self._send_order.turn(iteration)
+                if self._send_order is not None and any(slotted.values()) else None)
         pools = self._pool_stream().pools(items, prefetch=prefetch, shared=world.in_worker,
                                           upcoming=upcoming, memory=memory)
         try:

@@ -265,12 +265,28 @@ def test_sparse_batches_and_in_process_iteration_take_no_turn(
     """Only batches densified on arrival are ordered: CSR batches (the main process keeps
     views, not dense arrays) and a dataset iterated in-process count nothing."""
     ds = abt.AnnBatchDataset(small_collection, densify=False, seed=3, **SMALL_POOLS)
-    ds._send_order.min_bytes = 0
+    assert ds._send_order is None  # no table where nothing is densified on arrival
     n = sum(1 for _ in DataLoader(ds, batch_size=None, num_workers=2))
     n += sum(1 for _ in _ordered(small_collection, 3))
     assert n > 0
     assert arrivals == []
     handoff.release()
+
+
+def test_only_datasets_that_densify_where_their_pools_are_hold_a_table(
+        small_collection: Collection) -> None:
+    """A table holds shared memory and an open file: a sparse dataset (or one densifying on
+    a device) makes none, so that many datasets alive at once (one per donor, say) hold
+    one file each (their shared epoch), not two."""
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_files()
+    sparse = [abt.AnnBatchDataset(small_collection, **SMALL_POOLS) for _ in range(20)]
+    assert open_files() - before <= 20
+    dense = abt.AnnBatchDataset(small_collection, densify=True, **SMALL_POOLS)
+    assert all(ds._send_order is None for ds in sparse)
+    assert isinstance(dense._send_order, send_order.SendOrder)
 
 
 def test_a_copy_of_a_dataset_gets_a_table_of_its_own() -> None:
