@@ -46,20 +46,22 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
            dtype: np.dtype, order: np.ndarray | None, threads: int = 1) -> sp.csr_matrix:
     """Block rows ``order`` (``None``: all, in order) in the collection's var order and
     dtype (sparse in, sparse out); ``threads``: see :func:`remap_rows`."""
-    compiled = False
-    # (a map that renumbers the genes in order, of rows that are sorted: a numpy gather
-    # below, as fast, and numba's start spared where no other block needs the loop)
-    if col_map is not None and sp.issparse(m) and m.format == "csr" and (
-            needs_compiled_remap(col_map, is_sorted) or not rows_increase(m)):
-        out = remap_rows(m, col_map, n_out, dtype, order, threads)  # one compiled pass
-        if out is not None:
-            return out
-        compiled = True  # it met a row it could not leave sorted, or has no loop for dtype
+    compiled = increasing = False
+    if col_map is not None and sp.issparse(m) and m.format == "csr":
+        # a map that renumbers the genes in order, of rows that increase: a numpy gather
+        # below, as fast, and numba's start spared where no other block needs the loop
+        increasing = not needs_compiled_remap(col_map, is_sorted) and rows_increase(m)
+        if not increasing:
+            out = remap_rows(m, col_map, n_out, dtype, order, threads)  # one compiled pass
+            if out is not None:
+                return out
+            compiled = True  # it met a row it could not leave sorted, or no loop for dtype
     if not sp.issparse(m):
         m = sp.csr_matrix(np.asarray(m, dtype=dtype))  # scipy has no float16: cast first
-    # the genes keep their order and the rows are sorted (scipy checks them; the compiled
-    # loop refused a row it could not leave sorted, whatever the matrix's flag says)
-    sort = compiled or not (is_sorted and m.has_sorted_indices)
+    # the genes keep their order and the rows are sorted (read above, or scipy checks
+    # them; the compiled loop refused a row it could not leave sorted, whatever the
+    # matrix's flag says)
+    sort = compiled or not (is_sorted and (increasing or m.has_sorted_indices))
     # a copy when sorting in place below (the block may view an in-memory input's arrays);
     # else one only if the dtype changes (numpy 2's
     # copy=False would refuse that cast: inputs of different dtypes are promoted)
