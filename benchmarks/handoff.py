@@ -1,15 +1,17 @@
 """Batches at the training loop's door: in-process against worker processes (issue 32).
 
     python benchmarks/handoff.py [COLLECTION] [--workers 2 | 1,2,4] [--rounds 3] [--batches 40]
-        [--loaders inproc,plain,abt] [--layouts sparse,dense]
+        [--warmup 2] [--loaders inproc,plain,abt] [--layouts sparse,dense]
 
 Each configuration runs in a fresh process, as a user's loop does: the dataset
 (``batch_size=4096``, the collection's X) iterated in-process (``inproc``: the dataset
 itself, ``num_workers=0``), through a plain ``torch.utils.data.DataLoader(ds,
 batch_size=None, num_workers=W, persistent_workers=True)`` (``plain``) or through
 ``AnnBatchDataLoader(ds, num_workers=W, persistent_workers=True)`` (``abt``); sparse
-(``torch.sparse_csr_tensor``) or dense (``densify=True``). Two batches of warm-up, then
-``--batches`` timed, epoch after epoch; the loop reads one value per page of each batch
+(``torch.sparse_csr_tensor``) or dense (``densify=True``). ``--warmup`` batches (default two)
+untimed, then ``--batches`` timed, epoch after epoch (the default window holds the first
+epoch's fresh pool memory, which workers have twice of; ``--warmup 60`` times epochs whose
+memory is reused); the loop reads one value per page of each batch
 (what a copy to a device would touch). Rounds alternate the configurations so that drift
 hits each alike; printed and written to ``benchmarks/results/handoff.md``: the best and the
 median cells/s of each over the rounds, the ratio of the bests to in-process of the same
@@ -56,7 +58,7 @@ def _child(args: argparse.Namespace) -> None:
         ds.set_epoch(e)
         return loader
 
-    run = time_batches(epochs, n_warmup=2, n_batches=args.batches,
+    run = time_batches(epochs, n_warmup=args.warmup, n_batches=args.batches,
                        n_cells_of=lambda b: int(b["X"].shape[0]), consume=touch_pages)
     print(json.dumps({
         "cells_per_s": run.cells_per_s, "cells_per_cpu_s": run.cells_per_cpu_s,
@@ -71,6 +73,7 @@ def main() -> None:
     p.add_argument("--workers", default="2", help="worker counts, e.g. 1,2,4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=2, help="untimed batches first")
     p.add_argument("--loaders", default="inproc,plain,abt")
     p.add_argument("--layouts", default="sparse,dense")
     p.add_argument("--out", default=str(HERE / "results" / "handoff.md"))
@@ -92,7 +95,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for lo, la, w in configs:
             cmd = [sys.executable, __file__, args.collection, "--child", "--loader", lo,
-                   "--layout", la, "--nworkers", str(w), "--batches", str(args.batches)]
+                   "--layout", la, "--nworkers", str(w), "--batches", str(args.batches),
+                   "--warmup", str(args.warmup)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             got[(lo, la, w)].append(json.loads(out.strip().splitlines()[-1]))
             print(lo, la, w, json.dumps(got[(lo, la, w)][-1]), flush=True)
@@ -113,10 +117,10 @@ def main() -> None:
     lines = [f"# Batches at the training loop ({time.strftime('%Y-%m-%d %H:%M')}, load "
              f"{load:.2f} at the start, {os.cpu_count()} CPUs)", "",
              f"Collection: `{args.collection}`; batch 4096; {args.batches} batches timed "
-             f"after 2, {args.rounds} alternated rounds, each a fresh process; ratio: best "
-             "against in-process's best, same layout; CPU: microseconds of CPU per cell "
-             "delivered (median), all processes, and of it the main process's (the rest is "
-             "the workers').", "",
+             f"after {args.warmup}, {args.rounds} alternated rounds, each a fresh process; "
+             "ratio: best against in-process's best, same layout; CPU: microseconds of CPU "
+             "per cell delivered (median), all processes, and of it the main process's (the "
+             "rest is the workers').", "",
              "| loader | layout | workers | best cells/s | median | ratio | CPU us/cell | "
              "main process | main peak MB | worker peak MB |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -218,3 +218,20 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
                            "--paired-batches", "8")
     assert large["epoch_pairs"]["pairs"] == 1
     assert not any((tmp_path / "data").iterdir())
+
+
+def test_fresh_pages_reports_each_kind_of_memory(tmp_path: Path) -> None:
+    out = tmp_path / "fresh.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fresh_pages.py"),
+                           "--mb", "8", "--rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
+            for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"memory", "private, plain pages", "private, huge pages",
+                         "shared (torch)", "shared, populated", "memfd, written", "reused"}
+    faults = {k: int(v[4].rstrip(" |").replace(",", "")) for k, v in rows.items() if k != "memory"}
+    assert faults["private, plain pages"] >= (8 << 20) // 4096  # a fault per page written
+    assert faults["shared (torch)"] >= (8 << 20) // 4096
+    assert faults["reused"] == 0
+    assert faults["memfd, written"] == 0
