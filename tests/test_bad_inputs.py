@@ -161,10 +161,46 @@ def test_a_text_file_is_not_an_h5ad(tmp_path: Path) -> None:
 def test_unfinished_collection_is_refused(coll: Path) -> None:
     """A write interrupted before the manifest: shards present, manifest.json absent."""
     (coll / MANIFEST_NAME).rename(coll / (MANIFEST_NAME + ".tmp"))
-    with pytest.raises(CollectionError, match=r"manifest.json is missing; a write may have been"):
+    with pytest.raises(CollectionError, match=r"manifest.json is missing beside a whole "
+                       r"manifest.json.tmp; a write may have been"):
         open_collection(coll)
     with pytest.raises(CollectionError, match=r"manifest.json is missing"):
         AnnBatchDataset(coll)
+
+
+def test_the_fix_for_an_unfinished_collection_works(coll: Path, h5ads: list[Path]) -> None:
+    """The error's fix (overwrite=True) replaces a collection whose manifest was written
+    and never put in place; the rewritten one holds every input row."""
+    (coll / MANIFEST_NAME).rename(coll / (MANIFEST_NAME + ".tmp"))
+    with pytest.raises(CollectionError, match=r"overwrite=True"):
+        open_collection(coll)
+    abt.create_anndata_collection(h5ads, coll, seed=1, overwrite=True, progress=False)
+    assert open_collection(coll).n_obs == 150 + 110
+
+
+def test_a_folder_of_other_files_is_not_a_collection(tmp_path: Path, h5ads: list[Path]
+                                                     ) -> None:
+    """A folder of someone else's files: the error says to pass the collection's folder
+    (overwrite=True would be refused there, so it is not offered as the fix); an empty
+    folder is offered overwrite=True, which works."""
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "keep.txt").write_text("precious")
+    with pytest.raises(CollectionError, match=r"mine: not an annbatch_torch collection "
+                       r"\(manifest.json is missing; the folder holds other files\)\. Pass "
+                       r"the folder create_anndata_collection wrote"):
+        open_collection(other)
+    with pytest.raises(InputError, match=r"refusing to delete"):
+        abt.create_anndata_collection(h5ads, other, overwrite=True, progress=False)
+    assert (other / "keep.txt").read_text() == "precious"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CollectionError, match=r"the folder is empty\). Write a collection "
+                       r"into it with create_anndata_collection\(inputs, output_path, "
+                       r"overwrite=True\)"):
+        open_collection(empty)
+    abt.create_anndata_collection(h5ads, empty, overwrite=True, progress=False)
+    assert open_collection(empty).n_obs == 150 + 110
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ from ..errors import CollectionError
 __all__ = [
     "field_name_problem",
     "looks_like_collection",
+    "unfinished_collection",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -335,16 +336,29 @@ def write_manifest(root: str | os.PathLike[str], manifest: Manifest) -> None:
         os.replace(tmp, root / name)
 
 
-def looks_like_collection(root: str | os.PathLike[str]) -> bool:
-    """Whether ``root`` holds a ``manifest.json`` whose ``format`` is this package's (it
-    may still be damaged): the test before a folder may be replaced with
-    ``overwrite=True``, so a foreign folder that merely has a ``manifest.json`` is kept."""
+def _ours(path: Path) -> bool:
     try:
-        with open(Path(root) / MANIFEST_NAME, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             obj = json.load(f)
     except (OSError, ValueError):
         return False
     return isinstance(obj, dict) and obj.get("format") == FORMAT
+
+
+def unfinished_collection(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` lacks its ``manifest.json`` but holds this package's whole
+    ``manifest.json.tmp``: a manifest written and never put in place (a write stopped
+    between the two)."""
+    root = Path(root)
+    return not (root / MANIFEST_NAME).exists() and _ours(root / (MANIFEST_NAME + ".tmp"))
+
+
+def looks_like_collection(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` holds a ``manifest.json`` whose ``format`` is this package's (it
+    may still be damaged), or is :func:`unfinished_collection`: the test before a folder
+    may be replaced with ``overwrite=True``, so a foreign folder that merely has a
+    ``manifest.json`` is kept."""
+    return _ours(Path(root) / MANIFEST_NAME) or unfinished_collection(root)
 
 
 def read_manifest(root: str | os.PathLike[str]) -> Manifest:
@@ -363,11 +377,23 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
             f"{root}: no such collection folder. Create one with "
             "annbatch_torch.create_anndata_collection(inputs, output_path)."
         )
-    if not mpath.is_file():
+    if not mpath.is_file() and unfinished_collection(root):
         raise CollectionError(
-            f"{root}: not a finished annbatch_torch collection ({MANIFEST_NAME} is missing; a "
-            "write may have been interrupted). Rewrite it with "
-            "create_anndata_collection(..., overwrite=True)."
+            f"{root}: not a finished annbatch_torch collection ({MANIFEST_NAME} is missing "
+            f"beside a whole {MANIFEST_NAME}.tmp; a write may have been interrupted). "
+            "Rewrite it with create_anndata_collection(..., overwrite=True)."
+        )
+    if not mpath.is_file():
+        empty = not any(root.iterdir())
+        raise CollectionError(
+            f"{root}: not an annbatch_torch collection ({MANIFEST_NAME} is missing; "
+            + ("the folder is empty). Write a collection into it with "
+               "create_anndata_collection(inputs, output_path, overwrite=True)."
+               if empty else
+               "the folder holds other files). Pass the folder create_anndata_collection "
+               "wrote (its output_path); to write a collection, choose another output_path "
+               "(overwrite=True replaces only a collection or an empty folder, never this "
+               "one).")
         )
     try:
         with open(mpath) as f:
