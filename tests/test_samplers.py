@@ -368,3 +368,21 @@ def test_columns_given_as_a_string_is_refused() -> None:
 
     with pytest.raises(SamplerError, match=r"write \('cell_type',\), not 'cell_type'"):
         OneColumn().bind(3, {})
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ClassBalancedSampler("c"),
+    lambda: WeightedSampler.from_column("c", {"c0": 1.0, "c1": 3.0}),
+    lambda: sampling.PairedSampler("c", "c0"),
+], ids=["class_balanced", "weighted", "paired"])
+def test_an_unbound_sampler_is_true_and_its_len_says_why_it_is_unknown(make) -> None:  # type: ignore[no-untyped-def]
+    """``sampler or default`` keeps the sampler (truth does not ask len()), len() before
+    binding names the fix, and the bound copy has its length."""
+    s = make()
+    assert bool(s)
+    assert (s or None) is s
+    with pytest.raises(SamplerError, match=r"len\(\) of .*known once the sampler is bound "
+                       r"to a source \(pass it to a dataset"):
+        len(s)
+    bound = s.bind(8, {"c": _column(np.array([0, 1, 0, 1, 0, 1, 0, 1]), 2)})
+    assert len(bound) == 8  # (paired: 4 perturbed rows, each drawn with a control)

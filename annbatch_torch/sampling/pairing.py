@@ -248,7 +248,7 @@ class PairedSampler(Sampler):
 
     # -- the stream --------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._n_draws * self.draw_size
+        return self._length(getattr(self, "_n_draws", None)) * self.draw_size
 
     def epoch_rows(self, seed: int, epoch: int) -> np.ndarray:
         if self.evaluation:  # the same pairs every epoch

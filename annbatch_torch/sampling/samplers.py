@@ -204,6 +204,19 @@ class Sampler:
         """Whether :meth:`bind` made this copy."""
         return self._n_obs is not None
 
+    def __bool__(self) -> bool:
+        """Always true, whatever :func:`len` says (``sampler or default`` keeps a sampler;
+        a built-in sampler's length is known only once it is bound)."""
+        return True
+
+    def _length(self, n: int | None) -> int:
+        """``n``, the epoch's length of a built-in sampler, known once it is bound."""
+        if n is None or not self.is_bound:
+            raise SamplerError(f"len() of {self!r}: known once the sampler is bound to a "
+                               "source (pass it to a dataset; the dataset's len() gives its "
+                               "batches).")
+        return n
+
     @property
     def n_allowed(self) -> int:
         """Rows the sampler may draw: :attr:`allowed`'s, else all of the source's."""
@@ -572,7 +585,7 @@ class WeightedSampler(_BlockSampler):
         self.weights = None  # what is drawn from lives in the tables now
 
     def __len__(self) -> int:
-        return self._len
+        return self._length(getattr(self, "_len", None))
 
     def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.column is not None and self.run > 1:
@@ -664,7 +677,7 @@ class ClassBalancedSampler(_BlockSampler):
         _warn_few_runs(self, self._len, self.n_classes)
 
     def __len__(self) -> int:
-        return self._len
+        return self._length(getattr(self, "_len", None))
 
     def _draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
         if self.run > 1:
