@@ -377,3 +377,23 @@ def test_cli_refuses_an_incomplete_paired_sampler(screen_collection: abt.Collect
 def test_cli_error_names_the_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diversity", str(tmp_path / "nowhere"), "--obs", "cell_type"]) == 2
     assert str(tmp_path / "nowhere") in capsys.readouterr().err
+
+
+def test_cli_says_missing_values_count_as_a_class(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A column of 2 categories and missing values: the report's class count (3) says the
+    missing values are one of them; a column without any says nothing of it."""
+    n = 120
+    labels = pd.Categorical(np.where(np.arange(n) % 3 == 2, None,
+                                     np.where(np.arange(n) % 3 == 0, "a", "b")))
+    obs = pd.DataFrame({"cell_type": labels, "full": pd.Categorical(np.arange(n) % 2)},
+                       index=[f"c{i}" for i in range(n)])
+    a = ad.AnnData(sp.random(n, 10, density=0.3, format="csr", dtype=np.float32,
+                             random_state=0), obs=obs)
+    a.write_h5ad(tmp_path / "a.h5ad")
+    store = abt.create_anndata_collection([tmp_path / "a.h5ad"], tmp_path / "s", progress=False)
+    assert main(["diversity", str(store.path), "--obs", "cell_type", "--obs", "full",
+                 "--batch-size", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "3 classes in the epoch (of 3 in the collection, missing values counted as one)" in out
+    assert "2 classes in the epoch (of 2 in the collection)" in out

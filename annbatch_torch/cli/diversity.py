@@ -224,9 +224,13 @@ def _print(source: Any, settings: str, summary: pd.DataFrame, classes: pd.DataFr
     print(f"settings    {settings}")
     for name, row in summary.iterrows():
         n_b, n_c = int(row["batches"]), int(row["classes"])
+        table = classes.loc[name]
+        missing = bool((pd.isna(table.index.to_series()).to_numpy()
+                        & (table["collection_cells"].to_numpy() > 0)).any())
         print(f"\n{name}: {n_b} batch{'' if n_b == 1 else 'es'}, {int(row['rows']):,} rows, "
               f"{n_c} class{'' if n_c == 1 else 'es'} in the epoch (of "
-              f"{int(row['collection_classes'])} in the collection)")
+              f"{int(row['collection_classes'])} in the collection"
+              + (", missing values counted as one" if missing else "") + ")")
         print(f"  entropy per batch   {row['entropy']:.3f} nats, random batches "
               f"{row['random_entropy']:.3f}: ratio {row['entropy_ratio']:.3f} (least mixed "
               f"batch {row['entropy_ratio_min']:.3f}; 1 is a perfect shuffle)")
@@ -235,7 +239,7 @@ def _print(source: Any, settings: str, summary: pd.DataFrame, classes: pd.DataFr
         print(f"  share error         {row['share_error']:.4f} (total variation between the "
               "classes' shares in the batches and in the epoch)")
         if limit:
-            table = classes.loc[name].sort_values("collection_cells", ascending=False)
+            table = table.sort_values("collection_cells", ascending=False)
             shown = table.head(limit)[["collection_share", "epoch_share", "batch_share",
                                        "in_batches", "random_in_batches"]]
             shown.index = ["(missing)" if pd.isna(v) else v for v in shown.index]
