@@ -16,7 +16,8 @@ memory is reused); the loop reads one value per page of each batch
 hits each alike; printed and written to ``benchmarks/results/handoff.md``: the best and the
 median cells/s of each over the rounds, the ratio of the bests to in-process of the same
 layout, the CPU spent per cell (all processes, and the main process's share: where the
-handoff's cost lands), and the peak RSS of the main process and of the largest worker.
+handoff's cost lands), the minor page faults per cell (all processes, and the workers':
+fresh memory written), and the peak RSS of the main process and of the largest worker.
 
 Default collection: the 100k x 20k benchmark collection of ``benchmarks/run.py``.
 """
@@ -63,6 +64,8 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps({
         "cells_per_s": run.cells_per_s, "cells_per_cpu_s": run.cells_per_cpu_s,
         "main_cpu_us": 1e6 * run.cpu["main_cpu_s"] / run.n_cells,
+        "faults_per_cell": run.cpu["own_faults"] / run.n_cells,
+        "main_faults_per_cell": run.cpu["main_faults"] / run.n_cells,
         "main_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 
@@ -110,6 +113,9 @@ def main() -> None:
                      "ratio": best / base,
                      "cpu_us": 1e6 / statistics.median(r["cells_per_cpu_s"] for r in runs),
                      "main_us": statistics.median(r["main_cpu_us"] for r in runs),
+                     "faults": statistics.median(r["faults_per_cell"] for r in runs),
+                     "worker_faults": statistics.median(
+                         r["faults_per_cell"] - r["main_faults_per_cell"] for r in runs),
                      "main_mb": max(r["main_mb"] for r in runs),
                      "worker_mb": max(r["worker_mb"] for r in runs)})
     names = {"inproc": "in-process (the dataset)", "plain": "plain `DataLoader`",
@@ -120,13 +126,16 @@ def main() -> None:
              f"after {args.warmup}, {args.rounds} alternated rounds, each a fresh process; "
              "ratio: best against in-process's best, same layout; CPU: microseconds of CPU "
              "per cell delivered (median), all processes, and of it the main process's (the "
-             "rest is the workers').", "",
+             "rest is the workers'); page faults: minor faults per cell delivered (median), "
+             "all processes, and of them the workers' (a fresh 4 KiB page written is one: "
+             "`benchmarks/fresh_pages.py` gives their cost).", "",
              "| loader | layout | workers | best cells/s | median | ratio | CPU us/cell | "
-             "main process | main peak MB | worker peak MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "main process | page faults/cell | workers' | main peak MB | worker peak MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {names[r['loader']]} | {r['layout']} | {r['workers']} | {r['best']:,.0f} | "
               f"{r['median']:,.0f} | {r['ratio']:.2f} | {r['cpu_us']:.1f} | "
-              f"{r['main_us']:.1f} | {r['main_mb']:,.0f} | {r['worker_mb']:,.0f} |"
+              f"{r['main_us']:.1f} | {r['faults']:.2f} | {r['worker_faults']:.2f} | "
+              f"{r['main_mb']:,.0f} | {r['worker_mb']:,.0f} |"
               for r in rows]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

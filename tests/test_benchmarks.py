@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,6 +114,40 @@ def test_the_main_process_own_memory_leaves_out_shared_memory_it_maps() -> None:
     got = mon.summary()
     assert float(shared.sum()) > 0
     assert got["main_peak_rss_mb"] - got["main_peak_own_mb"] > 250, got
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/PID/stat")
+def test_the_cpu_clock_counts_the_page_faults_of_fresh_memory_in_a_child() -> None:
+    """``CpuClock`` counts the minor page faults of this process and of its children since
+    it started: a child writing 16 MiB of fresh plain pages takes a fault per page."""
+    import multiprocessing as mp
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchlib import CpuClock
+
+    ctx = mp.get_context("fork")
+    go, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_fault_pages, args=(16 << 20, go, done))
+    child.start()
+    try:
+        clock = CpuClock()  # the child exists: its faults so far are left out
+        go.set()
+        assert done.wait(30)
+        got = clock.read()
+    finally:
+        child.join(30)
+    assert got["own_faults"] - got["main_faults"] >= (16 << 20) // 4096
+    assert got["main_faults"] < (16 << 20) // 4096  # the parent wrote nothing
+
+
+def _fault_pages(nbytes: int, go: Any, done: Any) -> None:
+    from annbatch_torch.read.buffers import fresh_bytes
+
+    go.wait(30)
+    a = fresh_bytes(nbytes)  # plain pages (huge pages declined): one fault per 4 KiB
+    a[:] = 1
+    done.set()
+    time.sleep(2)  # alive while the parent reads its counters
 
 
 def test_the_raw_ceiling_times_every_pass_it_reads(tmp_path: Path,
