@@ -189,7 +189,10 @@ def test_collection_errors_name_the_shuffle_command(tmp_path: Path,
     assert main(["info", str(tmp_path / "half")]) == 2
     line = _error_line(capsys.readouterr().err)
     assert "manifest.json is missing" in line
-    assert "Rewrite it with annbatch-torch shuffle ... --overwrite." in line
+    # (--overwrite would refuse this folder: it is not offered)
+    assert ("remove the folder yourself (--overwrite replaces only a folder with a "
+            "manifest) and write the collection again with annbatch-torch shuffle INPUT "
+            "... --output OUTPUT." in line)
 
 
 def test_translation_table_comes_from_the_flags() -> None:

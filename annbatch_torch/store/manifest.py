@@ -384,17 +384,23 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
             "Rewrite it with create_anndata_collection(..., overwrite=True)."
         )
     if not mpath.is_file():
-        empty = not any(root.iterdir())
+        names = [p.name for p in root.iterdir()]
+        if not names:
+            what = ("the folder is empty). Write a collection into it with "
+                    "create_anndata_collection(inputs, output_path, overwrite=True).")
+        elif any(n.startswith("shard_") and n.endswith(".zarr") for n in names):
+            what = ("the folder holds shard_*.zarr folders: a collection whose manifest was "
+                    "lost, or a write stopped before it). Its rows cannot be read without "
+                    "it: remove the folder yourself (overwrite=True replaces only a folder "
+                    "with a manifest) and write the collection again with "
+                    "create_anndata_collection(inputs, output_path).")
+        else:
+            what = ("the folder holds other files). Pass the folder "
+                    "create_anndata_collection wrote (its output_path); to write a "
+                    "collection, choose another output_path (overwrite=True replaces only a "
+                    "collection or an empty folder, never this one).")
         raise CollectionError(
-            f"{root}: not an annbatch_torch collection ({MANIFEST_NAME} is missing; "
-            + ("the folder is empty). Write a collection into it with "
-               "create_anndata_collection(inputs, output_path, overwrite=True)."
-               if empty else
-               "the folder holds other files). Pass the folder create_anndata_collection "
-               "wrote (its output_path); to write a collection, choose another output_path "
-               "(overwrite=True replaces only a collection or an empty folder, never this "
-               "one).")
-        )
+            f"{root}: not an annbatch_torch collection ({MANIFEST_NAME} is missing; {what}")
     try:
         with open(mpath) as f:
             obj = json.load(f)
