@@ -194,6 +194,32 @@ def test_a_url_is_never_a_local_folder(synthetic_h5ads: list[Path], s3: Any, tmp
         open_collection(tmp_path, storage_options={"region": "x"})
 
 
+def test_a_cache_dir_that_cannot_be_written_is_named_with_the_fix(
+        remote_pair: tuple[str, abt.Collection], s3: Any, tmp_path: Path) -> None:
+    """A cache_dir inside a file (no folder can be made) and, where this process may mount
+    one, a tmpfs too small for the metadata: a CollectionError naming the URL, the cache_dir
+    and the fix, and no half-written metadata file left in the small one."""
+    url, _ = remote_pair
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CollectionError, match=r"s3://pair/atlas: cannot mirror the "
+                       r"collection's metadata into cache_dir .*afile/cache \(Not a "
+                       r"directory.*Pass cache_dir= a writable folder with free space"):
+        open_collection(url, storage_options=s3.options, cache_dir=tmp_path / "afile" / "cache")
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with pytest.raises(CollectionError, match=r"cache_dir .*small/c \(No space left on "
+                           r"device\)\. Pass cache_dir="):
+            open_collection(url, storage_options=s3.options, cache_dir=small / "c",
+                            cache_size=2**30)
+        assert not [p for p in small.rglob("*.tmp")]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
 def test_missing_bucket_empty_prefix_and_foreign_objects(synthetic_h5ads: list[Path],
                                                          s3: Any, tmp_path: Path) -> None:
     with pytest.raises(CollectionError, match=r"s3://no-such-bucket/atlas.*bucket does not"):

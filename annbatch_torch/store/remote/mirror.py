@@ -21,6 +21,8 @@ a file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -89,9 +91,36 @@ def _identity(info: ObjectInfo) -> tuple[int, int, int]:
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk: nothing half-written is left)
+        raise
+
+
+#: errors of the local file system that the user's ``cache_dir`` causes (no room, no write)
+_LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                           errno.EPERM, errno.ENOTDIR})
+
+
+@contextlib.contextmanager
+def _cache_dir_writes(url: str, base: Path) -> Iterator[None]:
+    """Writes into the mirror's folder ``base``: one the file system refuses (no room, read
+    only, not a folder) is a :class:`CollectionError` naming ``url``, the folder and the
+    fix."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _LOCAL_ERRNOS:
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        raise CollectionError(
+            f"{url}: cannot mirror the collection's metadata into cache_dir {base} "
+            f"({e.strerror}{where}). Pass cache_dir= a writable folder with free space (the "
+            "metadata objects are copied there at open, the chunks cached beside them), or "
+            "make room there.") from e
 
 
 class Mirror:
@@ -125,8 +154,10 @@ class Mirror:
         else:
             base = Path(cache_dir).expanduser()
         self.base = base
-        self.cache_size = cache_size if cache_size is not None else default_cache_size(base)
-        self.cache = ChunkCache(base / "chunks", self.cache_size)
+        with _cache_dir_writes(location.url, base):
+            self.cache_size = (cache_size if cache_size is not None
+                               else default_cache_size(base))
+            self.cache = ChunkCache(base / "chunks", self.cache_size)
         self.root: Path = base  # set by sync
         self.manifest_etag = ""
         self.synced_identity: tuple[int, int, int] | None = None
@@ -189,10 +220,11 @@ class Mirror:
             return self.root
         from filelock import FileLock
 
-        self.root.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.root.parent / f"{self.root.name}.lock")):
-            if not (self.root / _STATE).is_file():
-                self._copy_metadata(objects)
+        with _cache_dir_writes(loc.url, self.base):
+            self.root.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self.root.parent / f"{self.root.name}.lock")):
+                if not (self.root / _STATE).is_file():
+                    self._copy_metadata(objects)
         self._objects = None
         return self.root
 
