@@ -76,11 +76,26 @@ def epoch_batches(dm: SCVIDataModule, loader: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _no_ambiguous_batch_size(train: Any) -> None:
+    """Run ``train()``; Lightning must find one batch size in every batch a step logs (it
+    warns of an ambiguous collection otherwise, once per message and process: its memory
+    of warnings given is cleared first)."""
+    from lightning.pytorch.utilities import data as pl_data
+
+    pl_data.warning_cache.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train()
+    ambiguous = [str(w.message) for w in seen if "ambiguous collection" in str(w.message)]
+    assert not ambiguous, ambiguous
+
+
 def train_scvi(dm_or_adata: Any, epochs: int, seed: int, **kwargs: Any) -> Any:
     scvi.settings.seed = seed
     if isinstance(dm_or_adata, SCVIDataModule):
         model = scvi.model.SCVI(registry=dm_or_adata.registry, n_latent=8)
-        model.train(max_epochs=epochs, datamodule=dm_or_adata, **QUIET)
+        _no_ambiguous_batch_size(
+            lambda: model.train(max_epochs=epochs, datamodule=dm_or_adata, **QUIET))
     else:
         model = scvi.model.SCVI(dm_or_adata, n_latent=8)
         model.train(max_epochs=epochs, train_size=1.0, batch_size=128, **QUIET, **kwargs)
@@ -330,7 +345,8 @@ def test_scanvi_learns_labels_from_a_collection(synthetic_h5ads: list[Path], tmp
     scvi.settings.seed = 0
     model = scvi.model.SCANVI(registry=dm.registry, datamodule=dm, n_latent=8)
     assert model.module.n_labels == 8  # the unlabeled category is not a class
-    model.train(max_epochs=6, datamodule=dm, check_val_every_n_epoch=1, **QUIET)
+    _no_ambiguous_batch_size(lambda: model.train(max_epochs=6, datamodule=dm,
+                                                 check_val_every_n_epoch=1, **QUIET))
     assert "train_classification_loss" in model.history
     pred = model.predict(dataloader=dm.inference_dataloader(device="cpu"))
     assert len(pred) == coll.n_obs

@@ -5,10 +5,11 @@ turns ``{selector key: numpy/scipy}`` into the tensors scvi-tools' modules read
 (``REGISTRY_KEYS``): ``X`` (counts, float32; still a sparse CSR tensor when stored sparse),
 ``batch`` and ``labels`` (``(n, 1)`` int64 codes of the registry's mappings),
 ``extra_categorical_covs`` / ``extra_continuous_covs`` (``(n, k)``, ``None`` without
-covariates), ``size_factor`` (``(n, 1)``, only with a ``size_factor_key``) and ``ind_x``
-(``(n, 1)`` global row ids). :func:`to_model` moves a batch to the device and densifies
-``X`` there (a CSR batch is a fraction of the dense one's bytes) and, for semi-supervised
-training (SCANVI), pairs it with its labelled rows as scvi-tools' own loaders do.
+covariates: :func:`to_model` leaves those out), ``size_factor`` (``(n, 1)``, only with
+a ``size_factor_key``) and ``ind_x`` (``(n, 1)`` global row ids). :func:`to_model` moves
+a batch to the device and densifies ``X`` there (a CSR batch is a fraction of the dense
+one's bytes) and, for semi-supervised training (SCANVI), pairs it with its labelled rows as
+scvi-tools' own loaders do.
 """
 
 from __future__ import annotations
@@ -101,9 +102,12 @@ class ScviBatchConverter:
 
 
 def _dense_on(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """``batch`` on ``device`` with ``X`` dense, in its own key order."""
+    """``batch`` on ``device`` with ``X`` dense, in its own key order, without the keys of
+    covariates the registry has none of (``None``: scvi-tools' modules read them with
+    ``.get`` or test ``in``, and Lightning, inferring the batch size of what a step logs,
+    counts a ``None`` as a second batch size and warns of an ambiguous collection)."""
     moved = abt.to_device(batch, device, densify=True)
-    return {k: moved[k] for k in batch}
+    return {k: moved[k] for k in batch if moved[k] is not None}
 
 
 def to_model(batch: dict[str, Any], device: torch.device | str,
