@@ -115,7 +115,9 @@ class ChunkCache:
                 self._full = True
                 warnings.warn(
                     f"{self.root}: the chunk cache ran out of disk space ({e.strerror}); "
-                    "reading on without caching new chunks (free space or pass a smaller "
+                    "reading on without caching new chunks (each chunk fetched from now on "
+                    "is held in a memory-backed file under /dev/shm only while it is read, "
+                    "and fetched again when read again; free space or pass a smaller "
                     "cache_size / another cache_dir).", RuntimeWarning, stacklevel=2)
             else:
                 self._added += len(data)
