@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -500,6 +502,26 @@ def test_failure_leaves_nothing_and_keeps_old_store(synthetic_h5ads: list[Path],
     kept = open_collection(out)
     assert kept.manifest.seed == 5
     assert kept.n_obs == 1200
+
+
+def test_an_input_deleted_during_the_write_is_named_and_nothing_is_written(
+        synthetic_h5ads: list[Path], tmp_path: Path) -> None:
+    """An input deleted while the serial writer runs (after its rows were read): an
+    InputError naming it, as the parallel writer's, and no output nor temporary folder."""
+    inputs = [shutil.copy(p, tmp_path / p.name) for p in synthetic_h5ads]
+    victim = Path(inputs[1])
+
+    def delete_part1(label: str, field: str, block: object) -> None:
+        if victim.exists():
+            victim.unlink()
+
+    out = tmp_path / "out" / "store"
+    out.parent.mkdir()
+    with pytest.raises(InputError, match=rf"{re.escape(str(victim))}: vanished while the "
+                       r"collection was written \(deleted or moved\).*nothing was written"):
+        create_anndata_collection([Path(p) for p in inputs], out, value_check=delete_part1,
+                                  progress=False)
+    assert list(out.parent.iterdir()) == []
 
 
 def test_non_finite_refused_negative_allowed(tmp_path: Path) -> None:

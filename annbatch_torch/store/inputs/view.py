@@ -570,11 +570,18 @@ class InputSource:
         if self.path is None:
             return {"path": None, "name": self.label, "kind": self.kind, "size": None,
                     "mtime": None, "n_obs": self.n_obs}
-        size, mtime = disk_usage(self.path)
-        return {"path": str(self.path), "name": self.path.name, "kind": self.kind,
-                "size": size, "mtime": mtime,
-                "fingerprint": digest or fingerprint(self.path),
-                "n_obs": self.n_obs}
+        try:
+            size, mtime = disk_usage(self.path)
+            return {"path": str(self.path), "name": self.path.name, "kind": self.kind,
+                    "size": size, "mtime": mtime,
+                    "fingerprint": digest or fingerprint(self.path),
+                    "n_obs": self.n_obs}
+        except FileNotFoundError as e:
+            raise InputError(
+                f"{self.label}: vanished while the collection was written (deleted or "
+                "moved), so the collection cannot record it; nothing was written. Put it "
+                "back, or leave it out of the inputs, and write again."
+            ) from e
 
     def close(self) -> None:
         if self._h5 is not None:
