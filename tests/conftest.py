@@ -23,6 +23,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+# hypothesis imported now, while this process has one thread: its pytest plugin imports it
+# at the session's end otherwise (a run of files that do not use it), and pytest's rewrite of
+# it then parses source beside the threads a Dask test left, which CPython 3.11.7's AST
+# constructor can refuse ("AST constructor recursion depth mismatch", an INTERNALERROR after
+# every test passed)
+import hypothesis  # noqa: F401
 import pytest
 
 from annbatch_torch.datasets import write_synthetic_h5ads

@@ -142,5 +142,11 @@ def test_dask_writer_fails_in_bounded_time_when_every_worker_dies(
         abt.create_anndata_collection(
             [synthetic_h5ads[0], bad], out, scheduler="processes", n_workers=2,
             value_check=dask_helpers.DieOnInput("bad_input"), progress=False)
-    assert "nothing was published" in str(e.value)
+    msg = str(e.value)
+    assert "nothing was published" in msg
+    # a cluster started here had workers: their deaths are the cause named, whenever the
+    # first look at the cluster came (not "no worker joined it", an adaptive cluster's)
+    assert "its workers died" in msg, msg
+    assert "adaptive" not in msg, msg
+    assert "scheduler=None to see a failing input's own error" in msg, msg
     assert sorted(os.listdir(tmp_path)) == ["bad_input.h5ad"]  # no output, no temporaries

@@ -362,7 +362,7 @@ def _describe(task: Pass1Task | int, sources: Sequence[InputSource]) -> str:
 
 
 def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Path,
-         no_workers_grace: float) -> list[Any]:
+         no_workers_grace: float, started_here: bool = False) -> list[Any]:
     """Submit ``(description, fn, args)`` calls, wait for all (the bar moves as each one
     ends), return their results in order; at the first failure the rest are told to stop
     (the file ``abandon``), waited for, and the failure is raised.
@@ -370,7 +370,8 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Pa
     The wait is bounded whatever the cluster does: a cluster left without workers for
     ``no_workers_grace`` seconds (a LocalCluster's nannies give up restarting workers that
     die on every try of a task) fails the write, naming the tasks still pending, instead of
-    waiting for workers that never come.
+    waiting for workers that never come. ``started_here``: the cluster is one this write
+    started (it had workers).
     """
     import distributed
 
@@ -378,7 +379,7 @@ def _run(client: Any, calls: list[tuple[str, Any, tuple]], bar: Any, abandon: Pa
                for _, fn, args in calls]
     index = {f.key: i for i, f in enumerate(futures)}
     results: list[Any] = [None] * len(futures)
-    watch = _WorkerWatch(client, no_workers_grace)
+    watch = _WorkerWatch(client, no_workers_grace, started_here)
     try:
         ended = distributed.as_completed(futures)
         idle_since = time.monotonic()
@@ -444,12 +445,13 @@ class _NoWorkers(CollectionError):
 
 class _WorkerWatch:
     """How long the cluster behind ``client`` has had no workers; :meth:`check` fails the
-    write once that exceeds ``grace`` seconds."""
+    write once that exceeds ``grace`` seconds. ``started_here``: the write started the
+    cluster (its workers were there, whether or not a look saw them)."""
 
-    def __init__(self, client: Any, grace: float) -> None:
+    def __init__(self, client: Any, grace: float, started_here: bool = False) -> None:
         self.client, self.grace = client, grace
         self.since: float | None = None
-        self.seen = False  # whether any worker was there at a look
+        self.seen = started_here  # whether any worker was there (at a look, or started)
 
     def check(self, pending: Sequence[str]) -> None:
         try:
@@ -464,8 +466,9 @@ class _WorkerWatch:
         if now - self.since >= self.grace:
             shown = ", ".join(pending[:3]) + (f" and {len(pending) - 3} more"
                                               if len(pending) > 3 else "")
-            why = ("its workers died (a worker that dies on every try of a task, e.g. killed "
-                   "for memory, makes a LocalCluster give up restarting them)" if self.seen
+            why = ("its workers died (a worker process that dies on every try of a task, "
+                   "killed for memory or crashing on one input, makes a LocalCluster give up "
+                   "restarting them)" if self.seen
                    else "no worker joined it (an adaptive cluster still waiting for its "
                    "machines?)")
             raise _NoWorkers(
@@ -516,7 +519,7 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
                 [None if dest is None else dest[p.offset + p.start: p.offset + p.stop]
                  for p in t.pieces], schema.for_inputs(t.sources), layout, work,
                 str(folder), value_check)) for t in tasks]
-            for dropped, ranges in _run(client, calls, bar, folder / ABANDONED, grace):
+            for dropped, ranges in _run(client, calls, bar, folder / ABANDONED, grace, local):
                 for key, reason in dropped.items():
                     schema.drop(key, reason)
                 for key, seen in ranges.items():
@@ -530,7 +533,7 @@ def run_parallel(sources: list[InputSource], schema: Schema, tmp: Path, n_total:
             calls = [(_describe(s, sources), write_shard, (
                 s, min(n_total, (s + 1) * shard_obs) - s * shard_obs, str(tmp), task_dirs,
                 lean, layout, opts, first_shard, stored[s])) for s in range(n_shards)]
-            done = _run(client, calls, bar, folder / ABANDONED, grace)
+            done = _run(client, calls, bar, folder / ABANDONED, grace, local)
     shutil.rmtree(folder, ignore_errors=True)
     dtypes: dict[str, str] = {}
     for _, d in done:
