@@ -28,6 +28,7 @@ from annbatch_torch.errors import InputError
 from annbatch_torch.store.collection import open_collection
 from annbatch_torch.store.manifest import MANIFEST_NAME, read_manifest
 from annbatch_torch.write import budget as _writer_budget
+from annbatch_torch.write.append import append_to_collection
 from annbatch_torch.write.writer import create_anndata_collection, parse_memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -522,6 +523,14 @@ def test_an_input_deleted_during_the_write_is_named_and_nothing_is_written(
         create_anndata_collection([Path(p) for p in inputs], out, value_check=delete_part1,
                                   progress=False)
     assert list(out.parent.iterdir()) == []
+    # appended: refused before any new shard is moved into the collection
+    shutil.copy(synthetic_h5ads[1], victim)
+    create_anndata_collection([Path(inputs[0])], out, progress=False)
+    before = sorted(os.listdir(out))
+    with pytest.raises(InputError, match=rf"{re.escape(str(victim))}: vanished while"):
+        append_to_collection(out, [victim], value_check=delete_part1, progress=False)
+    assert sorted(os.listdir(out)) == before
+    assert open_collection(out).n_obs == 1200
 
 
 def test_non_finite_refused_negative_allowed(tmp_path: Path) -> None:

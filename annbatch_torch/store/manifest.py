@@ -384,7 +384,10 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
             "Rewrite it with create_anndata_collection(..., overwrite=True)."
         )
     if not mpath.is_file():
-        names = [p.name for p in root.iterdir()]
+        try:
+            names = [p.name for p in root.iterdir()]
+        except OSError:  # a folder this process may not list (or gone meanwhile)
+            names = ["?"]
         if not names:
             what = ("the folder is empty). Write a collection into it with "
                     "create_anndata_collection(inputs, output_path, overwrite=True).")

@@ -586,6 +586,9 @@ def _publish(root: Path, tmp: Path, manifest: Manifest, shards: list[ShardInfo],
 
     generation = secrets.token_hex(8)
     shards = [dataclasses.replace(s, generation=generation) for s in shards]
+    # the inputs' records first: one that vanished meanwhile is refused before any shard
+    # is moved in
+    records = [{**s.record(), "generation": generation} for s in sources]
     listed = {s.path for s in manifest.shards}
     for s in shards:
         target = root / s.path
@@ -606,7 +609,7 @@ def _publish(root: Path, tmp: Path, manifest: Manifest, shards: list[ShardInfo],
     new = dataclasses.replace(
         manifest, n_obs=manifest.n_obs + sum(s.n_obs for s in shards),
         shards=[*manifest.shards, *shards], fields=fields,
-        inputs=[*manifest.inputs, *({**s.record(), "generation": generation} for s in sources)],
+        inputs=[*manifest.inputs, *records],
         extra={**manifest.extra, "appended": appended})
     write_manifest(root, new)
     with contextlib.suppress(OSError):

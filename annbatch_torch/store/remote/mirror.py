@@ -96,7 +96,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # (a full disk: nothing half-written is left)
+        with contextlib.suppress(OSError):  # (a full disk: nothing half-written is left)
+            tmp.unlink(missing_ok=True)
         raise
 
 
