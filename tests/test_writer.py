@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -531,6 +532,41 @@ def test_an_input_deleted_during_the_write_is_named_and_nothing_is_written(
         append_to_collection(out, [victim], value_check=delete_part1, progress=False)
     assert sorted(os.listdir(out)) == before
     assert open_collection(out).n_obs == 1200
+
+
+def test_overwrite_waits_for_a_writer_holding_the_collection(synthetic_h5ads: list[Path],
+                                                             tmp_path: Path) -> None:
+    """A collection being appended to (another process holds ``<store>.lock``) is not
+    swapped away under it: the overwrite puts its collection in place only after the lock
+    is let go. And prepare_collection, which holds the lock while it writes through
+    create_anndata_collection, takes it again without waiting on itself."""
+    from annbatch_torch.write.prepare import prepare_collection
+
+    out = tmp_path / "store"
+    create_anndata_collection(synthetic_h5ads[:1], out, seed=1, progress=False)
+    released = tmp_path / "released"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from filelock import FileLock
+        with FileLock({str(tmp_path / 'store.lock')!r}):
+            print("held", flush=True)
+            time.sleep(3)
+            open({str(released)!r}, "w").write(repr(time.time()))
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        create_anndata_collection(synthetic_h5ads, out, seed=2, overwrite=True,
+                                  progress=False)
+        done = time.time()
+    finally:
+        holder.wait(30)
+    # the collection was put in place after the holder let go (its write takes ~1 s of the
+    # 3 s the lock is held)
+    assert done >= float(released.read_text()), (done, released.read_text())
+    assert open_collection(out).manifest.seed == 2
+    prepare_collection(synthetic_h5ads[:1], out, seed=3, progress=False)  # no self-wait
+    assert open_collection(out).manifest.seed == 3
 
 
 def test_non_finite_refused_negative_allowed(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ from .budget import parse_memory
 from .grouping import check_group_by
 from .narrow import FIELD, check_dtype_options
 from .parallel import start_cluster
-from .publish import lock_path, remove_stale_temporaries, sibling_path, sync_dir, sync_tree
+from .publish import remove_stale_temporaries, sibling_path, sync_dir, sync_tree, writer_lock
 from .remap import load_remap, needs_compiled_remap, warm_remap
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
@@ -270,7 +270,6 @@ def append_to_collection(
     CollectionError
         If ``collection`` is not a finished collection.
     """
-    from filelock import FileLock
 
     from ..store.remote.location import is_url
 
@@ -297,7 +296,7 @@ def append_to_collection(
     root = Path(collection.path if isinstance(collection, Collection) else collection)
     root = root.expanduser().absolute()
     read_manifest(root)  # not a collection: refused before the lock file is made beside it
-    with FileLock(str(lock_path(root))):  # one writer at a time (prepare_collection's lock)
+    with writer_lock(root):  # one writer at a time (prepare_collection's lock)
         append_locked(root, adata_paths, seed=seed, budget=budget, progress=progress,
                       scheduler=scheduler, n_workers=n_workers, value_check=value_check,
                       dtypes=dtypes)

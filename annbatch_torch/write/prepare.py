@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CollectionError, InputError
 from ..store.manifest import FORMAT, MANIFEST_NAME, looks_like_collection
-from .publish import lock_path, refuse_url
+from .publish import lock_path, refuse_url, writer_lock
 from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, appended_inputs, store_staleness
 
 __all__ = ["prepare_collection", "explicit_settings", "write_if_stale"]
@@ -63,9 +63,9 @@ def write_if_stale(
     if store_staleness(store, adata_paths, settings) is None:  # no lock to read a manifest
         logger.info("Collection %s is current; not rewriting it.", store)
         return False
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
-    lock = FileLock(str(lock_path(store)))
+    lock = writer_lock(store)
     try:
         lock.acquire(timeout=0)
     except Timeout:

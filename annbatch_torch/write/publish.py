@@ -34,7 +34,7 @@ from ..store.remote.location import check_url, is_url
 
 __all__ = [
     "check_output", "lock_path", "refuse_url", "remove_stale_temporaries", "sibling_path",
-    "start_writeback", "swap_into_place", "sync_dir", "sync_tree",
+    "start_writeback", "swap_into_place", "sync_dir", "sync_tree", "writer_lock",
 ]
 
 logger = logging.getLogger(__name__)
@@ -220,3 +220,13 @@ def lock_path(store_path: str | os.PathLike[str]) -> Path:
     refuse_url(store_path)
     p = Path(store_path)
     return p.with_name(p.name + ".lock")
+
+
+def writer_lock(store_path: str | os.PathLike[str]) -> Any:
+    """The ``filelock.FileLock`` of :func:`lock_path`: one instance per path in a process,
+    taken again by the thread that holds it (``prepare_collection`` holds it while it
+    writes through ``create_anndata_collection``, which takes it to put the collection in
+    place); another process, or another thread, waits."""
+    from filelock import FileLock
+
+    return FileLock(str(lock_path(store_path)), is_singleton=True)

@@ -101,6 +101,7 @@ from .publish import (
     swap_into_place,
     sync_dir,
     sync_tree,
+    writer_lock,
 )
 from .schema import Schema, check_reference, resolve_schema
 from .shardstore import compressors_for, stored_arrays
@@ -435,7 +436,11 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor,
                                    prints)
         sync_dir(tmp)  # the manifest's own rename
-        swap_into_place(tmp, out, overwrite)
+        if out.exists():  # a collection replaced: not while an append writes into it
+            with writer_lock(out):
+                swap_into_place(tmp, out, overwrite)
+        else:
+            swap_into_place(tmp, out, overwrite)
         sync_dir(out.parent)  # the rename of the collection into place
         tmp = None
     finally:
