@@ -130,9 +130,9 @@ def _kill_writer_at(tmp_path: Path, h5ads: list[Path], out: Path, phase: str,
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
-            if marker.exists() and marker.read_text().strip().isdigit() and int(
-                marker.read_text()
-            ) >= after:
+            seen = marker.read_text().strip() if marker.exists() else ""
+            # (read once: the writer rewrites the marker, a second read may find it empty)
+            if seen.isdigit() and int(seen) >= after:
                 break
             time.sleep(0.01)
         assert proc.poll() is None, (

@@ -808,7 +808,8 @@ def test_overwriting_through_a_symlink_leaves_no_link_behind(
     assert link.is_dir()
     assert not link.is_symlink()
     assert open_collection(target).n_obs == 1200  # what the link pointed to is untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    # (link.lock: the writers' lock, taken to put the new collection in place)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "link.lock", "real"]
 
 
 def test_ordered_categories_in_different_orders_are_stored_unordered_with_a_warning(
