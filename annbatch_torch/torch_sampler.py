@@ -70,7 +70,7 @@ class TorchIndexSampler(Sampler):
         self._len = len(first)
 
     def __len__(self) -> int:
-        return self._len
+        return self._length(getattr(self, "_len", None))
 
     def _draw(self, seed: int, epoch: int) -> np.ndarray:
         set_epoch = getattr(self.sampler, "set_epoch", None)

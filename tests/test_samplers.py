@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
@@ -20,6 +21,8 @@ from annbatch_torch import (
     sampling,
 )
 from annbatch_torch.sampling import BLOCK, ObsColumn
+from annbatch_torch.sampling.mixing import MixSampler
+from annbatch_torch.torch_sampler import TorchIndexSampler
 
 
 def _column(codes: np.ndarray, n_classes: int | None = None) -> ObsColumn:
@@ -374,7 +377,9 @@ def test_columns_given_as_a_string_is_refused() -> None:
     lambda: ClassBalancedSampler("c"),
     lambda: WeightedSampler.from_column("c", {"c0": 1.0, "c1": 3.0}),
     lambda: sampling.PairedSampler("c", "c0"),
-], ids=["class_balanced", "weighted", "paired"])
+    lambda: TorchIndexSampler(torch.utils.data.SequentialSampler(range(8))),
+    lambda: MixSampler([0, 4, 8], [0.5, 0.5], batch_size=4, chunk_size=2),
+], ids=["class_balanced", "weighted", "paired", "torch", "mix"])
 def test_an_unbound_sampler_is_true_and_its_len_says_why_it_is_unknown(make) -> None:  # type: ignore[no-untyped-def]
     """``sampler or default`` keeps the sampler (truth does not ask len()), len() before
     binding names the fix, and the bound copy has its length."""

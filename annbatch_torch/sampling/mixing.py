@@ -198,7 +198,7 @@ class MixSampler(Sampler):
         return self._before[-1].copy()
 
     def __len__(self) -> int:
-        return self._n
+        return self._length(getattr(self, "_n", None))
 
     # -- the stream --------------------------------------------------------------------
     def _slots(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
