@@ -188,12 +188,19 @@ class BatchAssembler:
                 batch[key] = value
             for key, (f, _) in self.keys.items():
                 if f.transform is not None:
+                    rows = int(batch[key].shape[0])
+                    kind = "selector" if key in self.selector else "output"
+                    what = f"the transform of {kind} key {key!r} (field {f.path!r})"
                     try:
                         batch[key] = f.transform(batch[key])
                     except Exception as e:
-                        kind = "selector" if key in self.selector else "output"
-                        what = f"the transform of {kind} key {key!r} (field {f.path!r})"
                         raise self.error(what, item, b, e) from e
+                    shape = getattr(batch[key], "shape", None)
+                    if shape is not None and (len(shape) == 0 or int(shape[0]) != rows):
+                        # rows dropped or added: the batch's other keys would not line up
+                        raise self.error(what, item, b, ValueError(
+                            f"it returned {tuple(shape)} for a batch of {rows} rows; a "
+                            "transform must return one row per row it is given"))
             for (p0, p1), prefix in zip(parts, ("", CONTROL_PREFIX), strict=False):
                 if self.index:
                     batch[prefix + "index"] = item.rows[p0:p1]

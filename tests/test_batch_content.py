@@ -164,6 +164,29 @@ def _boom(x: object) -> object:
     raise RuntimeError("boom")
 
 
+def _drop_last_row(x: object) -> object:
+    return x[:-1]  # type: ignore[index]
+
+
+def _one_value(x: object) -> object:
+    return np.float32(1.0)
+
+
+@pytest.mark.parametrize("transform", [_drop_last_row, _one_value], ids=["fewer", "scalar"])
+@pytest.mark.parametrize("densify", [False, True])
+def test_a_transform_that_changes_the_row_count_is_refused(
+        small_collection: abt.Collection, transform: object, densify: bool) -> None:
+    """A transform returning another number of rows would leave the batch's keys out of
+    line (x of 99 rows beside 100 labels and ids): refused, naming the key and the rows."""
+    ds = abt.AnnBatchDataset(small_collection, batch_size=100, return_index=True,
+                             densify=densify, selector={
+                                 "x": A.X.with_transform(transform),  # type: ignore[arg-type]
+                                 "y": A.obs["cell_type"]})
+    with pytest.raises(abt.BatchError, match=r"the transform of selector key 'x' \(field "
+                       r"'X'\) raised ValueError: it returned \(.*\) for a batch of 100 rows"):
+        next(iter(ds))
+
+
 @pytest.mark.parametrize("pools", ["one pool", "many pools"])
 def test_a_failing_transform_frees_the_prefetch_thread(small_collection: abt.Collection,
                                                        pools: str) -> None:
