@@ -270,3 +270,28 @@ def test_fresh_pages_reports_each_kind_of_memory(tmp_path: Path) -> None:
     assert faults["shared (torch)"] >= (8 << 20) // 4096
     assert faults["reused"] == 0
     assert faults["memfd, written"] == 0
+
+
+@pytest.mark.timeout(170)
+def test_handoff_reports_rates_cpu_and_page_faults(small_collection: Any, tmp_path: Path
+                                                   ) -> None:
+    """``benchmarks/handoff.py`` at a tiny size, in-process and through 2 workers, dense:
+    every row of its table has a rate, a ratio, CPU and page faults per cell (the workers'
+    are theirs, in-process has none)."""
+    out = tmp_path / "handoff.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "handoff.py"),
+                           str(small_collection.path), "--rounds", "1", "--batches", "2",
+                           "--warmup", "1", "--loaders", "inproc,abt", "--layouts", "dense",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=160, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines()
+            if line.startswith("| ") and "---" not in line and "best cells/s" not in line]
+    assert [r[0].lstrip("| ") for r in rows] == ["in-process (the dataset)",
+                                                "`AnnBatchDataLoader`"]
+    for r in rows:
+        assert float(r[3].replace(",", "")) > 0  # best cells/s
+        assert float(r[6]) > 0  # CPU us per cell
+        assert float(r[8]) >= 0  # page faults per cell
+    assert float(rows[0][9]) == 0  # in-process: no worker faults
+    assert "1 alternated rounds" in out.read_text()
