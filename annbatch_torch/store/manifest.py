@@ -377,13 +377,14 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
             f"{root}: no such collection folder. Create one with "
             "annbatch_torch.create_anndata_collection(inputs, output_path)."
         )
-    if not mpath.is_file() and unfinished_collection(root):
-        raise CollectionError(
-            f"{root}: not a finished annbatch_torch collection ({MANIFEST_NAME} is missing "
-            f"beside a whole {MANIFEST_NAME}.tmp; a write may have been interrupted). "
-            "Rewrite it with create_anndata_collection(..., overwrite=True)."
-        )
     if not mpath.is_file():
+        if unfinished_collection(root):
+            raise CollectionError(
+                f"{root}: not a finished annbatch_torch collection ({MANIFEST_NAME} is "
+                f"missing beside a whole {MANIFEST_NAME}.tmp; a write may have been "
+                "interrupted). Rewrite it with create_anndata_collection(..., "
+                "overwrite=True)."
+            )
         try:
             names = [p.name for p in root.iterdir()]
         except OSError:  # a folder this process may not list (or gone meanwhile)

@@ -55,6 +55,7 @@ written, including all-zero ones (the manifest says so, readers check it). All o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -436,10 +437,8 @@ def _write_local(adata_paths: Sequence[Any], output_path: Path, overwrite: bool,
                                    var_join, (shard_obs, block_obs), budget, opts, compressor,
                                    prints)
         sync_dir(tmp)  # the manifest's own rename
-        if out.exists():  # a collection replaced: not while an append writes into it
-            with writer_lock(out):
-                swap_into_place(tmp, out, overwrite)
-        else:
+        # a collection replaced: not while an append writes into it
+        with writer_lock(out) if out.exists() else contextlib.nullcontext():
             swap_into_place(tmp, out, overwrite)
         sync_dir(out.parent)  # the rename of the collection into place
         tmp = None
