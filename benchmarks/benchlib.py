@@ -225,8 +225,10 @@ class CpuClock:
     def _tree(self) -> dict[int, float]:
         import psutil
 
-        out = {}
-        for p in [self._me, *self._me.children(recursive=True)]:
+        # this process by its own nanosecond clock: /proc counts in 10 ms ticks, and a short
+        # window of a small collection can fall within one tick (0 CPU seconds, no rate)
+        out = {self._me.pid: time.process_time()}
+        for p in self._me.children(recursive=True):
             try:
                 t = p.cpu_times()
                 out[p.pid] = t.user + t.system
