@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
 from annbatch_torch import A, AnnBatchDataset
+from annbatch_torch.world import EPOCH_ROWS, SharedEpoch
 
 SEL = {
     "x": A.X,
@@ -126,14 +127,18 @@ def test_coverage_and_batch_sets_independent_of_workers(
     assert all(s == first for s in sets.values())
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_epochs_differ_and_match_fresh_loader_with_persistent_workers(
-    inputs: tuple[list[Path], ad.AnnData],
+    inputs: tuple[list[Path], ad.AnnData], context: str,
 ) -> None:
+    """set_epoch in the main process reaches persistent workers, forked or spawned (these
+    receive the dataset's row of shared epochs through multiprocessing's pickler)."""
     paths, _ = inputs
     kw = dict(selector={"x": A.X}, batch_size=40, chunk_size=8, preload_nchunks=4,
               return_index=True, seed=11)
     ds = AnnBatchDataset(paths, **kw)
-    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context)
     epochs = []
     for e in range(3):
         ds.set_epoch(e)
@@ -273,3 +278,37 @@ def test_source_may_be_in_memory_anndata(inputs: tuple[list[Path], ad.AnnData]) 
     mem.obs["cell_type"] = mem.obs["cell_type"].astype("category")
     ds = AnnBatchDataset(mem, selector=SEL, batch_size=99, return_index=True)
     _check_values(ds, truth, list(DataLoader(ds, batch_size=None, num_workers=2)))
+
+
+def _epochs_in_a_forked_child(conn: Any) -> None:
+    made = [SharedEpoch() for _ in range(3)]  # rows of the child's own block
+    for e in made:
+        e.set(99)
+    conn.send(True)
+
+
+def test_epochs_share_a_descriptor_per_block_pickle_small_and_stay_apart_after_fork(
+) -> None:
+    """Each dataset's epoch is a row of one block of shared memory per process: a process
+    making more datasets than a block holds opens one file descriptor per block (not one
+    per dataset: thousands of datasets ran out of descriptors); the rows are independent;
+    a plain pickle carries the three numbers, not the block; a forked child takes a
+    block of its own (rows handed out there never alias the parent's next ones)."""
+    fds = len(os.listdir("/proc/self/fd"))
+    made = [SharedEpoch() for _ in range(EPOCH_ROWS + 10)]
+    assert len(os.listdir("/proc/self/fd")) - fds <= 2
+    made[3].set(5)
+    assert [e.value for e in made[2:5]] == [0, 5, 0]
+    blob = pickle.dumps(made[3])
+    assert len(blob) < 1000
+    back = pickle.loads(blob)
+    assert back.value == 5
+    back.set(6)
+    assert made[3].value == 5  # a plain copy: not shared
+    parent, child = mp.get_context("fork").Pipe()
+    p = mp.get_context("fork").Process(target=_epochs_in_a_forked_child,
+                                                      args=(child,))
+    p.start()
+    assert parent.recv()
+    p.join(30)
+    assert [SharedEpoch().value for _ in range(3)] == [0, 0, 0]
