@@ -626,8 +626,10 @@ class AnnBatchDataset(IterableDataset):
     def _pool_stream(self) -> PoolStream:
         if self._stream is None:
             paths = [f.path for f in self.selector.values()]
+            # pools only densified keep the narrow dtypes shards store (cast as densified)
             reader = PoolReader(self.source, paths, threads=self.read_threads,
-                                values_dtype=self.out_dtype)
+                                values_dtype=self.out_dtype,
+                                stored_dtypes=self.densify and self.device is None)
             self._stream = PoolStream(reader, self.device, self._gene_cuts())
         return self._stream
 

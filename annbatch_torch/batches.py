@@ -29,7 +29,7 @@ import torch
 from .convert import batch_dict_converter
 from .errors import BatchError
 from .fields import Field
-from .read.csr import densify_csr
+from .read.csr import csr_view, densify_csr
 from .read.densify import DensifyPolicy
 from .read.device_pool import DevicePool
 from .read.handoff import InSlot, plain_worker_sends_csr
@@ -185,6 +185,12 @@ class BatchAssembler:
                     value = own_copy(value)
                 else:
                     taken.add((part, f.path))
+                if (sp.issparse(value) and key not in slotted and policy.where != "none"
+                        and value.dtype != dense_dtype):
+                    # a pool's narrow counts (PoolReader(stored_dtypes=True)) on their way
+                    # to the converter, which keeps the dtype under out_dtype
+                    value = csr_view(value.data.astype(dense_dtype), value.indices,
+                                     value.indptr, value.shape)
                 batch[key] = value
             for key, (f, _) in self.keys.items():
                 if f.transform is not None:
@@ -207,13 +213,26 @@ class BatchAssembler:
                 if self.mask_key is not None:
                     batch[prefix + self.mask_key] = np.full(p1 - p0, not item.padding,
                                                             dtype=bool)
+            # keys sent by reference travel as the pool holds them (the converter would
+            # cast narrow counts and widen 16-bit indices into fresh memory)
+            held = {key: batch.pop(key) for key in slotted}
             try:
                 out = converter(batch)
             except Exception as e:
                 raise self.error("the batch_converter", item, b, e) from e
-            for key, to_dense in slotted.items():
-                out[key] = InSlot(out[key], to_dense, len(slotted))
+            if held:
+                later = policy.where == "main"
+                sent = {key: InSlot(value, slotted[key], len(slotted), dense_dtype, later)
+                        for key, value in held.items()}
+                out = type(out)({key: sent[key] if key in sent else out[key]
+                                 for key in self._order(sent, out)})
             yield out
+
+    def _order(self, sent: Mapping[str, Any], out: Mapping[str, Any]) -> list[str]:
+        """The keys of a converted batch, those sent by reference in their selector's
+        place (as the converter would have put them)."""
+        first = [key for key in self.keys if key in sent or key in out]
+        return first + [key for key in out if key not in sent and key not in first]
 
     def error(self, what: str, item: WorkItem, batch: int, exc: Exception) -> BatchError:
         """``what`` raised ``exc`` on ``batch`` of ``item``'s pool, as a :class:`BatchError`:

@@ -24,18 +24,12 @@ from torch.utils.data import DataLoader
 
 import annbatch_torch as abt
 from annbatch_torch import Collection
-from annbatch_torch.convert import csr_to_torch
 from annbatch_torch.read import handoff
 from annbatch_torch.read.buffers import BufferCache
+from annbatch_torch.read.csr import PendingCSR, csr_view
 
 #: several pools per worker and epoch on the 2,700-cell collection
 SMALL_POOLS = dict(batch_size=64, chunk_size=64, preload_nchunks=4, return_index=True)
-
-
-def _csr(seed: int, dtype: type = np.float32) -> torch.Tensor:
-    m = sp.random(50, 30, density=0.2, format="csr", random_state=seed, dtype=np.float64)
-    m.data = np.round(m.data * 100)
-    return csr_to_torch(m.astype(dtype), dtype=dtype)
 
 
 def _send(x: handoff.InSlot) -> bytes:
@@ -46,19 +40,39 @@ def _as_dense(x: torch.Tensor) -> torch.Tensor:
     return x.to_dense() if x.layout == torch.sparse_csr else x
 
 
-def test_values_outside_pool_memory_travel_as_torch_sends_them() -> None:
+def _narrow(m: sp.csr_matrix, data: type, index: type) -> sp.csr_matrix:
+    """``m`` with its values and column indices in the given dtypes (a pool's narrow ones)."""
+    return csr_view(m.data.astype(data), m.indices.astype(index), m.indptr, m.shape)
+
+
+@pytest.mark.parametrize(("data", "index", "out"), [
+    (np.float32, np.int32, np.float32), (np.int16, np.int32, np.int16),
+    (np.uint16, np.uint16, np.float32), (np.uint32, np.uint16, np.float32),
+    (np.uint8, np.int32, np.float64), (np.float64, np.int32, np.float32)])
+def test_values_outside_pool_memory_travel_as_torch_sends_them(data: type, index: type,
+                                                               out: type) -> None:
     """A CSR value that does not lie in this process's pool memory (none here) is
-    pickled as torch would, and arrives equal, in its dtype, as CSR or densified."""
-    for dtype in (np.float32, np.int16):
-        p = _csr(3, dtype)
-        got = pickle.loads(_send(handoff.InSlot(p)))
-        assert got.layout == torch.sparse_csr
-        assert got.values().dtype == p.values().dtype
-        assert torch.equal(got.to_dense(), p.to_dense())
-        got_dense = pickle.loads(_send(handoff.InSlot(p, dense=True)))
-        assert got_dense.layout == torch.strided
-        assert got_dense.dtype == p.values().dtype
-        assert torch.equal(got_dense, p.to_dense())
+    pickled as torch would, and arrives equal to its values cast to the dtype asked for
+    (numpy's cast), whatever dtypes its values and indices have: as a CSR tensor,
+    densified, or pending densification by the loader."""
+    m = _narrow(sp.random(50, 30, density=0.2, format="csr", random_state=3) * 1000, data,
+                index)
+    m.data[:3] = [np.iinfo(data).max if np.dtype(data).kind in "iu" else 1e300 / 1e290,
+                  0, 7]
+    want = torch.from_numpy(csr_view(m.data.astype(out), m.indices.astype(np.int64),
+                                     m.indptr, m.shape).toarray())
+    got = pickle.loads(_send(handoff.InSlot(m, dtype=out)))
+    assert got.layout == torch.sparse_csr
+    assert got.values().dtype == want.dtype
+    assert torch.equal(got.to_dense(), want)
+    got_dense = pickle.loads(_send(handoff.InSlot(m, dense=True, dtype=out)))
+    assert got_dense.layout == torch.strided
+    assert torch.equal(got_dense, want)
+    pending = pickle.loads(_send(handoff.InSlot(m, dtype=out, later=True)))
+    assert isinstance(pending, PendingCSR)
+    assert torch.equal(pending.to_dense(), want)
+    with pytest.raises(RuntimeError, match="delivered already"):
+        pending.to_dense()
 
 
 def test_pool_memory_locates_values_and_frees_a_slot_when_its_array_is_garbage(

@@ -821,3 +821,67 @@ def test_mixed_inputs_append_to_a_float64_collection(tmp_path: Path) -> None:
     assert sorted(got) == sorted(want)
     for r in want:
         np.testing.assert_array_equal(got[r], want[r])
+
+
+def _dense_batches(loader: Any, key: str = "x") -> dict[int, np.ndarray]:
+    """``{rid: row}`` of one epoch of densified batches (each row once)."""
+    out: dict[int, np.ndarray] = {}
+    for b in loader:
+        x = b[key]
+        assert x.layout == torch.strided
+        for r, row in zip(b["rid"].tolist(), x.numpy()):
+            assert r not in out
+            out[r] = row
+    return out
+
+
+def test_densified_pools_keep_the_stored_dtypes_and_deliver_the_source_values(
+        tmp_path: Path) -> None:
+    """Pools that are only densified keep what the shards store (uint8 / uint16 / uint32
+    counts, uint16 column indices: less memory, in a worker's shared slots too) and are
+    cast as they are densified: in-process, through 2 workers of an AnnBatchDataLoader and
+    of a plain DataLoader (batches sent by reference), into float32 or out_dtype float64,
+    cut to a gene subset; every row equals the source AnnData's. Pools not only densified
+    hold the field's dtype and int32 indices."""
+    rng = np.random.default_rng(4)
+    values = [rng.integers(1, 200, 900), rng.integers(1, 60_000, 700),
+              np.r_[rng.integers(1, 1000, 500), [2**24 - 1, 4_000_000_000]]]
+    adatas = _inputs([v.astype(np.float64) for v in values], "int64", 300, seed=4)
+    coll = create_anndata_collection(adatas, tmp_path / "c", progress=False,
+                                     n_obs_per_shard=256, seed=1)
+    stored = {s.stored["X/data"] for s in coll.manifest.shards}
+    assert {"uint32", "uint16"} <= stored, stored  # shards of two widths in one pool
+    src = _source_rows(adatas)
+    genes = [f"g{j}" for j in range(0, 300, 7)][::-1]
+    kw = dict(selector={"x": "X", "rid": "obs/rid"}, batch_size=64, chunk_size=32,
+              preload_nchunks=4, densify=True, seed=2)
+    reader = PoolReader(coll, ["X"], stored_dtypes=True)
+    pool = reader.read(np.array([[0, coll.n_obs]]))["X"]
+    assert (pool.dtype, pool.indices.dtype) == (np.uint32, np.uint16)
+    wide = PoolReader(coll, ["X"]).read(np.array([[0, coll.n_obs]]))["X"]
+    assert (wide.dtype, wide.indices.dtype) == (np.int64, np.int32)  # the field's
+    reader.close()
+    cases: list[tuple[str, Any, np.dtype, list[str] | None]] = [
+        ("in-process", lambda ds: ds, np.dtype(np.float32), None),
+        ("AnnBatchDataLoader", lambda ds: abt.AnnBatchDataLoader(ds, num_workers=2),
+         np.dtype(np.float32), None),
+        ("DataLoader", lambda ds: torch.utils.data.DataLoader(ds, batch_size=None,
+                                                              num_workers=2),
+         np.dtype(np.float32), None),
+        ("float64", lambda ds: abt.AnnBatchDataLoader(ds, num_workers=2),
+         np.dtype(np.float64), None),
+        ("genes", lambda ds: abt.AnnBatchDataLoader(ds, num_workers=2),
+         np.dtype(np.float32), genes),
+    ]
+    cols = [int(g[1:]) for g in genes]
+    for name, make, dtype, var_names in cases:
+        ds = abt.AnnBatchDataset(coll, **kw, var_names=var_names,
+                                 out_dtype=None if dtype == np.float32 else dtype)
+        got = _dense_batches(make(ds))
+        assert sorted(got) == sorted(src), name
+        for r, row in src.items():
+            want = row.astype(dtype)
+            if var_names is not None:
+                want = want[cols]
+            assert got[r].dtype == dtype, name
+            np.testing.assert_array_equal(got[r], want, err_msg=name)

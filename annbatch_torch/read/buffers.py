@@ -183,6 +183,21 @@ class BufferCache(_Reused):
             self._hand_out(owner)
             return owner[:nbytes].view(dtype)
 
+    def take_pair(self, n: int, first: np.dtype, second: np.dtype
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """Two uninitialised 1-D arrays of ``n`` items each, of ``first`` and ``second``
+        (a CSR pool's values and column indices), in one buffer: a pool's buffers are then
+        of one size whatever the two dtypes (a cache of buffers of two sizes would drop
+        the smaller ones a larger request finds free, and allocate anew every pool). The
+        wider part comes first; the other starts at a multiple of 64 bytes."""
+        a, b = np.dtype(first), np.dtype(second)
+        wide, narrow = (a, b) if a.itemsize >= b.itemsize else (b, a)
+        at = -(-n * wide.itemsize // 64) * 64
+        raw = self.take(at + n * narrow.itemsize, np.dtype(np.uint8))
+        x = raw[: n * wide.itemsize].view(wide)
+        y = raw[at : at + n * narrow.itemsize].view(narrow)
+        return (x, y) if wide is a else (y, x)
+
     @property
     def nbytes(self) -> int:
         return sum(o.nbytes for o in self._owners)

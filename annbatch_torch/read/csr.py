@@ -19,14 +19,14 @@ import scipy.sparse as sp
 import torch
 
 from .buffers import DenseBuffers
-from .scatter import todense_rows
+from .scatter import densifies, todense_rows
 
 try:  # scipy's CSR -> dense kernel, writing into a given (zeroed) buffer
     from scipy.sparse._sparsetools import csr_todense as _csr_todense
 except ImportError:  # pragma: no cover
     _csr_todense = None
 
-__all__ = ["csr_view", "row_slice", "densify_csr", "csr_tensor_to_dense"]
+__all__ = ["PendingCSR", "csr_tensor_to_dense", "csr_view", "densify_csr", "row_slice"]
 
 
 _SPLIT_MIN = 1 << 22  # dense elements from which densifying is split over two threads
@@ -44,12 +44,16 @@ def _helper_thread() -> ThreadPoolExecutor:
 
 def _fill_todense(n: int, g: int, indptr: np.ndarray, indices: np.ndarray, data: np.ndarray,
                   out: np.ndarray, zero: bool) -> None:
-    if out.flags.c_contiguous and out.dtype == data.dtype:
+    if out.flags.c_contiguous and densifies(data.dtype, out.dtype):
         todense_rows(indptr[: n + 1], indices, data, out, zero)  # one pass over ``out``
         return
     if zero:
         out.fill(0)
-    _csr_todense(n, g, indptr, indices, data, out)
+    # scipy's kernel: one dtype for values and output, int32 or int64 indices
+    if indices.dtype not in (np.int32, np.int64) or indptr.dtype != indices.dtype:
+        wide = np.int64 if np.int64 in (indices.dtype, indptr.dtype) else np.int32
+        indptr, indices = indptr.astype(wide), indices.astype(wide)
+    _csr_todense(n, g, indptr, indices, data.astype(out.dtype, copy=False), out)
 
 
 def _todense_into(m: sp.csr_matrix | sp.csr_array, out: np.ndarray, split: bool,
@@ -116,8 +120,9 @@ def densify_csr(
         faults; not with ``shared``.
     """
     n, g = m.shape
-    if m.format != "csr" or m.dtype != np.dtype(dtype) or m.ndim != 2:
-        out = m.toarray()
+    if m.format != "csr" or m.ndim != 2 or not densifies(m.dtype, dtype):
+        out = csr_view(m.data, m.indices.astype(np.int64), m.indptr.astype(np.int64),
+                       m.shape).toarray() if m.format == "csr" else m.toarray()
         return out if out.dtype == dtype else out.astype(dtype)
     if threads is None:
         threads = 2 if (not shared and n * g >= _SPLIT_MIN and (os.cpu_count() or 1) > 1) else 1
@@ -170,3 +175,57 @@ def csr_tensor_to_dense(t: torch.Tensor, buffers: DenseBuffers | None = None,
                  (int(t.shape[0]), int(t.shape[1])))
     return torch.from_numpy(densify_csr(m, dtype=values.dtype if dtype is None else dtype,
                                         buffers=buffers))
+
+
+class PendingCSR:
+    """A batch's CSR value as tensors of any dtypes (a DataLoader worker's pool slot
+    viewed by the main process: 16-bit column indices, integer counts), densified into
+    ``dtype`` by :meth:`to_dense`, or made a CSR tensor by :meth:`to_csr`; either lets go
+    of the parts (and so of the slot they view).
+
+    Parameters
+    ----------
+    crow
+        Row offsets (int32 or int64).
+    col, values
+        Column indices and values, 1-D tensors.
+    shape
+        ``(rows, columns)``.
+    dtype
+        The values' dtype once delivered.
+    """
+
+    __slots__ = ("col", "crow", "dtype", "shape", "values")
+
+    def __init__(self, crow: np.ndarray, col: torch.Tensor, values: torch.Tensor,
+                 shape: tuple[int, int], dtype: Any) -> None:
+        self.crow, self.col, self.values = crow, col, values
+        self.shape, self.dtype = shape, np.dtype(dtype)
+
+    def _take(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        parts = (self.crow, self.col, self.values)
+        if parts[1] is None:
+            raise RuntimeError("this batch value was delivered already")
+        self.crow = self.col = self.values = None  # type: ignore[assignment]
+        return parts
+
+    def to_dense(self, buffers: DenseBuffers | None = None) -> torch.Tensor:
+        """The dense ``(rows, columns)`` tensor of ``dtype`` (``buffers``: into a reused
+        array, see :func:`densify_csr`)."""
+        crow, col, values = self._take()
+        m = csr_view(values.numpy(), col.numpy(), crow, self.shape)
+        del col, values
+        return torch.from_numpy(densify_csr(m, dtype=self.dtype, buffers=buffers))
+
+    def to_csr(self) -> torch.Tensor:
+        """A ``torch.sparse_csr_tensor`` viewing the parts where their dtypes are a CSR
+        tensor's (int32 or int64 indices like the row offsets, values of ``dtype``), else
+        of copies cast to them."""
+        crow, col, values = self._take()
+        index = torch.from_numpy(crow).dtype
+        if col.dtype != index:
+            col = col.to(index)
+        if values.dtype != torch.from_numpy(np.empty(0, self.dtype)).dtype:
+            values = torch.from_numpy(values.numpy().astype(self.dtype))
+        return torch.sparse_csr_tensor(torch.from_numpy(crow), col, values, size=self.shape,
+                                       check_invariants=False)

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from .buffers import DenseBuffers
-from .csr import csr_tensor_to_dense
+from .csr import PendingCSR, csr_tensor_to_dense
 
 __all__ = ["DensifyPolicy", "Densifying"]
 
@@ -116,7 +116,9 @@ class DensifyPolicy:
         if self.where == "main" and isinstance(batch, dict):
             for k in self.main_keys:
                 v = batch.get(k)
-                if isinstance(v, torch.Tensor) and v.layout == torch.sparse_csr:
+                if isinstance(v, PendingCSR):  # sent by reference (read/handoff.py)
+                    batch[k] = v.to_dense(buffers)
+                elif isinstance(v, torch.Tensor) and v.layout == torch.sparse_csr:
                     batch[k] = csr_tensor_to_dense(v, buffers)
         return batch
 

@@ -98,8 +98,12 @@ def _remap_csr(value: Any, new_columns: Any, n_vars: int, reorders: bool) -> sp.
     new_cols = new_columns(m, lo, hi)
     keep = new_cols >= 0
     kept_before = np.concatenate([[0], np.cumsum(keep)])
-    indptr = kept_before[m.indptr - lo].astype(m.indptr.dtype, copy=False)
-    idx_dtype = m.indices.dtype if n_vars < np.iinfo(np.int32).max else np.int64
+    # indices and indptr of one dtype, int32 at least: a pool's 16-bit indices
+    # (``PoolReader(stored_dtypes=True)``) may not hold a mixture's union of genes, and
+    # scipy (sorting them) and torch take int32 or int64
+    wide = n_vars >= np.iinfo(np.int32).max or m.indptr.dtype == np.int64
+    idx_dtype = np.int64 if wide else np.int32
+    indptr = kept_before[m.indptr - lo].astype(idx_dtype, copy=False)
     # csr_view: the arrays are fresh and valid, scipy's checks would only copy them
     out = csr_view(m.data[lo:hi][keep], new_cols[keep].astype(idx_dtype), indptr,
                    (m.shape[0], n_vars))

@@ -49,7 +49,7 @@ from torch.utils.data import get_worker_info
 
 from . import send_order
 from .buffers import DenseBuffers
-from .csr import csr_tensor_to_dense
+from .csr import PendingCSR
 
 __all__ = ["ARRIVED", "InSlot", "PoolMemory", "arrive", "dense_nbytes", "forget_exited",
            "mark_position", "plain_worker_sends_csr", "pool_memory", "release"]
@@ -191,18 +191,27 @@ class InSlot:
 
     Parameters
     ----------
-    csr
-        The key's value, a CPU ``torch.sparse_csr_tensor``.
+    m
+        The key's value: a scipy CSR matrix of views of the worker's pool (its values and
+        column indices in the dtypes the pool holds, perhaps a shard's narrow ones).
     dense
-        Deliver it densified (``densify=True``), else as CSR.
+        Deliver it densified (``densify=True``), else as a CSR tensor (values cast to
+        ``dtype``).
+    later
+        Not ``dense``: deliver it as a :class:`~.csr.PendingCSR` that the loader densifies
+        once it hands the batch over (an ``AnnBatchDataLoader``'s ``"main"`` policy).
     n_keys
         The batch's keys sent this way (the main process keeps dense arrays per key).
+    dtype
+        The dtype of the values delivered (cast on arrival where the pool's differ).
     """
 
-    __slots__ = ("counts", "csr", "dense", "n_keys", "ordered", "position")
+    __slots__ = ("counts", "dense", "dtype", "later", "m", "n_keys", "ordered", "position")
 
-    def __init__(self, csr: torch.Tensor, dense: bool = False, n_keys: int = 1) -> None:
-        self.csr, self.dense, self.n_keys = csr, dense, n_keys
+    def __init__(self, m: Any, dense: bool = False, n_keys: int = 1,
+                 dtype: Any = np.float32, later: bool = False) -> None:
+        self.m, self.dense, self.n_keys, self.dtype = m, dense, n_keys, np.dtype(dtype)
+        self.later = later and not dense
         #: the batch's place in its loader's order (``read/send_order.py``), whether this
         #: key counts the batch as received (its first dense key), whether the batch was
         #: sent in that order
@@ -210,15 +219,17 @@ class InSlot:
         self.counts = self.ordered = False
 
     def __reduce__(self) -> tuple[Any, ...]:
-        t = self.csr
-        shape = (int(t.shape[0]), int(t.shape[1]))
-        crow = t.crow_indices().numpy()  # a few KB: in the pickle itself
-        parts = (t.col_indices(), t.values())
+        m = self.m
+        shape = (int(m.shape[0]), int(m.shape[1]))
+        crow = np.asarray(m.indptr)  # a few KB: in the pickle itself
+        parts = (torch.from_numpy(np.ascontiguousarray(m.indices)),
+                 torch.from_numpy(np.ascontiguousarray(m.data)))
         memory = _this_memory()
         found = None if memory is None else [memory.locate(p) for p in parts]
         order = (self.position, self.counts, self.ordered)
+        deliver = (self.dense, self.later, self.dtype.str)
         if memory is None or found is None or None in found:  # as torch sends them
-            return (arrive, (crow, list(parts), shape, self.dense, self.n_keys, None, order))
+            return (arrive, (crow, list(parts), shape, deliver, self.n_keys, None, order))
         c = memory._c
         refs: list[Any] = []
         with memory.lock:  # counted before the main process can see the batch
@@ -231,14 +242,14 @@ class InSlot:
             counters = memory.counters if c[_KNOWN, 0] == 0 else None
         info = get_worker_info()
         who = (memory.id, memory.pid, counters, info.num_workers if info is not None else 1)
-        return (arrive, (crow, refs, shape, self.dense, self.n_keys, who, order))
+        return (arrive, (crow, refs, shape, deliver, self.n_keys, who, order))
 
 
 def dense_nbytes(batch: Any) -> int:
     """The bytes of ``batch``'s :class:`InSlot` keys to be densified on arrival."""
     if not isinstance(batch, dict):
         return 0
-    return sum(int(v.csr.shape[0]) * int(v.csr.shape[1]) * v.csr.values().element_size()
+    return sum(int(v.m.shape[0]) * int(v.m.shape[1]) * v.dtype.itemsize
                for v in batch.values() if isinstance(v, InSlot) and v.dense)
 
 
@@ -373,13 +384,15 @@ def _worker(who: tuple[str, int, torch.Tensor | None, int]) -> _Worker:
     return w
 
 
-def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bool,
-           n_keys: int, who: tuple[str, int, torch.Tensor | None, int] | None,
+def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int],
+           deliver: tuple[bool, bool, str], n_keys: int,
+           who: tuple[str, int, torch.Tensor | None, int] | None,
            order: tuple[tuple[str, int, int, int] | None, bool, bool] = (None, False, False)
-           ) -> torch.Tensor:
+           ) -> torch.Tensor | PendingCSR:
     """Unpickling an :class:`InSlot` in the main process: a CSR tensor viewing the worker's
-    slots, or densified from them (scipy's layout, in the values' dtype) into an array
-    the training loop let go of. ``parts``: the column indices and values as tensors
+    slots, or densified from them (scipy's layout) into an array the training loop let go
+    of, or a :class:`~.csr.PendingCSR` viewing them; ``deliver``: densified now, later,
+    and the dtype of the values delivered. ``parts``: the column indices and values as tensors
     (sent as torch sends them) or as references ``(slot, generation, storage or None,
     byte offset, numel, dtype)`` into the pool memory of worker ``who`` (its id, pid,
     counters (sent until this process knows them) and the loader's worker count);
@@ -415,16 +428,22 @@ def arrive(crow: np.ndarray, parts: list[Any], shape: tuple[int, int], dense: bo
             # the storages sent: from now on only the views and the map hold them
             parts[:] = views
             del views
-    out = torch.sparse_csr_tensor(torch.from_numpy(crow), parts[0], parts[1], size=shape,
-                                  check_invariants=False)
+    dense, later, dtype = deliver[0], deliver[1], np.dtype(deliver[2])
+    pending = PendingCSR(crow, parts[0], parts[1], shape, dtype)
     parts.clear()
+    out: torch.Tensor | PendingCSR
     if dense:
         # the batch in use, one the loop may hold on to, and those the DataLoader keeps
         # while it puts batches from several workers back in order (prefetch 2 each;
         # none where the workers send in the loader's order)
         workers = 1 if who is None or ordered else who[3]
         ARRIVED.keep = max(ARRIVED.keep, min(2 + 2 * workers, MAX_ARRIVED) * n_keys)
-        out = csr_tensor_to_dense(out, ARRIVED)
+        out = pending.to_dense(ARRIVED)  # lets go of the slot's views
+    elif later:
+        out = pending
+    else:
+        out = pending.to_csr()
+    del pending
     if who is not None:
         with _LOCK:
             _sweep()

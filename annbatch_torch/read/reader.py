@@ -35,7 +35,7 @@ from ..store.elements import CSCElement, CSRElement
 from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
-from .scatter import scatter_rows, scatter_rows_range, scratch
+from .scatter import densifies, scatter_rows, scatter_rows_range, scratch
 
 __all__ = ["Piece", "Pieces", "split_ranges", "piece_arrays", "describe_ranges", "PoolReader",
            "read_column",
@@ -343,12 +343,20 @@ class PoolReader:
         The dtype of sparse fields' values in pools (``AnnBatchDataset(out_dtype=...)``:
         the caller checked that it holds every stored value); ``None``: each field's
         dtype.
+    stored_dtypes
+        Sparse fields' pools keep the narrower dtypes collection shards store (integer
+        counts, 16-bit column indices) rather than widening them to ``values_dtype`` and
+        int32: for pools that are only densified (into ``values_dtype``, casting then),
+        which then take less memory (and less of it fresh in a DataLoader worker's first
+        pools).
     """
 
     def __init__(self, source: Source, fields: list[str], threads: int = 4,
-                 io_depth: int | None = None, values_dtype: np.dtype | None = None) -> None:
+                 io_depth: int | None = None, values_dtype: np.dtype | None = None,
+                 stored_dtypes: bool = False) -> None:
         self.source = source
         self.values_dtype = None if values_dtype is None else np.dtype(values_dtype)
+        self.stored_dtypes = bool(stored_dtypes)
         self.fields = list(dict.fromkeys(fields))
         self.threads = max(1, int(threads))
         self.io_depth = max(self.threads, int(io_depth or IO_DEPTH))
@@ -357,8 +365,9 @@ class PoolReader:
         self._pool_pid: int | None = None
         self._slots: CpuSlots | None = None
         self._from_disk = True  # the first pool: no reads seen yet
-        # 3 pools x (data, indices): the one read ahead, the current one and the previous one
-        # while the caller still holds its last batch
+        # 3 pools (a CSR field's data and indices share a buffer): the one read ahead, the
+        # current one and the previous one while the caller still holds its last batch;
+        # room for twice that
         self.buffers = BufferCache(keep=6 * len(self.fields))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -587,8 +596,7 @@ class PoolReader:
         # each row goes where it first appears (repeats are copied once it is read)
         dests = indptr[:-1] if order is None else indptr[first_places(order, len(canon))]
         nnz = int(indptr[-1])
-        data = self.buffers.take(nnz, dtypes[0])
-        indices = self.buffers.take(nnz, dtypes[1])
+        data, indices = self.buffers.take_pair(nnz, dtypes[0], dtypes[1])
         buffers[field] = (data, indices, indptr)
         # a read thread keeps its task's arguments until it gets to drop the task, which may
         # be well after the result is seen (a busy machine preempts it in between); handed
@@ -658,14 +666,29 @@ class PoolReader:
     def _pool_dtypes(self, field: str, els: list[Any]) -> tuple[np.dtype, np.dtype]:
         """The (data, indices) dtypes of field ``field``'s pools: :attr:`values_dtype`, else
         the field's dtype (what readers deliver, whatever a shard stores), and int32 (int64
-        where a shard's indices are wider, or the matrix too wide)."""
+        where a shard's indices are wider, or the matrix too wide). With
+        :attr:`stored_dtypes` (pools only densified, into ``values_dtype`` or float32):
+        what the shards store where it is no wider, values that densifying casts as
+        reading would (``scatter.densifies``) and 8- or 16-bit column indices, else that
+        dtype and int32."""
         info = self.source.fields.get(field)
         data = (self.values_dtype if self.values_dtype is not None
                 else np.dtype(info.dtype) if info is not None else els[0].dtype)
         index = np.result_type(np.int32, *{el.indices.dtype for el in els})
-        if index.kind == "u" or max(el.n_cols for el in els) >= np.iinfo(np.int32).max:
+        n_cols = max(el.n_cols for el in els)
+        if index.kind == "u" or n_cols >= np.iinfo(np.int32).max:
             index = np.dtype(np.int64)
-        return data, np.dtype(index)
+        if self.stored_dtypes:  # densified into values_dtype (float32 by default)
+            data = np.dtype(np.float32 if self.values_dtype is None else self.values_dtype)
+            if all(el.can_scatter for el in els):
+                stored = np.result_type(*{el.data.dtype for el in els})
+                if stored.itemsize <= data.itemsize and densifies(stored, data):
+                    data = stored
+                narrow = np.result_type(*{el.indices.dtype for el in els})
+                if (narrow.kind == "u" and narrow.itemsize < 4
+                        and n_cols <= np.iinfo(narrow).max):
+                    index = narrow
+        return np.dtype(data), np.dtype(index)
 
     def _assemble_csr(
         self,

@@ -25,7 +25,7 @@ import numpy as np
 from ..store.native import compiled
 from .buffers import fresh_bytes
 
-__all__ = ["scatter_rows", "scatter_rows_range", "scratch", "todense_rows"]
+__all__ = ["densifies", "scatter_rows", "scatter_rows_range", "scratch", "todense_rows"]
 
 
 # Indices are made unsigned inside the copy (scatter_rows checks they are not negative): a
@@ -146,17 +146,34 @@ def _checked_rows(src: np.ndarray, starts: np.ndarray, lens: np.ndarray, out: np
     return starts, lens, dests
 
 
+def densifies(data: np.dtype, out: np.dtype) -> bool:
+    """Whether :func:`todense_rows` densifies values of dtype ``data`` into ``out``: the
+    same dtype, or integer or float values (a shard's narrow counts, float64 values) into
+    float32 / float64, cast on the way exactly as numpy's ``astype`` casts them."""
+    data, out = np.dtype(data), np.dtype(out)
+    if not (out.kind in _KINDS and out.isnative and out != np.float16):
+        return False
+    # (the loop adds in float64, exact for floats and integers of up to 32 bits, whose one
+    # rounding to float32 is then numpy's; wider integers only into float64, rounded once)
+    return data == out or (data.kind in "iuf" and data.isnative and data != np.float16
+                           and out.kind == "f" and (data.itemsize <= 4 or out == np.float64
+                                                    or data.kind == "f"))
+
+
 def todense_rows(indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray,
                  zero: bool) -> None:
     """``out[i] += row i`` of the CSR ``(data, indices, indptr)`` for every row of ``out``
     (``indptr`` holds ``len(out) + 1`` absolute offsets into ``indices`` and ``data``);
     ``zero``: each row of ``out`` is zeroed first. ``out`` is C-contiguous 2-D, of
-    ``data``'s dtype; the column indices must lie in ``[0, out.shape[1])`` (not checked, as
+    ``data``'s dtype or a float dtype integer values are cast to (:func:`densifies`); the
+    column indices (any integer dtype) must lie in ``[0, out.shape[1])`` (not checked, as
     in scipy's kernel: pools' indices were checked when read)."""
     if (out.ndim != 2 or not out.flags.c_contiguous or not out.flags.writeable
-            or out.dtype != data.dtype or len(indptr) != out.shape[0] + 1):
+            or not densifies(data.dtype, out.dtype) or indices.dtype.kind not in "iu"
+            or len(indptr) != out.shape[0] + 1):
         raise ValueError("todense_rows: out must be a writeable C-contiguous 2-D array of "
-                         "the values' dtype, with one row per indptr step")
+                         "the values' dtype (or a float dtype for integer values), with one "
+                         "row per indptr step")
     if out.shape[0]:
         _todense(indptr, indices, data, out, zero)
 
