@@ -245,6 +245,42 @@ def test_append_casts_integral_floats_into_an_integer_collection(tmp_path: Path)
     _rows_equal(coll, A.X, want)
 
 
+@pytest.mark.parametrize(("dtype", "value", "stored_as"), [
+    (np.int64, 16_777_217, "16777216.0"), (np.float64, 0.1, "0.10000000149"),
+    (np.float64, 16_777_221.25, "16777222.0")])
+def test_values_a_float32_collection_would_round_are_refused(
+        tmp_path: Path, dtype: type, value: float, stored_as: str) -> None:
+    """A float32 collection appended int64 counts beyond 2**24 or float64 values that
+    float32 rounds: refused naming the input, the value, what it would become and the fix,
+    and nothing is written; float64 values float32 holds exactly are appended as they
+    are."""
+    x0 = sp.random(100, N_GENES, density=0.3, format="csr", dtype=np.float32,
+                   random_state=np.random.default_rng(0))
+    p0 = _write(_adata("a", 100, pd.Categorical(["A"] * 100), x=x0), tmp_path / "in0.h5ad")
+    store = tmp_path / "store"
+    coll = abt.create_anndata_collection([p0], store, seed=0, progress=False)
+    assert coll.manifest.fields["X"].dtype == "float32"
+    before = (store / "manifest.json").read_bytes()
+    x1 = sp.random(60, N_GENES, density=0.3, format="csr", random_state=np.random.default_rng(1))
+    x1.data = np.round(x1.data * 64) / 4 + 1  # quarters: float32 holds them exactly
+    x1 = x1.astype(dtype)
+    bad = x1.copy()
+    bad.data[5] = value
+    p1 = _write(_adata("b", 60, pd.Categorical(["B"] * 60), x=bad), tmp_path / "bad.h5ad")
+    with pytest.raises(InputError, match=rf"bad\.h5ad: X holds {np.dtype(dtype).name} values "
+                       rf"that float32 does not hold exactly .*{stored_as}.*astype"):
+        abt.append_to_collection(store, [p1], progress=False)
+    assert (store / "manifest.json").read_bytes() == before
+    assert sorted(p.name for p in store.iterdir() if p.name.startswith("shard_")) == sorted(
+        s.path for s in coll.manifest.shards)
+    a2 = _adata("c", 60, pd.Categorical(["C"] * 60), x=x1)
+    coll = abt.append_to_collection(store, [_write(a2, tmp_path / "ok.h5ad")],
+                                    progress=False)
+    want = {**dict(zip(_read(p0).obs_names, x0.toarray())),
+            **dict(zip(a2.obs_names, x1.toarray().astype(np.float32)))}
+    _rows_equal(coll, A.X, want)
+
+
 # -- 8: duplicate obs_names ----------------------------------------------------------------
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -11,6 +11,7 @@ from typing import Any
 
 import anndata as ad
 import numpy as np
+import pandas as pd
 import pytest
 import scipy.sparse as sp
 import torch
@@ -656,6 +657,7 @@ def test_a_fork_waits_for_numbas_lock_before_taking_h5pys(tmp_path: Path) -> Non
     out = run_python(f"""
 import os, threading, time
 import numpy as np
+import pandas as pd
 from numba.core.compiler_lock import global_compiler_lock
 import annbatch_torch.store.native  # noqa: F401  (its fork handler)
 import h5py
@@ -885,3 +887,33 @@ def test_densified_pools_keep_the_stored_dtypes_and_deliver_the_source_values(
                 want = want[cols]
             assert got[r].dtype == dtype, name
             np.testing.assert_array_equal(got[r], want, err_msg=name)
+
+
+@pytest.mark.parametrize("genes_reordered", [False, True])
+def test_duplicate_entries_are_stored_once_as_their_sum(tmp_path: Path,
+                                                        genes_reordered: bool) -> None:
+    """An input CSR holding a column twice in a row (scipy's value: the sum) is stored
+    canonical, each cell once, its value the sum, and the narrow dtype chosen for the sum
+    (200 + 100 does not fit uint8); in the input's gene order and remapped to another."""
+    data = np.array([200, 100, 3, 7, 7, 7], np.float32)
+    indices = np.array([1, 1, 0, 2, 2, 2])
+    m = sp.csr_matrix((data, indices, np.array([0, 2, 3, 6])), shape=(3, 3))
+    assert not m.has_canonical_format
+    genes = ["g0", "g1", "g2"]
+    a = ad.AnnData(X=m, var=pd.DataFrame(index=genes[::-1] if genes_reordered else genes))
+    a.obs_names = ["a", "b", "c"]
+    other = ad.AnnData(X=sp.csr_matrix(np.eye(3, dtype=np.float32)),
+                       var=pd.DataFrame(index=genes))
+    other.obs_names = ["d", "e", "f"]
+    coll = create_anndata_collection([other, a], tmp_path / "c", shuffle=False,
+                                     progress=False)
+    np.testing.assert_array_equal(a.X.data, data)  # the input in memory is left as it was
+    np.testing.assert_array_equal(a.X.indices, indices)
+    z = ad.read_zarr(coll.shard_path(0)).X
+    assert z.has_canonical_format
+    assert z.dtype == np.uint16  # the sum 300, not the entries
+    got = z.toarray()[3:]
+    want = m.toarray()[:, ::-1] if genes_reordered else m.toarray()
+    np.testing.assert_array_equal(got, want)
+    assert got[0].max() == 300
+    assert got[2].max() == 21

@@ -516,7 +516,8 @@ def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
 class FitsStored:
     """A ``value_check`` that refuses matrix values the stored dtype cannot hold (an int
     beyond its range, a float beyond float32's, a float that is not a whole number for an
-    integer collection), then runs the caller's check."""
+    integer collection, an int64 or float64 value a float32 collection would round), then
+    runs the caller's check."""
 
     def __init__(self, dtypes: dict[str, np.dtype], then: Any = None,
                  where: str = "the collection") -> None:
@@ -530,6 +531,8 @@ class FitsStored:
             if dtype.kind == "f":
                 hi = float(np.finfo(dtype).max)
                 beyond = vmin < -hi or vmax > hi
+                if not beyond and not np.can_cast(values.dtype, dtype, "safe"):
+                    self._exact(label, field, values, dtype)
             elif values.dtype.kind == "f":  # counts saved as floats, cast when whole
                 self._whole(label, field, values, dtype)
                 # float(max) may round up to 2**bits, which does not fit: compare with it
@@ -542,6 +545,24 @@ class FitsStored:
                                  "them, or rewrite the collection.")
         if self.then is not None:
             self.then(label, field, block)
+
+    def _exact(self, label: str, field: str, values: np.ndarray, dtype: np.dtype) -> None:
+        """Refuse values (int64 counts, float64) that the stored float dtype would round."""
+        cast = values.astype(dtype)
+        same = cast.astype(values.dtype) == values
+        if values.dtype.kind == "f":
+            same |= np.isnan(values)  # (NaN is judged by the caller's check)
+        bad = np.flatnonzero(~same)
+        if bad.size:
+            i = int(bad[0])
+            raise InputError(
+                f"{label}: {field} holds {values.dtype} values that {dtype} does not hold "
+                f"exactly ({bad.size} in this block, e.g. {values.ravel()[i].item()!r} would be "
+                f"stored as {cast.ravel()[i].item()!r}), and {self.where} stores {field} as "
+                f"{dtype}. Fix: cast the input yourself where that rounding is acceptable "
+                f"(e.g. adata.X = adata.X.astype({str(dtype)!r})), or rewrite the collection "
+                "from all inputs (create_anndata_collection([...], overwrite=True)), which "
+                "stores a dtype that holds every value.")
 
     def _whole(self, label: str, field: str, values: np.ndarray, dtype: np.dtype) -> None:
         frac = np.flatnonzero(values != np.trunc(values))

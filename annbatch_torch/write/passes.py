@@ -81,6 +81,12 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
     if sort:
         out.has_sorted_indices = False
         out.sort_indices()
+    if not out.has_canonical_format:  # a column twice in a row: scipy's value is their sum,
+        # stored once (readers and the narrow dtypes see the sum); on copies, since the
+        # arrays may be an in-memory input's own, which summing in place would change
+        out = sp.csr_matrix((out.data.copy(), out.indices.copy(), out.indptr.copy()),
+                            shape=out.shape)
+        out.sum_duplicates()
     return out if order is None else out[order]
 
 
