@@ -380,3 +380,36 @@ def test_a_non_string_obs_column_name_is_left_out_in_place(tmp_path: Path) -> No
         assert "obs/7" not in fields
     assert "7 is not a string" in src.unavailable["obs/7"]
     assert "7 is not a string" in coll.unavailable["obs/7"]
+
+
+def test_numeric_var_names_are_their_strings_as_anndata_reads_them(tmp_path: Path) -> None:
+    """An .h5ad whose var index is stored as integers (anndata reads it back as the
+    strings '10', '11', ...) lines up with inputs naming the same genes as strings, on
+    create and on append, in any gene order; the collection's var_names are strings."""
+    def write(names: list[Any], tag: str, x: np.ndarray) -> Path:
+        a = ad.AnnData(X=sp.csr_matrix(x.astype(np.float32)),
+                       var=pd.DataFrame(index=[str(n) for n in names]))
+        a.obs_names = [f"{tag}{i}" for i in range(x.shape[0])]
+        a.var.index = pd.Index(names)  # integers, written as such
+        path = tmp_path / f"{tag}.h5ad"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a.write_h5ad(path)
+        return path
+
+    x = np.arange(12).reshape(4, 3) + 1
+    ints = write([10, 11, 12], "a", x)
+    with h5py.File(ints) as f:
+        assert f["var/_index"].dtype.kind == "i"
+    strs = write(["12", "10", "11"], "b", x)  # the same genes as strings, another order
+    coll = abt.create_anndata_collection([ints, strs], tmp_path / "s", shuffle=False,
+                                         progress=False)
+    assert list(coll.var_names) == ["10", "11", "12"]
+    coll = abt.append_to_collection(coll.path, [write([12, 11, 10], "c", x)],
+                                    progress=False)
+    got = ad.concat([ad.read_zarr(coll.shard_path(i)) for i in range(len(coll.shards))])
+    by_name = {n: got.X[i].toarray()[0] for i, n in enumerate(got.obs_names)}
+    for i in range(4):
+        np.testing.assert_array_equal(by_name[f"a{i}"], x[i])
+        np.testing.assert_array_equal(by_name[f"b{i}"], x[i][[1, 2, 0]])
+        np.testing.assert_array_equal(by_name[f"c{i}"], x[i][::-1])

@@ -607,6 +607,8 @@ def read_index(group: Any, interned: bool = False) -> np.ndarray:
     """Read the index (obs_names / var_names) of an AnnData dataframe group as strings;
     ``interned``: each name as the one str object of that name (:func:`interned_names`)."""
     values = np.asarray(group[index_key(group)][...])
+    if values.dtype.kind in "iufb":  # a numeric index: its names as anndata reads them
+        values = values.astype(str).astype(object)
     return interned_names(values) if interned else _decode_strings(values)
 
 
