@@ -236,7 +236,9 @@ class AnnBatchDataset(IterableDataset):
         converted as usual: CSR values to float32, integer arrays to int64). It must hold
         every value the selected fields store, in every shard (checked here, from the
         manifest: a collection written with ``data_dtype="auto"`` stores integer counts
-        as integers; float values need a float dtype). Not with ``device``; note that
+        as integers; float values need a float dtype). ``None`` (the default) and
+        ``"float32"`` give float32 unchecked: integers beyond 2**24 and float64 values
+        are rounded as numpy's cast rounds them. Not with ``device``; note that
         :func:`~annbatch_torch.to_device` densifies into float32 (``densify=False`` keeps
         the dtype). A converter of your own that composes with
         :func:`~annbatch_torch.batch_dict_converter` passes it ``keep_dtype=`` (the
