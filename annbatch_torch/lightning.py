@@ -440,35 +440,51 @@ class AnnBatchDataModule(pl.LightningDataModule):
                     min(0.5, max(frac, 1.0 / max(n_obs, 1))))
 
     def _check_train_drop(self, ds: AnnBatchDataset, world: int) -> None:
-        """Refuse a plan that trains on nothing; warn when it leaves out >10% per epoch.
-
-        ``even_batches="drop"`` leaves out fewer than ``world_size`` batches, which only
-        matters for tiny splits; with fewer batches than ranks nothing is left to train on.
-        """
+        """Refuse a plan that trains on nothing; warn when it leaves out >10% per epoch,
+        naming what leaves the rows out: ``drop_last`` (each rank's last partial batch)
+        or ``even_batches="drop"`` (the batches some ranks have beyond the others; it
+        matters only for tiny splits, and with fewer batches than ranks nothing is left to
+        train on)."""
         assert self.collection is not None
         assert self.train_chunks is not None
         n_obs, cs = self.collection.n_obs, self.split_chunk_size
         # sampling mode: the draws an epoch holds (rows, or a perturbed row with controls)
         rows = (sampling.chunk_rows(n_obs, cs, self.train_chunks) if ds.sampler is None
                 else len(ds.sampler) // ds.draw_size)
-        if rows == 0 or ds.even_batches != "drop":
+        if rows == 0 or (ds.even_batches != "drop" and not ds.drop_last):
             return
         kept = min(rows, len(ds) * ds.batch_size * world)
         if kept >= 0.9 * rows:
             return
         pool = ds.epoch_plan.pool // ds.draw_size
-        hint = max(1, rows // (self.chunk_size * world * 4))  # the DataModule's units
+        causes = []
+        fixes = [f"lower batch_size (e.g. batch_size={max(1, rows // (10 * world)):,})"]
+        if ds.drop_last:
+            causes.append("drop_last=True leaves out each rank's last partial batch")
+            fixes.append(f"keep it with {self._dataset_arg('drop_last', False)}")
+        if ds.even_batches == "drop" and (world > 1 or not ds.drop_last):
+            causes.append("even_batches='drop' leaves out the batches some ranks have "
+                          "beyond the others")
+            hint = max(1, rows // (self.chunk_size * world * 4))  # the DataModule's units
+            fixes.append(f"lower preload_nchunks (e.g. preload_nchunks={hint})")
+            pad = self._dataset_arg("even_batches", "pad")
+            if pad is not None:
+                fixes.append(f"for a model that skips padding rows (flagged False under "
+                             f"'mask'), pass {pad}")
         msg = (
             f"{self._where()}: the training split has {rows:,} rows ({rows / pool:.1f} pools "
-            f"of {pool:,} rows) for {world} rank(s) at batch_size={ds.batch_size}; with "
-            f"even_batches='drop' an epoch uses only {kept:,} rows ({len(ds)} batches per "
-            f"rank). Lower batch_size or preload_nchunks (e.g. preload_nchunks={hint}), or, "
-            "for a model that skips padding rows (flagged False under 'mask'), pass "
-            "dataset_kwargs={'even_batches': 'pad'}."
+            f"of {pool:,} rows) for {world} rank(s) at batch_size={ds.batch_size}; an epoch "
+            f"uses only {kept:,} rows ({len(ds)} batches per rank): {'; '.join(causes)}. "
+            f"Fix: {', or '.join(fixes)}."
         )
         if len(ds) == 0:
             raise ValueError(msg)
         logger.warning(msg)
+
+    def _dataset_arg(self, key: str, value: Any) -> str | None:
+        """How a user of this DataModule passes the dataset argument ``key=value``
+        (``None``: this DataModule does not take it)."""
+        return f"dataset_kwargs={{{key!r}: {value!r}}}"
 
     # -- loaders -----------------------------------------------------------------------
     def _loader(self, ds: AnnBatchDataset | None, name: str) -> AnnBatchDataLoader:

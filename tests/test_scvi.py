@@ -493,3 +493,29 @@ def test_core_install_does_not_pull_scvi_tools() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_split_losing_rows_to_drop_last_says_so_and_how_to_keep_them(
+        small_collection: abt.Collection, caplog: pytest.LogCaptureFixture) -> None:
+    """A training split whose last partial batch is a large share of it: the warning
+    names drop_last (what leaves the rows out on one rank), and its fixes work as
+    spelled for each DataModule: SCVIDataModule's own keyword, AnnBatchDataModule's
+    dataset_kwargs; nothing about even_batches, which drops nothing on one rank."""
+    caplog.set_level("WARNING", logger="annbatch_torch")
+    dm = SCVIDataModule(small_collection, layer="counts", batch_size=1000)
+    dm.setup("fit")
+    msgs = [r.getMessage() for r in caplog.records if "an epoch uses only" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+    assert "drop_last=True leaves out each rank's last partial batch" in msgs[0]
+    assert "keep it with drop_last=False" in msgs[0]
+    assert "even_batches" not in msgs[0]
+    caplog.clear()
+    kept = SCVIDataModule(small_collection, layer="counts", batch_size=1000, drop_last=False)
+    kept.setup("fit")
+    assert not [r for r in caplog.records if "an epoch uses only" in r.getMessage()]
+    plain = abt.AnnBatchDataModule(None, small_collection.path, batch_size=1000,
+                                   dataset_kwargs={"drop_last": True})
+    plain.setup("fit")
+    msgs = [r.getMessage() for r in caplog.records if "an epoch uses only" in r.getMessage()]
+    assert len(msgs) == 1, msgs
+    assert "keep it with dataset_kwargs={'drop_last': False}" in msgs[0]

@@ -173,6 +173,11 @@ class SCVIDataModule(abt.AnnBatchDataModule):
         self._log_hyperparams = False
         self.allow_zero_length_dataloader_with_multiple_devices = False
 
+    def _dataset_arg(self, key: str, value: Any) -> str | None:
+        """Dataset arguments are this DataModule's own keywords; padding rows (``"pad"``)
+        are not for scvi-tools' losses, which count every row."""
+        return None if key == "even_batches" else f"{key}={value!r}"
+
     # -- the protocol scvi-tools reads -----------------------------------------------------
     @property
     def registry(self) -> dict[str, Any]:
