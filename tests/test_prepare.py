@@ -170,3 +170,29 @@ def test_fingerprints_read_ahead_equal_the_function_and_reach_the_manifest(
         coll = abt.create_anndata_collection(synthetic_h5ads, tmp_path / "out", progress=False)
     assert [r["fingerprint"] for r in coll.manifest.inputs] == [
         fingerprint(p) for p in synthetic_h5ads]
+
+
+def test_a_rewrite_that_loses_a_field_names_it(synthetic_h5ads: list[Path], tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """An added input without the collection's layer: the append is refused, the
+    collection rewritten from all inputs without that layer, and a WARNING names the
+    field it lost and how to have such an input refused instead; a rewrite that loses
+    nothing says nothing of the kind."""
+    store = tmp_path / "store"
+    abt.prepare_collection(synthetic_h5ads[:1], store, progress=False)
+    assert "layers/counts" in abt.open_collection(store).fields
+    bare = ad.read_h5ad(synthetic_h5ads[1])
+    del bare.layers["counts"]
+    bare.write_h5ad(tmp_path / "bare.h5ad")
+    caplog.set_level("WARNING", logger="annbatch_torch")
+    assert abt.prepare_collection([synthetic_h5ads[0], tmp_path / "bare.h5ad"], store,
+                                  progress=False) is True
+    assert "layers/counts" not in abt.open_collection(store).fields
+    lost = [r.getMessage() for r in caplog.records if "without fields it held" in
+            r.getMessage()]
+    assert len(lost) == 1, lost
+    assert "['layers/counts']" in lost[0]
+    assert "layers=[...]" in lost[0]
+    caplog.clear()
+    assert abt.prepare_collection(synthetic_h5ads, store, seed=7, progress=False) is True
+    assert not [r for r in caplog.records if "without fields it held" in r.getMessage()]

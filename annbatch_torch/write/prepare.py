@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CollectionError, InputError
-from ..store.manifest import FORMAT, MANIFEST_NAME, looks_like_collection
+from ..store.manifest import FORMAT, MANIFEST_NAME, looks_like_collection, read_manifest
 from .publish import lock_path, refuse_url, writer_lock
 from .staleness import FIELD_SETTINGS, RECORDED_SETTINGS, appended_inputs, store_staleness
 
@@ -36,6 +36,14 @@ def explicit_settings(collection_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: collection_kwargs[k] for k in (*RECORDED_SETTINGS, *FIELD_SETTINGS, "raw",
                                               "group_by")
             if k in collection_kwargs}
+
+
+def _fields_of(store: Path) -> set[str]:
+    """The fields of the collection at ``store`` (none where there is no readable one)."""
+    try:
+        return set(read_manifest(store).fields)
+    except CollectionError:
+        return set()
 
 
 def _check_overwritable(p: Path) -> None:
@@ -105,7 +113,17 @@ def write_if_stale(
 
         logger.info("Writing collection %s from %d inputs (%s).", store, len(adata_paths),
                     reason)
-        create_anndata_collection(adata_paths, store, **{**writer_kwargs, "overwrite": True})
+        before = _fields_of(store)
+        coll = create_anndata_collection(adata_paths, store,
+                                         **{**writer_kwargs, "overwrite": True})
+        lost = sorted(before - set(coll.fields))
+        if lost:
+            logger.warning(
+                "Collection %s was rewritten from all %d inputs without fields it held "
+                "before: %s (not every input holds them). Selectors naming them now fail; "
+                "ask for them (layers=[...], obsm=[...], obs_columns=[...]) to have an input "
+                "lacking them refused instead, or add them to that input.", store,
+                len(adata_paths), lost)
         return True
     finally:
         lock.release()
