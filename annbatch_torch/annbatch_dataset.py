@@ -31,7 +31,7 @@ from torch.utils.data import Sampler as TorchSampler
 
 from . import sampling
 from .batches import CONTROL_PREFIX, BatchAssembler, output_selector
-from .errors import SamplerError, SchemaError, check_int
+from .errors import SamplerError, SchemaError, check_bool, check_int
 from .fields import Field, normalize_selector
 from .read import handoff
 from .read.densify import DensifyPolicy
@@ -283,13 +283,13 @@ class AnnBatchDataset(IterableDataset):
             raise ValueError(f"even_batches must be 'drop' or 'pad', got {even_batches!r}.")
         if batch_converter is not None and not callable(batch_converter):
             raise TypeError("batch_converter must be callable (or None for the default).")
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.drop_last = check_bool("drop_last", drop_last)
         self.even_batches = even_batches
-        self.densify = bool(densify)
-        self.return_index = bool(return_index)
+        self.densify = check_bool("densify", densify)
+        self.return_index = check_bool("return_index", return_index)
         self.mask_key = mask_key
-        self.prefetch = None if prefetch is None else bool(prefetch)
+        self.prefetch = None if prefetch is None else check_bool("prefetch", prefetch)
         self.batch_converter = batch_converter
         self.device = None if device is None else check_device(device)
         self.source: Source = open_source(source)

@@ -13,7 +13,7 @@ import numpy as np
 
 __all__ = [
     "AnnBatchError", "CollectionError", "InputError", "SchemaError", "ReadError", "BatchError",
-    "SamplerError", "check_int",
+    "SamplerError", "check_bool", "check_int",
 ]
 
 
@@ -58,6 +58,16 @@ def check_int(name: str, value: object, minimum: int, *,
         raise error(f"{name} must be an integer <= {maximum_text or maximum}{note}, got "
                     f"{value!r}.")
     return out
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a ``bool`` when it is one (``bool``, ``numpy.bool_``, or the integers 0
+    and 1), else a ``TypeError`` naming ``name``: ``bool("no")`` is true, and a string
+    given for a flag would otherwise be taken as ``True`` without a word."""
+    if isinstance(value, bool | np.bool_) or (
+            isinstance(value, int | np.integer) and int(value) in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}.")
 
 
 class AnnBatchError(ValueError):

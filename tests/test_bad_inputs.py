@@ -679,6 +679,11 @@ def test_argument_out_of_range(h5ads: list[Path], kwargs: dict[str, Any], match:
 def test_other_bad_arguments(h5ads: list[Path]) -> None:
     with pytest.raises(TypeError, match="batch_converter must be callable"):
         AnnBatchDataset(h5ads, batch_converter="dict")
+    for flag in ("shuffle", "densify", "drop_last", "return_index", "prefetch"):
+        # bool("no") is True: a string for a flag is refused, not taken as True
+        with pytest.raises(TypeError, match=rf"{flag} must be True or False, got 'no'\."):
+            AnnBatchDataset(h5ads, **{flag: "no"})
+    assert AnnBatchDataset(h5ads, shuffle=np.bool_(False), densify=1).shuffle is False
     with pytest.raises(TypeError, match="source must be a Collection, a collection folder"):
         AnnBatchDataset(42)
     with pytest.raises(InputError, match="No inputs given"):
