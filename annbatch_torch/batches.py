@@ -204,9 +204,10 @@ class BatchAssembler:
                     shape = getattr(batch[key], "shape", None)
                     if shape is not None and (len(shape) == 0 or int(shape[0]) != rows):
                         # rows dropped or added: the batch's other keys would not line up
-                        raise self.error(what, item, b, ValueError(
-                            f"it returned {tuple(shape)} for a batch of {rows} rows; a "
-                            "transform must return one row per row it is given"))
+                        raise self.error(what, item, b, returned=(
+                            f"{tuple(shape)} for a batch of {rows} rows. Fix: return one "
+                            "row per row it is given (the batch's other keys hold "
+                            f"{rows})"))
             for (p0, p1), prefix in zip(parts, ("", CONTROL_PREFIX), strict=False):
                 if self.index:
                     batch[prefix + "index"] = item.rows[p0:p1]
@@ -234,12 +235,15 @@ class BatchAssembler:
         first = [key for key in self.keys if key in sent or key in out]
         return first + [key for key in out if key not in sent and key not in first]
 
-    def error(self, what: str, item: WorkItem, batch: int, exc: Exception) -> BatchError:
-        """``what`` raised ``exc`` on ``batch`` of ``item``'s pool, as a :class:`BatchError`:
-        the DataLoader passes only the message to the training loop, so it carries the
-        exception's type and text and the rows read."""
+    def error(self, what: str, item: WorkItem, batch: int, exc: Exception | None = None,
+              returned: str = "") -> BatchError:
+        """``what`` raised ``exc`` (or returned what ``returned`` says) on ``batch`` of
+        ``item``'s pool, as a :class:`BatchError`: it carries the exception's type and
+        text (a DataLoader worker's error reaches the training loop re-raised from its
+        text) and the rows read."""
+        did = (f"raised {type(exc).__name__}: {exc}" if exc is not None
+               else f"returned {returned}")
         return BatchError(
-            f"{self.source.describe()}: {what} raised {type(exc).__name__}: {exc} on batch "
-            f"{batch} of pool {item.pool_index}, read from "
-            f"{describe_ranges(self.source, item.ranges)}."
+            f"{self.source.describe()}: {what} {did}; on batch {batch} of pool "
+            f"{item.pool_index}, read from {describe_ranges(self.source, item.ranges)}."
         )

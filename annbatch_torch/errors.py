@@ -94,11 +94,12 @@ class ReadError(AnnBatchError):
 
 
 class BatchError(AnnBatchError):
-    """Building a batch failed: a field's transform or the ``batch_converter`` raised.
+    """Building a batch failed: a field's transform or the ``batch_converter`` raised, or
+    a transform returned another number of rows than it was given.
 
     The message names the selector key, the field and the shards and rows of the pool the
-    batch came from, plus the original exception's type and message (a DataLoader worker
-    passes only the message on to the training loop).
+    batch came from, plus the original exception's type and message (a DataLoader worker's
+    error reaches the training loop re-raised from its text and traceback).
     """
 
 

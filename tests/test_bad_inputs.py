@@ -144,9 +144,13 @@ def test_empty_folder_is_not_a_collection(tmp_path: Path) -> None:
         AnnBatchDataset(tmp_path)
 
 
-def test_missing_path(tmp_path: Path) -> None:
+def test_missing_path(tmp_path: Path, h5ads: list[Path]) -> None:
     with pytest.raises(CollectionError, match=r"no such collection folder.*create_anndata"):
         open_collection(tmp_path / "nope")
+    # an .h5ad given for a collection: read it in place, or shuffle it into one
+    with pytest.raises(CollectionError, match=re.escape(str(h5ads[0])) + r": a file, not a "
+                       r"collection folder.*AnnBatchDataset\(.*create_anndata_collection"):
+        open_collection(h5ads[0])
     with pytest.raises(InputError, match=r"nope\.h5ad: no such file"):
         AnnBatchDataset(tmp_path / "nope.h5ad")
 

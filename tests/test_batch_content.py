@@ -183,7 +183,8 @@ def test_a_transform_that_changes_the_row_count_is_refused(
                                  "x": A.X.with_transform(transform),  # type: ignore[arg-type]
                                  "y": A.obs["cell_type"]})
     with pytest.raises(abt.BatchError, match=r"the transform of selector key 'x' \(field "
-                       r"'X'\) raised ValueError: it returned \(.*\) for a batch of 100 rows"):
+                       r"'X'\) returned \(.*\) for a batch of 100 rows\. Fix: return one "
+                       r"row per row"):
         next(iter(ds))
 
 

@@ -147,10 +147,10 @@ class Collection(Source):
             self._manifest_id = now  # only added to: every shard read here is as it was
             return
         raise CollectionError(
-            f"{self.describe()}: the collection was rewritten by another process (create_anndata_"
-            "collection(..., overwrite=True)) since this process opened it; its rows cannot "
-            "be mixed with those read before. Open it again (a new AnnBatchDataset or "
-            "open_collection) to read the new collection.")
+            f"{self.describe()}: the collection was rewritten (create_anndata_collection(..., "
+            "overwrite=True) or prepare_collection, in this process or another) since this "
+            "Collection was opened; its rows cannot be mixed with those read before. Open it "
+            "again (a new AnnBatchDataset or open_collection) to read the new collection.")
 
     @property
     def shards(self) -> list[ShardInfo]:

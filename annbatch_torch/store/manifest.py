@@ -372,6 +372,13 @@ def read_manifest(root: str | os.PathLike[str]) -> Manifest:
     """
     root = Path(root)
     mpath = root / MANIFEST_NAME
+    if root.is_file():
+        raise CollectionError(
+            f"{root}: a file, not a collection folder. An .h5ad file is read in place by "
+            f"AnnBatchDataset({str(root)!r}), or shuffled into a collection once with "
+            f"annbatch_torch.create_anndata_collection([{str(root)!r}], output_path) "
+            "(open_collection opens that folder)."
+        )
     if not root.is_dir():
         raise CollectionError(
             f"{root}: no such collection folder. Create one with "
