@@ -500,6 +500,7 @@ def test_bench_writes_outside_the_repository_by_default(
         "def _parser():\n"
         "    p = argparse.ArgumentParser()\n"
         "    p.add_argument('--out')\n"
+        "    p.add_argument('--data-dir')\n"
         "    p.add_argument('--small', action='store_true')\n"
         "    return p\n"
         "def main(argv):\n"
@@ -513,12 +514,17 @@ def test_bench_writes_outside_the_repository_by_default(
     argv_txt = fake / "benchmarks" / "argv.txt"
 
     assert main(["bench", "--small"]) == 0
-    out, rest = argv_txt.read_text().split(" ", 1)[1].split(" ", 1)
-    assert argv_txt.read_text().startswith("--out ")
-    assert rest == "--small"
+    flag, out, data_flag, data, rest = argv_txt.read_text().split(" ")
+    assert (flag, data_flag, rest) == ("--out", "--data-dir", "--small")
     assert Path(out).parent == cwd / "annbatch-torch-bench"
     assert re.fullmatch(r"\d{8}-\d{6}(-\d+)?", Path(out).name)
-    assert f"results go to {out}" in capsys.readouterr().out
+    # the generated inputs beside the results, not in the source tree
+    assert Path(data) == cwd / "annbatch-torch-bench" / "data"
+    printed = capsys.readouterr().out
+    assert f"results go to {out}" in printed
+    assert f"generated inputs to {data}" in printed
+    assert main(["bench", "--small", "--data-dir", "mine"]) == 0
+    assert argv_txt.read_text().split(" ")[2:] == ["--small", "--data-dir", "mine"]
     # an explicit --out (the maintainers' committed results) is passed on untouched
     for given in (["--out", "benchmarks/results"], ["--out=benchmarks/results"],
                   ["--ou", "benchmarks/results"]):

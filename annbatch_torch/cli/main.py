@@ -147,14 +147,19 @@ def _bench(rest: list[str]) -> int:
     announce = not _given(rest, "--out") and not {"-h", "--help"} & set(rest)
     if announce:
         extra = ["--out", str(_bench_out(Path.cwd()))]
+        if not _given(rest, "--data-dir"):  # the generated inputs, kept for the next run
+            extra += ["--data-dir", str(Path.cwd() / BENCH_DIR / "data")]
     argv = sys.argv
     sys.argv = [str(script), *extra, *rest]
     try:
         bench = runpy.run_path(str(script), run_name="annbatch_torch_bench")
         bench["_parser"]().parse_args([*extra, *rest])  # bad options: one line, nothing run
         if announce:
+            data = (f", generated inputs to {extra[3]} (--data-dir DIR)" if len(extra) > 2
+                    else "")
             print(f"{PROG} bench: results go to {extra[1]} (--out DIR to choose; --out "
-                  "benchmarks/results updates the repository's committed results)", flush=True)
+                  f"benchmarks/results updates the repository's committed results){data}",
+                  flush=True)
         return int(bench["main"]([*extra, *rest]) or 0)
     except SystemExit as e:
         return _exit_status(e)
