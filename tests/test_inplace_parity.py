@@ -177,10 +177,12 @@ def test_nan_in_x_read_in_place_is_refused_as_the_writer_refuses_it(
 
 def test_inf_in_obsm_and_dense_x_read_in_place_is_refused(tmp_path: Path,
                                                           write_h5ads: WriteH5ads) -> None:
+    """Non-finite values of an input read in place are that input's fault (an InputError,
+    as the writer says of them), not damage or a store failure (a ReadError)."""
     paths, b = _with_bad_values(tmp_path, write_h5ads)
     ds = abt.AnnBatchDataset(paths, selector={"pca": A.obsm["X_pca"]}, batch_size=16,
                              shuffle=False)
-    with pytest.raises(ReadError, match=r"field 'obsm/X_pca'.*the first \(inf\) at row 12, "
+    with pytest.raises(InputError, match=r"field 'obsm/X_pca'.*the first \(inf\) at row 12, "
                                         r"column 3"):
         _drain(ds)
     dense = b.copy()
@@ -188,12 +190,12 @@ def test_inf_in_obsm_and_dense_x_read_in_place_is_refused(tmp_path: Path,
     dense.X[30, 5] = -np.inf
     for source in ([dense], write_h5ads([dense], tmp_path / "dense")):
         ds = abt.AnnBatchDataset(source, selector={"x": A.X}, batch_size=16, shuffle=False)
-        with pytest.raises(ReadError, match=r"field 'X' holds \d+ non-finite.*the first "
+        with pytest.raises(InputError, match=r"field 'X' holds \d+ non-finite.*the first "
                                             r"\(nan\) at row 7, column"):
             _drain(ds)
         ds = abt.AnnBatchDataset(source, selector={"x": A.X}, batch_size=16, shuffle=True,
                                  seed=3)
-        with pytest.raises(ReadError, match=r"non-finite"):
+        with pytest.raises(InputError, match=r"non-finite"):
             _drain(ds)
 
 

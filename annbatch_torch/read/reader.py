@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import scipy.sparse as sp
 
-from ..errors import AnnBatchError, CollectionError, ReadError
+from ..errors import AnnBatchError, CollectionError, InputError, ReadError
 from ..store.checks import bad_column
 from ..store.diskio import CpuSlots, io_gate
 from ..store.elements import CSCElement, CSRElement
@@ -417,13 +417,18 @@ class PoolReader:
         self._pool = self._deep = None
 
     # -- reading -----------------------------------------------------------------
-    def _wrap(self, exc: BaseException, piece: Piece, field: str) -> ReadError:
+    def _wrap(self, exc: BaseException, piece: Piece, field: str) -> ReadError | InputError:
+        """``exc`` met reading ``field`` of ``piece``, with where it was met: a
+        :class:`ReadError`, or an :class:`InputError` for what is wrong with an input read
+        in place (values the writer refuses too, such as NaN: no damage, no store
+        failure)."""
         where = self.source.shard_name(piece.shard)
         msg = str(exc) if isinstance(exc, AnnBatchError) else f"{type(exc).__name__}: {exc}"
         # a message that says what to do already (an input's damaged_reason) gets no other
         fix = "" if "Fix:" in msg else " " + self.source.DAMAGE_FIX
         what = self.source.PART
-        return ReadError(
+        kind = InputError if isinstance(exc, InputError) else ReadError
+        return kind(
             f"{where}: failed reading field {field!r}, {what} rows [{piece.start}, "
             f"{piece.stop}) ({what} {piece.shard}): {msg.rstrip('.')}.{fix}"
         )
