@@ -917,3 +917,11 @@ def test_duplicate_entries_are_stored_once_as_their_sum(tmp_path: Path,
     np.testing.assert_array_equal(got, want)
     assert got[0].max() == 300
     assert got[2].max() == 21
+    # the checks of an append see the sum too: 1e8 + 1 in one cell of a float64 input is
+    # a value the float32 collection would round (each entry alone it holds exactly)
+    two = sp.csr_matrix((np.array([1e8, 1.0]), np.array([0, 0]), np.array([0, 2])),
+                        shape=(1, 3))
+    late = ad.AnnData(X=two, var=pd.DataFrame(index=genes))
+    late.obs_names = ["g"]
+    with pytest.raises(InputError, match=r"float32 does not hold exactly .*100000001\.0"):
+        abt.append_to_collection(coll.path, [late], progress=False)

@@ -81,13 +81,20 @@ def _remap(m: Any, col_map: np.ndarray | None, is_sorted: bool, n_out: int,
     if sort:
         out.has_sorted_indices = False
         out.sort_indices()
-    if not out.has_canonical_format:  # a column twice in a row: scipy's value is their sum,
-        # stored once (readers and the narrow dtypes see the sum); on copies, since the
-        # arrays may be an in-memory input's own, which summing in place would change
-        out = sp.csr_matrix((out.data.copy(), out.indices.copy(), out.indptr.copy()),
-                            shape=out.shape)
-        out.sum_duplicates()
     return out if order is None else out[order]
+
+
+def summed_duplicates(block: Any) -> Any:
+    """``block`` with each column a row holds twice stored once, as their sum in the
+    block's own dtype (scipy's value for such a cell, and what the value checks and the
+    narrow dtypes must see); on copies, since the arrays may be an in-memory input's own.
+    Anything else (canonical CSR, dense) is returned as it is."""
+    if not (sp.issparse(block) and block.format == "csr") or block.has_canonical_format:
+        return block
+    out = sp.csr_matrix((block.data.copy(), block.indices.copy(), block.indptr.copy()),
+                        shape=block.shape)
+    out.sum_duplicates()
+    return out
 
 
 def _placeholder(f: Any, n: int) -> tuple[str, Any]:
@@ -156,8 +163,9 @@ def route_block(src: InputSource, schema: Schema, readers: dict[str, Any],
             try:
                 block = src.named_read(f"{f.key} rows [{a}, {b})", lambda f=f: readers[
                     f.key].read(a, b, ips.get(f.key)))
-                check_finite(src.label, f.key, block, first_row=a)  # NaN/inf refused
                 check_csr(src.label, f.key, block, first_row=a)  # indices inside [0, n_cols)
+                block = summed_duplicates(block)  # a column twice in a row: one, the sum
+                check_finite(src.label, f.key, block, first_row=a)  # NaN/inf refused
                 check_int64(src.label, f.key, block, first_row=a)  # uint64 that fits int64
             except InputError as e:
                 if f.requested:
