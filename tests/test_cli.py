@@ -106,6 +106,11 @@ def test_demo_and_bench_delegate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         "pathlib.Path(sys.argv[0]).with_name('argv.txt').write_text(' '.join(sys.argv[1:]))\n"
         "sys.exit(3 if '--fail' in sys.argv else 0)\n"
     )
+    # an installed package: the folder above it is site-packages, whose benchmarks/ is
+    # another distribution's: never run
+    assert main(["bench", "--small"]) == 2
+    assert not (tmp_path / "benchmarks" / "argv.txt").exists()
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "annbatch-torch"\n')
     assert main(["bench", "--small", "--only", "x", "--out", "o"]) == 0
     assert (tmp_path / "benchmarks" / "argv.txt").read_text() == "--small --only x --out o"
     assert main(["bench", "--fail"]) == 3
@@ -495,6 +500,7 @@ def test_bench_writes_outside_the_repository_by_default(
         capsys: pytest.CaptureFixture[str]) -> None:
     fake = tmp_path / "repo"
     (fake / "benchmarks").mkdir(parents=True)
+    (fake / "pyproject.toml").write_text('[project]\nname = "annbatch-torch"\n')
     (fake / "benchmarks" / "run.py").write_text(
         "import argparse, pathlib\n"
         "def _parser():\n"

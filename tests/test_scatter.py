@@ -1206,3 +1206,37 @@ def test_an_unknown_chunk_key_encoding_is_left_to_zarr(tmp_path: Path) -> None:
         meta["chunk_key_encoding"] = enc
         meta_path.write_text(json.dumps(meta))
         assert open_raw(tmp_path / "a") is None, enc
+
+
+def test_loops_without_a_cache_folder_are_compiled_and_said_so_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Where numba finds no writable cache folder (a read-only install, no home), a loop
+    is compiled in each process instead, works, is known as uncached, and an INFO line
+    (importing prints nothing) says so once with the fix (NUMBA_CACHE_DIR)."""
+    import numba
+
+    from annbatch_torch.store import native
+
+    real = numba.njit
+
+    def njit(*args: Any, **kw: Any) -> Any:
+        if kw.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(numba, "njit", njit)
+    monkeypatch.setattr(native, "_UNCACHED", [])
+    caplog.set_level("INFO", logger="annbatch_torch")
+
+    def twice(x):  # type: ignore[no-untyped-def]
+        return 2 * x
+
+    def thrice(x):  # type: ignore[no-untyped-def]
+        return 3 * x
+
+    a, b = native.compiled(twice), native.compiled(thrice)
+    assert (a(4), b(4)) == (8, 12)
+    assert not native.is_cached(a)
+    said = [r.getMessage() for r in caplog.records if "NUMBA_CACHE_DIR" in r.getMessage()]
+    assert len(said) == 1
+    assert all(r.levelname == "INFO" for r in caplog.records)

@@ -137,12 +137,23 @@ def _bench_out(base: Path) -> Path:
     return out
 
 
+def _source_checkout() -> bool:
+    """Whether this package runs from its source repository (the folder above it holds
+    the project's pyproject.toml), not from an install (site-packages, where a
+    ``benchmarks/`` folder would be another distribution's)."""
+    try:
+        text = (_REPO / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return f'name = "{DISTRIBUTION}"' in text
+
+
 def _bench(rest: list[str]) -> int:
     script = _REPO / "benchmarks" / "run.py"
-    if not script.is_file():
-        raise CliError(f"{script} not found: the benchmarks ship with the source repository, "
-                       "not the installed package. Clone the repository and run `make bench` "
-                       "there.")
+    if not _source_checkout() or not script.is_file():
+        raise CliError("annbatch-torch bench runs the benchmarks of the source repository, "
+                       "which the installed package does not ship. Clone the repository and "
+                       "run `make bench` (or this command) there.")
     extra: list[str] = []
     announce = not _given(rest, "--out") and not {"-h", "--help"} & set(rest)
     if announce:

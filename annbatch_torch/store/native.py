@@ -20,6 +20,7 @@ back to ``os.preadv`` otherwise.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from numba.core.compiler_lock import global_compiler_lock
 __all__ = ["OutOfRange", "compiled", "compiled_started", "is_cached", "load_now",
            "forks_by_default", "pread_available", "pread_segments", "pread_widen",
            "start_numba"]
+
+logger = logging.getLogger(__name__)
 
 _COMPILED: list[Any] = []  # every loop made by compiled()
 _UNCACHED: list[Any] = []  # those compiled in each process (no cache folder writable)
@@ -49,6 +52,12 @@ def compiled(fn: Callable[..., Any]) -> Any:
         loop = numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # nowhere writable to cache it (a read-only install, no home):
         loop = numba.njit(nogil=True)(fn)  # compiled in each process instead
+        if not _UNCACHED:  # said once (at INFO: importing the package prints nothing)
+            logger.info(
+                "annbatch_torch: numba finds no writable folder to cache its compiled loops "
+                "in (a read-only install without a writable home), so every process compiles "
+                "them again (each DataLoader worker too). Set NUMBA_CACHE_DIR to a "
+                "writable folder to compile them once.")
         _UNCACHED.append(loop)
     _COMPILED.append(loop)
     return loop
