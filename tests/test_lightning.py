@@ -297,7 +297,8 @@ def test_setup_feeds_every_rank_and_refuses_fewer_batches_than_ranks(
     dm = _dm(h5ads, store, batch_size=1000)
     dm.trainer = SimpleNamespace(global_rank=0, world_size=4,
                                  strategy=SimpleNamespace(root_device=None))
-    with pytest.raises(ValueError, match=r"Lower batch_size or preload_nchunks"):
+    with pytest.raises(ValueError, match=r"even_batches='drop' leaves out .*Fix: lower "
+                                         r"batch_size .*or lower preload_nchunks"):
         dm.setup("fit")
     dm.dataset_kwargs["even_batches"] = "pad"  # the other way out
     dm.setup("fit")

@@ -32,6 +32,7 @@ from ..errors import AnnBatchError, CollectionError, InputError, ReadError
 from ..store.checks import bad_column
 from ..store.diskio import CpuSlots, io_gate
 from ..store.elements import CSCElement, CSRElement
+from ..store.inputs.inplace import NonFiniteValues
 from ..store.source import Source
 from .buffers import BufferCache
 from .csr import csr_view
@@ -419,15 +420,15 @@ class PoolReader:
     # -- reading -----------------------------------------------------------------
     def _wrap(self, exc: BaseException, piece: Piece, field: str) -> ReadError | InputError:
         """``exc`` met reading ``field`` of ``piece``, with where it was met: a
-        :class:`ReadError`, or an :class:`InputError` for what is wrong with an input read
-        in place (values the writer refuses too, such as NaN: no damage, no store
+        :class:`ReadError`, or an :class:`InputError` for NaN or inf in an input read in
+        place (which the writer refuses as an InputError too: no damage, no store
         failure)."""
         where = self.source.shard_name(piece.shard)
         msg = str(exc) if isinstance(exc, AnnBatchError) else f"{type(exc).__name__}: {exc}"
         # a message that says what to do already (an input's damaged_reason) gets no other
         fix = "" if "Fix:" in msg else " " + self.source.DAMAGE_FIX
         what = self.source.PART
-        kind = InputError if isinstance(exc, InputError) else ReadError
+        kind = InputError if isinstance(exc, NonFiniteValues) else ReadError
         return kind(
             f"{where}: failed reading field {field!r}, {what} rows [{piece.start}, "
             f"{piece.stop}) ({what} {piece.shard}): {msg.rstrip('.')}.{fix}"

@@ -267,13 +267,19 @@ class _FiniteValues:
         bad = ~np.isfinite(flat)
         pos = int(np.flatnonzero(bad)[0])
         row, col = self.locate(start, pos)
-        raise InputError(
+        raise NonFiniteValues(
             f"{self.where}: field {self.field!r} holds {int(bad.sum())} non-finite value(s) "
             f"(NaN or inf) in the rows read, the first ({flat[pos]}) at row {row}, column "
             f"{col}. Matrices must be finite; create_anndata_collection refuses this input "
             "too. Fix: replace them in the input (e.g. `m.data = np.nan_to_num(m.data)` for a "
             f"sparse matrix, or drop the affected cells) and save it again, or {_OMIT}."
         )
+
+
+class NonFiniteValues(InputError):
+    """An input read in place holds NaN or inf in a matrix: the input's fault, as the
+    writer says of it (readers keep this class when they add where they met it; an
+    input's damage they report as a :class:`~annbatch_torch.ReadError`)."""
 
 
 def _finite(el: Element, field: str, where: str) -> Element:
