@@ -296,7 +296,9 @@ def test_epochs_share_a_descriptor_per_block_pickle_small_and_stay_apart_after_f
     block of its own (rows handed out there never alias the parent's next ones)."""
     fds = len(os.listdir("/proc/self/fd"))
     made = [SharedEpoch() for _ in range(EPOCH_ROWS + 10)]
-    assert len(os.listdir("/proc/self/fd")) - fds <= 2
+    # one or two blocks (the first may be this process's, partly used): a few descriptors,
+    # with room for files other threads of the test session open meanwhile; 1,034 before
+    assert len(os.listdir("/proc/self/fd")) - fds < 20
     made[3].set(5)
     assert [e.value for e in made[2:5]] == [0, 5, 0]
     blob = pickle.dumps(made[3])
