@@ -216,6 +216,8 @@ class BatchAssembler:
                                                             dtype=bool)
             # keys sent by reference travel as the pool holds them (the converter would
             # cast narrow counts and widen 16-bit indices into fresh memory)
+            # (the default converter, the only one they pass, keeps the keys in order)
+            order = list(batch)
             held = {key: batch.pop(key) for key in slotted}
             try:
                 out = converter(batch)
@@ -223,17 +225,10 @@ class BatchAssembler:
                 raise self.error("the batch_converter", item, b, e) from e
             if held:
                 later = policy.where == "main"
-                sent = {key: InSlot(value, slotted[key], len(slotted), dense_dtype, later)
-                        for key, value in held.items()}
-                out = type(out)({key: sent[key] if key in sent else out[key]
-                                 for key in self._order(sent, out)})
+                out = type(out)({key: InSlot(held[key], slotted[key], len(slotted),
+                                             dense_dtype, later) if key in held else out[key]
+                                 for key in order})
             yield out
-
-    def _order(self, sent: Mapping[str, Any], out: Mapping[str, Any]) -> list[str]:
-        """The keys of a converted batch, those sent by reference in their selector's
-        place (as the converter would have put them)."""
-        first = [key for key in self.keys if key in sent or key in out]
-        return first + [key for key in out if key not in sent and key not in first]
 
     def error(self, what: str, item: WorkItem, batch: int, exc: Exception | None = None,
               returned: str = "") -> BatchError:

@@ -678,13 +678,14 @@ class PoolReader:
         reading would (``scatter.densifies``) and 8- or 16-bit column indices, else that
         dtype and int32."""
         info = self.source.fields.get(field)
-        data = (self.values_dtype if self.values_dtype is not None
-                else np.dtype(info.dtype) if info is not None else els[0].dtype)
         index = np.result_type(np.int32, *{el.indices.dtype for el in els})
         n_cols = max(el.n_cols for el in els)
         if index.kind == "u" or n_cols >= np.iinfo(np.int32).max:
             index = np.dtype(np.int64)
-        if self.stored_dtypes:  # densified into values_dtype (float32 by default)
+        if not self.stored_dtypes:
+            data = (self.values_dtype if self.values_dtype is not None
+                    else np.dtype(info.dtype) if info is not None else els[0].dtype)
+        else:  # densified into values_dtype (float32 by default)
             data = np.dtype(np.float32 if self.values_dtype is None else self.values_dtype)
             if all(el.can_scatter for el in els):
                 stored = np.result_type(*{el.data.dtype for el in els})
