@@ -376,13 +376,12 @@ def test_append_with_an_empty_input_first_keeps_each_inputs_genes(tmp_path: Path
 def test_a_refused_append_leaves_no_thread_in_the_compiler(
         small_collection: Any, synthetic_h5ads: list[Path], tmp_path: Path,
         refusal: str) -> None:
-    """An append whose genes change order (here reversed) loads the compiled gene remap in a
-    thread as its shards' first pass starts; when it is refused (an input that does not
-    exist, or one the collection holds already: before that thread starts; a value the
-    stored dtype cannot hold: in the first pass, with the thread running) the error
-    comes only once no such thread runs, so a caller forking next (DataLoader workers)
-    forks no thread holding numba's compiler lock. In a fresh process, where loading the
-    compiled loop takes a while."""
+    """An append whose genes change order (here reversed) loads the compiled gene remap in
+    the caller's thread before its shards' first pass, no thread of its own: when it is
+    refused (an input that does not exist, or one the collection holds already: before
+    the load; a value the stored dtype cannot hold: in the first pass, after it) no thread
+    of the append runs on, so a caller forking next (DataLoader workers) forks no thread
+    holding numba's compiler lock. In a fresh process, where the load takes a while."""
     import subprocess
     import sys
 
@@ -400,13 +399,14 @@ def test_a_refused_append_leaves_no_thread_in_the_compiler(
         "import threading, anndata, annbatch_torch as abt\n"
         "from annbatch_torch.write import append, remap\n"
         "ran = []\n"
-        "def warm():\n    ran.append(1)\n    return remap.warm_remap()\n"
-        "append.warm_remap = warm\n"
+        "def load():\n    ran.append(threading.current_thread() is threading.main_thread())\n"
+        "    return remap.load_remap()\n"
+        "append.load_remap = load\n"
         f"try:\n    abt.append_to_collection({str(small_collection.path)!r}, "
         f"[{str(path)!r}], progress=False)\n"
         "except abt.InputError:\n    pass\nelse:\n    raise SystemExit('not refused')\n"
-        f"assert bool(ran) == {refusal.startswith('value')}, ran\n"
-        "alive = [t.name for t in threading.enumerate() if 'remap' in t.name]\n"
+        f"assert ran == ([True] if {refusal.startswith('value')} else []), ran\n"
+        "alive = [t.name for t in threading.enumerate() if 'annbatch' in t.name]\n"
         "raise SystemExit(f'still running: {alive}' if alive else 0)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)

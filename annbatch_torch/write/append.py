@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,7 @@ from .grouping import check_group_by
 from .narrow import FIELD, check_dtype_options
 from .parallel import start_cluster
 from .publish import remove_stale_temporaries, sibling_path, sync_dir, sync_tree, writer_lock
-from .remap import load_remap, needs_compiled_remap, warm_remap
+from .remap import load_remap, needs_compiled_remap
 from .schema import OutField, Schema, resolve_schema
 from .shardstore import compressors_for
 from .writer import DEFAULT_MAX_MEMORY, write_shards
@@ -332,10 +331,8 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
     ``coll``: the collection appended to, when it is not the one at ``root`` (a remote
     one: the new shards and manifest are then written to the staging folder ``root``);
     ``dtypes``: its ``data_dtype`` and ``index_dtype`` (``None``: the collection's)."""
-    warm = None
     sources: list[InputSource] = []
     tmp: Path | None = None
-    names_check: ThreadPoolExecutor | None = None
     early = None
     try:
         # a local cluster starts while the collection and the inputs are opened
@@ -362,11 +359,12 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         names = InputNames.read(with_cells)  # every new input's names read once
         warn_shared_obs_names(names)
         warn_repeated_obs_names(names)
-        # compared with the collection's names while the shards are written (it only warns;
-        # its error, damaged name hashes, is raised before anything is published)
-        names_check = ThreadPoolExecutor(1, thread_name_prefix="annbatch-names")
-        checked = names_check.submit(warn_names_in_collection, names, coll)
-        del names  # (the check's own reference goes when it is done)
+        # compared with the collection's names here, before any work (it only warns; its
+        # error, damaged name hashes, comes before anything is written). In this thread: a
+        # thread of its own beside the first pass made both wait on each other for the GIL
+        # (the append slower by ~0.1-0.3 s at 10^7 cells, ~0.1 s of work)
+        warn_names_in_collection(names, coll)
+        del names
         check = FitsStored({f.key: f.dtype for f in schema.fields
                             if f.kind in ("csr", "dense")}, value_check, coll.describe())
         shuffle = bool(manifest.shuffle)
@@ -389,24 +387,21 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         tmp = sibling_path(root, "tmp")
         tmp.mkdir()
         layout = (shard_obs, block_obs)
-        # new inputs' genes are mapped to the collection's order, here in this process
-        # unless worker processes write: numba's start (GIL-bound Python) is paid beside
-        # pass 1's first reads, much of them without the GIL (beside the set-up above, all
-        # Python, it only took turns with it); the first remap waits for it on numba's
-        # compiler lock. A local cluster's threads would all wait: loaded before they start
-        # (none where every new input's genes keep the collection's order: no compiled loop)
+        # new inputs' genes are mapped to the collection's order by a compiled loop (none
+        # where every new input's genes keep the collection's order), here in this process
+        # unless worker processes write: numba's start (~0.2 s of Python holding the GIL) is
+        # paid now, in this thread. Beside the first pass in a thread of its own it took
+        # turns with the pass's Python for the GIL and cost the append more; a local
+        # cluster's threads would all wait for it.
         compiled = any(needs_compiled_remap(schema.axis(f.key).maps[s.index],
                                             schema.axis(f.key).sorted[s.index])
                        for f in schema.fields if f.kind == "csr" for s in with_cells)
-        if compiled and scheduler is None:
-            warm = warm_remap()
-        elif compiled and scheduler == "threads":
+        if compiled and scheduler in (None, "threads"):
             load_remap()
         shards, dtypes = write_shards(sources, schema, tmp, n_new, layout, shuffle, seed,
                                       work, opts, progress, check, early or scheduler,
                                       first)
         shards = [dataclasses.replace(s, grouped_by=group_by) for s in shards]
-        checked.result()
         want = {f.key: str(f.logical) for f in schema.fields}  # the stored ones, codes wider
         differ = {k: (v, want[k]) for k, v in dtypes.items()
                   if k in manifest.fields and v != want[k]}
@@ -417,10 +412,6 @@ def append_locked(root: Path, adata_paths: Sequence[Any], *, seed: int, budget: 
         sync_tree(tmp)
         _publish(root, tmp, manifest, shards, schema, sources, seed)
     finally:
-        if warm is not None:
-            warm.join()  # no thread of ours in numba's compiler when the caller forks
-        if names_check is not None:
-            names_check.shutdown(wait=True)
         if early is not None:
             early.close()
         for s in sources:

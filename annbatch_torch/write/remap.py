@@ -29,8 +29,7 @@ import scipy.sparse as sp
 
 from ..store.native import compiled
 
-__all__ = ["check_col_map", "load_remap", "needs_compiled_remap", "remap_rows", "rows_increase",
-           "warm_remap"]
+__all__ = ["check_col_map", "load_remap", "needs_compiled_remap", "remap_rows", "rows_increase"]
 
 logger = logging.getLogger(__name__)
 
@@ -255,19 +254,3 @@ def load_remap() -> None:
         remap_rows(m, np.zeros(1, dtype=np.int64), 1, np.dtype(np.float32))
     except Exception:  # the real call meets (and reports) the same trouble
         logger.debug("loading the compiled gene remap ahead failed", exc_info=True)
-
-
-def warm_remap() -> threading.Thread | None:
-    """Load the compiled loop in a thread of its own, started now: a process's first call of
-    a compiled function pays numba's start, Python that holds the GIL, which the caller's
-    work meanwhile overlaps where that work runs without the GIL (reading and decoding
-    inputs). A remap called meanwhile waits for it on numba's compiler lock (which a fork
-    waits for too, see ``store/native.py``); join it before the caller returns, and before
-    it starts worker processes. ``None`` where no thread could be had (the first remap
-    loads it instead)."""
-    t = threading.Thread(target=load_remap, name="annbatch-remap-warm", daemon=True)
-    try:
-        t.start()
-    except RuntimeError:
-        return None
-    return t
