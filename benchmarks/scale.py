@@ -5,7 +5,8 @@ Usage::
 
     python benchmarks/scale.py [--sizes 1e5,1e6,1e7] [--n-inputs 100] [--data-dir DIR]
                                [--only writer,open,...] [--max-batches N]
-                               [--max-batches-dense 200] [--keep] [--n-genes N]
+                               [--max-batches-dense 200] [--append-rounds 5] [--keep]
+                               [--n-genes N]
                                [--out benchmarks/results/scale]
 
 For each size, ``datasets.write_synthetic_atlas`` writes the inputs (reused when present),
@@ -322,9 +323,12 @@ def task_obs_names_at(a: dict[str, Any]) -> dict[str, Any]:
 def task_append_input(a: dict[str, Any]) -> dict[str, Any]:
     from annbatch_torch.datasets import write_synthetic_atlas
 
-    new = Path(a["store"]).parent / "append_input"
+    cells = int(a.get("append_cells", 100_000))
+    new = Path(a["store"]).parent / ("append_input" if cells == 100_000
+                                     else f"append_input_{cells}")
     if not (new / "atlas.json").exists():
-        write_synthetic_atlas(new, 100_000, 1, seed=99, n_cell_types=600, progress=False)
+        kw = {"n_genes": a["n_genes"]} if "n_genes" in a else {}
+        write_synthetic_atlas(new, cells, 1, seed=99, n_cell_types=600, progress=False, **kw)
     return {"paths": _inputs(str(new))}
 
 
@@ -395,6 +399,8 @@ def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
          "store": str(store)}
     if args.n_genes:
         a["n_genes"] = args.n_genes
+    if args.append_cells != 100_000:
+        a["append_cells"] = args.append_cells
     res: dict[str, Any] = {"n_obs": n, "n_inputs": a["n_inputs"]}
     only = set(args.only.split(",")) if args.only else None
 
@@ -463,10 +469,11 @@ def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 store=str(folder / f"collection_{sched}"))
             shutil.rmtree(folder / f"collection_{sched}", ignore_errors=True)
     if want("append"):  # each in a fresh process, append and writing alone alternated:
-        # the median of three of each (a 10^5 write is ~4 s, where one run's noise is 10%)
+        # the median of each (a 10^5 write is 2-4 s, where one run's noise is 10-20%: the
+        # fsync of its ~110 MB, the disk's pace)
         paths = _child("append_input", a, 3600).get("paths")
         alone, appended = [], []
-        for _ in range(3):
+        for _ in range(args.append_rounds):
             alone.append(_child("write_alone", {**a, "paths": paths}, 3600))
             run("append", paths=paths)
             appended.append(res["append"])
@@ -476,9 +483,9 @@ def measure_size(n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
         res["append"] = {**(ok[len(ok) // 2] if ok else appended[-1]), "repeats": len(ok),
                          "append_1e5_s_runs": [r["append_1e5_s"] for r in ok],
                          "write_1e5_alone_s_runs": times,
-                         "write_1e5_alone_s": times[1]}
+                         "write_1e5_alone_s": times[len(times) // 2]}
         res["append"]["append_vs_alone"] = (res["append"].get("append_1e5_s", float("nan"))
-                                            / times[1])
+                                            / times[len(times) // 2])
         log(f"  {n:,} append: writing alone {times}")
     return res
 
@@ -614,6 +621,10 @@ def main() -> None:
                    help="batch size of the paired epochs (smaller for smoke runs)")
     p.add_argument("--max-memory", default=None, help="also write with this max_memory")
     p.add_argument("--parallel-at", type=float, default=1e6)
+    p.add_argument("--append-rounds", type=int, default=5,
+                   help="appends and lone writes alternated (the medians compared)")
+    p.add_argument("--append-cells", type=int, default=100_000,
+                   help="cells of the appended input (the figures keep their 1e5 names)")
     p.add_argument("--keep", action="store_true", help="keep each size's data")
     p.add_argument("--n-genes", type=int, default=None,
                    help="genes of the synthetic atlases (default: write_synthetic_atlas's, "

@@ -237,8 +237,11 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
         assert a0 > 0
         assert a0 != a  # the small side's epochs timed two ways
         assert 0 < pairs["small_store_mib"] < pairs["large_store_mib"]
-    [r] = _scale(tmp_path, tmp_path / "one", "3e3", "resume,obs_names_at,samplers")
-    assert set(r) >= {"resume", "obs_names_at", "samplers"}
+    [r] = _scale(tmp_path, tmp_path / "one", "3e3", "resume,obs_names_at,samplers,append",
+                 "--append-rounds", "1", "--append-cells", "400")
+    assert set(r) >= {"resume", "obs_names_at", "samplers", "append"}
+    assert r["append"]["n_obs_after"] == 3400  # into a copy: the kept collection unchanged
+    assert r["append"]["append_vs_alone"] > 0
     assert "writer" not in r  # the kept collection was reused
     assert r["resume"]["chunked_state_dict_bytes"] > 0
     assert r["samplers"]["class_balanced_bind_peak_mb"] > 0
