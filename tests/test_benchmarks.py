@@ -242,6 +242,7 @@ def test_scale_benchmark_smoke(tmp_path: Path) -> None:
     assert set(r) >= {"resume", "obs_names_at", "samplers", "append"}
     assert r["append"]["n_obs_after"] == 3400  # into a copy: the kept collection unchanged
     assert r["append"]["append_vs_alone"] > 0
+    assert r["append"]["append_vs_same_genes"] > 0
     assert "writer" not in r  # the kept collection was reused
     assert r["resume"]["chunked_state_dict_bytes"] > 0
     assert r["samplers"]["class_balanced_bind_peak_mb"] > 0
