@@ -24,9 +24,12 @@ from .read.csr import csr_tensor_to_dense
 
 __all__ = ["Batch", "batch_dict_converter", "csr_to_torch", "to_tensor", "to_device"]
 
-# torch warns on every sparse CSR construction (also when one crosses a worker queue).
+# torch warns of its sparse CSR tensors being in beta (and of unchecked invariants) where
+# this package builds them, and where a batch's CSR tensor is rebuilt on crossing a worker
+# queue: ignored there only, not where the caller's own code builds one.
 for _msg in ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly"):
-    warnings.filterwarnings("ignore", message=_msg, category=UserWarning)
+    for _where in (r"annbatch_torch\.", r"torch\.multiprocessing\.reductions"):
+        warnings.filterwarnings("ignore", message=_msg, category=UserWarning, module=_where)
 
 
 def _tensor_of(value: np.ndarray) -> torch.Tensor | None:
