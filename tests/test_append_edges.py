@@ -14,6 +14,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import annbatch_torch as abt
 from annbatch_torch import A, InputError
@@ -279,6 +281,36 @@ def test_values_a_float32_collection_would_round_are_refused(
     want = {**dict(zip(_read(p0).obs_names, x0.toarray())),
             **dict(zip(a2.obs_names, x1.toarray().astype(np.float32)))}
     _rows_equal(coll, A.X, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from([np.int64, np.uint64, np.int32, np.uint32]),
+       stored=st.sampled_from([np.float32, np.float16, np.float64]),
+       values=st.lists(st.integers(-2**33, 2**33) | st.sampled_from(
+           [2**24, 2**24 + 1, -2**24, -2**24 - 1, 2**11, 2**11 + 1, 2**53, 2**53 + 1]),
+           min_size=1, max_size=8))
+def test_integers_into_a_float_collection_are_refused_exactly_when_they_would_round(
+        dtype: type, stored: type, values: list[int]) -> None:
+    """The append's value check on integers into a float field: refused if and only if
+    some value does not survive the cast to the stored float and back (values that
+    overflow float16 are refused as beyond it); integers inside the float's exact range
+    skip the cast."""
+    from annbatch_torch.write.append import FitsStored
+
+    info = np.iinfo(dtype)
+    x = np.array([min(max(v, info.min), info.max) for v in values], dtype=dtype)
+    block = sp.csr_matrix(x[None, :])
+    check = FitsStored({"X": np.dtype(stored)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # float16 overflow to inf
+        back = x.astype(stored)
+        kept = np.isfinite(back).all() and bool((back.astype(dtype) == x).all()) and all(
+            int(b) == int(v) for b, v in zip(back.astype(np.float64), x.tolist()))
+    if kept:
+        check("in.h5ad", "X", block)
+    else:
+        with pytest.raises(InputError, match=r"in\.h5ad: X holds"):
+            check("in.h5ad", "X", block)
 
 
 # -- 8: duplicate obs_names ----------------------------------------------------------------

@@ -506,9 +506,10 @@ def warn_names_in_collection(names: InputNames, coll: Collection) -> int:
 
 class FitsStored:
     """A ``value_check`` that refuses matrix values the stored dtype cannot hold (an int
-    beyond its range, a float beyond float32's, a float that is not a whole number for an
-    integer collection, an int64 or float64 value a float32 collection would round), then
-    runs the caller's check."""
+    beyond its range, a float beyond the stored float's, a float that is not a whole number
+    for an integer collection, an integer or float a float collection would round: int64
+    counts above 2**24 into float32, above 2**53 into float64), then runs the caller's
+    check."""
 
     def __init__(self, dtypes: dict[str, np.dtype], then: Any = None,
                  where: str = "the collection") -> None:
@@ -522,7 +523,16 @@ class FitsStored:
             if dtype.kind == "f":
                 hi = float(np.finfo(dtype).max)
                 beyond = vmin < -hi or vmax > hi
-                if not beyond and not np.can_cast(values.dtype, dtype, "safe"):
+                # integers inside the float's exact range (up to 2**24 for float32, 2**53
+                # for float64) need no scan, others are cast back and compared (numpy
+                # calls int64 -> float64 safe, which rounds above 2**53); floats too,
+                # where the cast is not safe
+                whole = 2 ** (np.finfo(dtype).nmant + 1)
+                if values.dtype.kind in "iu":
+                    scan = not (-whole <= int(vmin) and int(vmax) <= whole)
+                else:
+                    scan = not np.can_cast(values.dtype, dtype, "safe")
+                if not beyond and scan:
                     self._exact(label, field, values, dtype)
             elif values.dtype.kind == "f":  # counts saved as floats, cast when whole
                 self._whole(label, field, values, dtype)
@@ -539,8 +549,12 @@ class FitsStored:
 
     def _exact(self, label: str, field: str, values: np.ndarray, dtype: np.dtype) -> None:
         """Refuse values (int64 counts, float64) that the stored float dtype would round."""
-        cast = values.astype(dtype)
-        same = cast.astype(values.dtype) == values
+        with np.errstate(invalid="ignore", over="ignore"):  # judged here, value by value
+            cast = values.astype(dtype)
+            same = cast.astype(values.dtype) == values
+        if values.dtype.kind in "iu":  # a float past the integer's range casts back to junk
+            info, wide = np.iinfo(values.dtype), cast.astype(np.float64)
+            same &= (wide >= float(info.min)) & (wide < float(info.max) + 1)
         if values.dtype.kind == "f":
             same |= np.isnan(values)  # (NaN is judged by the caller's check)
         bad = np.flatnonzero(~same)
