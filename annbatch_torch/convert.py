@@ -25,8 +25,10 @@ from .read.csr import csr_tensor_to_dense
 __all__ = ["Batch", "batch_dict_converter", "csr_to_torch", "to_tensor", "to_device"]
 
 # torch warns of its sparse CSR tensors being in beta (and of unchecked invariants) where
-# this package builds them, and where a batch's CSR tensor is rebuilt on crossing a worker
-# queue: ignored there only, not where the caller's own code builds one.
+# this package builds them, and where a CSR tensor is rebuilt on crossing a worker queue
+# (a batch's, or any other DataLoader's): ignored there only, not where the caller's own
+# code builds one (torch gives each warning once per process, so a caller's tensor built
+# after the package's may say nothing either way).
 for _msg in ("Sparse CSR tensor support is in beta", "Sparse invariant checks are implicitly"):
     for _where in (r"annbatch_torch\.", r"torch\.multiprocessing\.reductions"):
         warnings.filterwarnings("ignore", message=_msg, category=UserWarning, module=_where)

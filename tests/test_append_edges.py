@@ -313,6 +313,34 @@ def test_integers_into_a_float_collection_are_refused_exactly_when_they_would_ro
             check("in.h5ad", "X", block)
 
 
+@pytest.mark.parametrize(("values", "stored", "refused"), [
+    (np.array([1.5, 2.0], np.float32), np.float64, False),  # no overflow warning
+    (np.array([1.0, 2.0], np.float16), np.int32, False),  # no overflow warning
+    (np.array([True, False]), np.uint64, False),  # no OverflowError
+    (np.array([np.inf], np.float32), np.float32, True),
+    (np.array([np.nan, np.inf], np.float32), np.float32, True),  # NaN hides no inf
+    (np.array([np.nan, 4e38], np.float64), np.float32, True),
+    (np.array([np.nan, 1.0], np.float32), np.float32, False),  # NaN: the caller's check
+])
+def test_the_value_check_judges_every_dtype_without_numpy_warnings(
+        values: np.ndarray, stored: type, refused: bool) -> None:
+    """The append's value check compares a block's extremes with the stored dtype's as
+    Python numbers: no numpy overflow warning for narrow inputs into wide fields, bool
+    into uint64 accepted, and an inf or huge value refused also beside a NaN."""
+    from annbatch_torch.write.append import FitsStored
+
+    check = FitsStored({"X": np.dtype(stored)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for block in (values[None, :], sp.csr_matrix(values[None, :].astype(
+                values.dtype if values.dtype != np.float16 else np.float32))):
+            if refused:
+                with pytest.raises(InputError, match=r"in\.h5ad: X holds values in"):
+                    check("in.h5ad", "X", block)
+            else:
+                check("in.h5ad", "X", block)
+
+
 # -- 8: duplicate obs_names ----------------------------------------------------------------
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

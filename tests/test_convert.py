@@ -108,8 +108,8 @@ def test_torch_csr_warnings_are_ignored_only_where_the_package_builds_them(
         small_collection: Any) -> None:
     """CSR batches built in process and rebuilt from DataLoader workers raise none of
     torch's sparse CSR warnings, while the caller's own ``torch.sparse_csr_tensor`` still
-    warns (the package's filters name its modules, not the whole process). In a fresh
-    process: torch gives some of these warnings once per process."""
+    gives the one torch has not given yet in this process (the package's filters name its
+    modules, not the whole process). In a fresh process: torch gives each once."""
     import subprocess
     import sys
 

@@ -519,7 +519,14 @@ class FitsStored:
         dtype = self.dtypes.get(field)
         values = block.data if sp.issparse(block) else np.asarray(block)
         if dtype is not None and dtype.kind in "iuf" and values.size:
-            vmin, vmax = values.min(), values.max()
+            # as Python numbers (no numpy scalar cast down to a narrow dtype, no bool or
+            # uint64 overflow); floats' extremes past NaN (judged by the caller's check),
+            # so that no NaN hides an inf or a huge value
+            if values.dtype.kind == "f":
+                vmin = float(np.fmin.reduce(values, axis=None))
+                vmax = float(np.fmax.reduce(values, axis=None))
+            else:
+                vmin, vmax = int(values.min()), int(values.max())
             if dtype.kind == "f":
                 hi = float(np.finfo(dtype).max)
                 beyond = vmin < -hi or vmax > hi
@@ -528,8 +535,8 @@ class FitsStored:
                 # calls int64 -> float64 safe, which rounds above 2**53); floats too,
                 # where the cast is not safe
                 whole = 2 ** (np.finfo(dtype).nmant + 1)
-                if values.dtype.kind in "iu":
-                    scan = not (-whole <= int(vmin) and int(vmax) <= whole)
+                if values.dtype.kind in "biu":
+                    scan = not (-whole <= vmin and vmax <= whole)
                 else:
                     scan = not np.can_cast(values.dtype, dtype, "safe")
                 if not beyond and scan:
@@ -537,9 +544,9 @@ class FitsStored:
             elif values.dtype.kind == "f":  # counts saved as floats, cast when whole
                 self._whole(label, field, values, dtype)
                 # float(max) may round up to 2**bits, which does not fit: compare with it
-                beyond = vmin < np.iinfo(dtype).min or vmax >= float(np.iinfo(dtype).max) + 1
+                beyond = vmin < int(np.iinfo(dtype).min) or vmax >= float(np.iinfo(dtype).max) + 1
             else:
-                beyond = vmin < np.iinfo(dtype).min or vmax > np.iinfo(dtype).max
+                beyond = vmin < int(np.iinfo(dtype).min) or vmax > int(np.iinfo(dtype).max)
             if beyond:
                 raise InputError(f"{label}: {field} holds values in [{vmin}, {vmax}], beyond "
                                  f"the stored {dtype} of {self.where}. Fix: scale or clip "
